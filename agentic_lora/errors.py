@@ -1,0 +1,247 @@
+"""The exception tree of agentic-lora.
+
+Every error the library raises on purpose is an :class:`AgenticLoRAError` with a stable
+``code`` (a string that never changes between releases, safe to match on, log and count)::
+
+    AgenticLoRAError
+    ├── InvalidAdapterError            INVALID_ADAPTER       bad adapter input (config, tensors, values)
+    ├── ConfigurationError             CONFIG_ERROR          settings that cannot work, found at start-up
+    ├── RegistryError                  (one subclass per registry code)
+    │   ├── VersionConflictError       VERSION_CONFLICT      same version id, different content
+    │   ├── CapacityError              CAPACITY_ERROR        no free version slot; nothing was transferred
+    │   ├── PublicationBlockedError    PUBLICATION_BLOCKED   another publication is pending or unresolved
+    │   ├── NoPublishedVersionError    NO_PUBLISHED_VERSION  bind before the first commit
+    │   ├── SessionClosedError         SESSION_CLOSED        the Session is closing or closed
+    │   ├── NotReadyError              NOT_READY             commit without READY from every engine
+    │   ├── ReadyMismatchError         READY_MISMATCH        receipt for another version, digest or engine
+    │   ├── StaleAttemptError          STALE_ATTEMPT         message of a superseded publication attempt
+    │   ├── EngineRestartedError       ENGINE_RESTARTED      receipt from an engine incarnation that is gone
+    │   ├── RevisionConflictError      REVISION_CONFLICT     commit against a default revision that moved
+    │   ├── UnknownVersionError        UNKNOWN_VERSION       no such version
+    │   ├── UnknownEngineError         UNKNOWN_ENGINE        engine not in the fixed fleet
+    │   ├── InvalidStateError          INVALID_STATE         verb not allowed in the version's state
+    │   └── SessionStillBoundError     SESSION_STILL_BOUND   reclaim/forget while a Session holds it
+    ├── JournalError                   (the durable journal)
+    │   ├── JournalCorruptError        JOURNAL_CORRUPT       unreadable or inconsistent journal
+    │   └── JournalForeignError        JOURNAL_FOREIGN       journal of another deployment or format
+    ├── DispatchError                  (the generation path)
+    │   ├── VersionNotDispatchableError VERSION_NOT_DISPATCHABLE  version is reclaiming or gone
+    │   ├── AdapterMismatchError       ADAPTER_MISMATCH      caller named another adapter than the binding
+    │   ├── SessionStateError          SESSION_STATE         Session cannot dispatch in its state
+    │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
+    │   └── RequestIndeterminateError  REQUEST_INDETERMINATE engine may have accepted the request
+    ├── SessionReleaseError            SESSION_RELEASE_FAILED release not confirmed; record kept for retry
+    └── BackendError                   (publication and reclaim on engines)
+        ├── BackendRefusedError        BACKEND_REFUSED       engine cleanly refused; nothing left behind
+        └── BackendAmbiguousError      BACKEND_AMBIGUOUS     outcome unknown; resources may exist
+
+``RequestRefusedError`` and ``RequestIndeterminateError`` are the two answers to "may the engine
+have accepted this generation?". Nothing below the Session retries either; the caller decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "AdapterMismatchError",
+    "AgenticLoRAError",
+    "BackendAmbiguousError",
+    "BackendError",
+    "BackendRefusedError",
+    "CapacityError",
+    "ConfigurationError",
+    "DispatchError",
+    "EngineRestartedError",
+    "InvalidAdapterError",
+    "InvalidStateError",
+    "JournalCorruptError",
+    "JournalError",
+    "JournalForeignError",
+    "NoPublishedVersionError",
+    "NotReadyError",
+    "PublicationBlockedError",
+    "ReadyMismatchError",
+    "RegistryError",
+    "RequestIndeterminateError",
+    "RequestRefusedError",
+    "RevisionConflictError",
+    "SessionClosedError",
+    "SessionReleaseError",
+    "SessionStateError",
+    "SessionStillBoundError",
+    "StaleAttemptError",
+    "UnknownEngineError",
+    "UnknownVersionError",
+    "VersionConflictError",
+    "VersionNotDispatchableError",
+    "error_from_code",
+]
+
+
+class AgenticLoRAError(Exception):
+    """Base of every error agentic-lora raises on purpose. ``code`` is stable."""
+
+    code: ClassVar[str] = "AGENTIC_LORA_ERROR"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keeps code and details across pickling (Ray actor errors, multiprocessing).
+        return (_rebuild, (type(self), self.message, self.details))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+def _rebuild(cls: type[AgenticLoRAError], message: str, details: dict[str, Any]) -> AgenticLoRAError:
+    return cls(message, **details)
+
+
+class InvalidAdapterError(AgenticLoRAError):
+    code = "INVALID_ADAPTER"
+
+
+class ConfigurationError(AgenticLoRAError):
+    code = "CONFIG_ERROR"
+
+
+class RegistryError(AgenticLoRAError):
+    code = "REGISTRY_ERROR"
+
+
+class VersionConflictError(RegistryError):
+    code = "VERSION_CONFLICT"
+
+
+class CapacityError(RegistryError):
+    code = "CAPACITY_ERROR"
+
+
+class PublicationBlockedError(RegistryError):
+    code = "PUBLICATION_BLOCKED"
+
+
+class NoPublishedVersionError(RegistryError):
+    code = "NO_PUBLISHED_VERSION"
+
+
+class SessionClosedError(RegistryError):
+    code = "SESSION_CLOSED"
+
+
+class NotReadyError(RegistryError):
+    code = "NOT_READY"
+
+
+class ReadyMismatchError(RegistryError):
+    code = "READY_MISMATCH"
+
+
+class StaleAttemptError(RegistryError):
+    code = "STALE_ATTEMPT"
+
+
+class EngineRestartedError(RegistryError):
+    code = "ENGINE_RESTARTED"
+
+
+class RevisionConflictError(RegistryError):
+    code = "REVISION_CONFLICT"
+
+
+class UnknownVersionError(RegistryError):
+    code = "UNKNOWN_VERSION"
+
+
+class UnknownEngineError(RegistryError):
+    code = "UNKNOWN_ENGINE"
+
+
+class InvalidStateError(RegistryError):
+    code = "INVALID_STATE"
+
+
+class SessionStillBoundError(RegistryError):
+    code = "SESSION_STILL_BOUND"
+
+
+class JournalError(AgenticLoRAError):
+    code = "JOURNAL_ERROR"
+
+
+class JournalCorruptError(JournalError):
+    code = "JOURNAL_CORRUPT"
+
+
+class JournalForeignError(JournalError):
+    code = "JOURNAL_FOREIGN"
+
+
+class DispatchError(AgenticLoRAError):
+    code = "DISPATCH_ERROR"
+
+
+class VersionNotDispatchableError(DispatchError):
+    code = "VERSION_NOT_DISPATCHABLE"
+
+
+class AdapterMismatchError(DispatchError):
+    code = "ADAPTER_MISMATCH"
+
+
+class SessionStateError(DispatchError):
+    code = "SESSION_STATE"
+
+
+class RequestRefusedError(DispatchError):
+    """The engine provably did not accept the request (nothing ran); safe to send again."""
+
+    code = "REQUEST_REFUSED"
+
+
+class RequestIndeterminateError(DispatchError):
+    """The engine may have accepted the request; sending it again may run it twice."""
+
+    code = "REQUEST_INDETERMINATE"
+
+
+class SessionReleaseError(AgenticLoRAError):
+    code = "SESSION_RELEASE_FAILED"
+
+
+class BackendError(AgenticLoRAError):
+    code = "BACKEND_ERROR"
+
+
+class BackendRefusedError(BackendError):
+    """The engine cleanly refused; it holds nothing of this attempt."""
+
+    code = "BACKEND_REFUSED"
+
+
+class BackendAmbiguousError(BackendError):
+    """The outcome is unknown; the engine may hold resources of this attempt."""
+
+    code = "BACKEND_AMBIGUOUS"
+
+
+def _all_subclasses(cls: type[AgenticLoRAError]) -> list[type[AgenticLoRAError]]:
+    out: list[type[AgenticLoRAError]] = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[AgenticLoRAError]] = {c.code: c for c in _all_subclasses(AgenticLoRAError)}
+
+
+def error_from_code(code: str, message: str, **details: Any) -> AgenticLoRAError:
+    """Rebuild a typed error from its wire form (``to_dict``); unknown codes give the base class."""
+    return _BY_CODE.get(code, AgenticLoRAError)(message, **details)
