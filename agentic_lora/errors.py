@@ -5,6 +5,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
 
     AgenticLoRAError
     ├── InvalidAdapterError            INVALID_ADAPTER       bad adapter input (config, tensors, values)
+    ├── InvalidIdentityError           INVALID_IDENTITY      malformed version id, prefix, epoch, digest, name or manifest
     ├── ConfigurationError             CONFIG_ERROR          settings that cannot work, found at start-up
     ├── RegistryError                  (one subclass per registry code)
     │   ├── VersionConflictError       VERSION_CONFLICT      same version id, different content
@@ -54,6 +55,7 @@ __all__ = [
     "DispatchError",
     "EngineRestartedError",
     "InvalidAdapterError",
+    "InvalidIdentityError",
     "InvalidStateError",
     "JournalCorruptError",
     "JournalError",
@@ -106,6 +108,15 @@ def _rebuild(cls: type[AgenticLoRAError], message: str, details: dict[str, Any])
 
 class InvalidAdapterError(AgenticLoRAError):
     code = "INVALID_ADAPTER"
+
+
+class InvalidIdentityError(AgenticLoRAError):
+    """A version id, prefix, epoch, digest, lora name or manifest that is not well formed.
+
+    ``details["field"]`` names which one.
+    """
+
+    code = "INVALID_IDENTITY"
 
 
 class ConfigurationError(AgenticLoRAError):
