@@ -1,0 +1,668 @@
+"""The registry's state machine: pure, synchronous, deterministic, I/O free.
+
+:class:`RegistryCore` is the single writer's brain. Each public verb is one atomic step: it reads
+and changes in-memory state and returns a result or raises a typed error, with no awaits, no clock
+and no randomness inside. That gives three properties the rest of the system leans on:
+
+* **Linearisability**: ``bind_first`` reads the default and takes the Session ref in the same step
+  as any ``commit`` either before or after it, so "bind before commit -> A, bind after -> B" is
+  exact, with no window in which a Session can see B before every engine has it.
+* **Replay**: running the same verbs in the same order always gives the same state (minted ids are
+  counters, not uuids), so a journal of accepted verbs rebuilds the registry after a restart.
+* **Idempotency**: :meth:`RegistryCore.execute` remembers the result of every state-changing call
+  by its caller-minted ``request_id``; a replay (the reply was lost) gets the original result back
+  instead of running the verb twice. A call that raised changed nothing, so it is not remembered:
+  replaying it simply runs it again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from agentic_lora.errors import (
+    CapacityError,
+    EngineRestartedError,
+    InvalidStateError,
+    NoPublishedVersionError,
+    NotReadyError,
+    PublicationBlockedError,
+    ReadyMismatchError,
+    RevisionConflictError,
+    SessionClosedError,
+    SessionStillBoundError,
+    StaleAttemptError,
+    UnknownEngineError,
+    UnknownVersionError,
+    VersionConflictError,
+)
+from agentic_lora.identity import make_lora_name, validate_version_id
+from agentic_lora.registry.transitions import VersionEvent, advance
+from agentic_lora.registry.types import (
+    Binding,
+    CommitReceipt,
+    EngineStatus,
+    ReadyReceipt,
+    ReclaimClaim,
+    RegistryStatus,
+    ReleaseResult,
+    Reservation,
+    ReserveOutcome,
+    SessionState,
+    SessionStatus,
+    VersionState,
+    VersionStatus,
+    from_wire,
+    to_wire,
+)
+
+__all__ = ["MUTATING_VERBS", "RegistryCore"]
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+#: Verbs that may change state (and so take a request id and are journaled).
+MUTATING_VERBS: frozenset[str] = frozenset(
+    {
+        "reserve",
+        "record_ready",
+        "observe_incarnation",
+        "commit",
+        "abort",
+        "confirm_cleanup",
+        "bind_first",
+        "begin_close",
+        "release",
+        "forget_sessions",
+        "claim_reclaim",
+        "confirm_reclaim",
+    }
+)
+
+
+class _Version:
+    """Mutable bookkeeping of one version; only the core touches it."""
+
+    __slots__ = (
+        "attempt",
+        "cleaned",
+        "commit_receipt",
+        "digest",
+        "lora_name",
+        "ready",
+        "reclaim_id",
+        "reclaimed",
+        "session_refs",
+        "state",
+        "version_id",
+    )
+
+    def __init__(self, version_id: str, digest: str, lora_name: str) -> None:
+        self.version_id = version_id
+        self.digest = digest
+        self.lora_name = lora_name
+        self.state = VersionState.LOADING
+        self.attempt = 1
+        self.ready: dict[str, ReadyReceipt] = {}
+        self.cleaned: set[str] = set()
+        self.reclaim_id: str | None = None
+        self.reclaimed: set[str] = set()
+        self.session_refs = 0
+        self.commit_receipt: CommitReceipt | None = None
+
+
+class _Session:
+    __slots__ = ("binding", "state")
+
+    def __init__(self, state: SessionState, binding: Binding | None) -> None:
+        self.state = state
+        self.binding = binding
+
+
+class RegistryCore:
+    """The LoRA version registry as a deterministic state machine (see module docstring).
+
+    ``capacity`` counts versions that hold an engine slot: LOADING, PUBLISHED, RETIRED,
+    RECLAIMING, and ABORTED until every engine confirmed its cleanup.
+    """
+
+    def __init__(
+        self,
+        *,
+        engines: Sequence[str],
+        capacity: int,
+        deployment_epoch: int = 0,
+        prefix: str = "policy_lora",
+        idempotency_window: int = 16384,
+    ) -> None:
+        if not engines:
+            raise ValueError("the fleet needs at least one engine")
+        if len(set(engines)) != len(engines):
+            raise ValueError(f"duplicate engine names in {list(engines)}")
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.engines: tuple[str, ...] = tuple(engines)
+        self.capacity = capacity
+        self.deployment_epoch = deployment_epoch
+        self.prefix = prefix
+        make_lora_name(prefix, deployment_epoch, "probe", "0" * 64)  # validates the prefix early
+        self._idempotency_window = idempotency_window
+        self._versions: dict[str, _Version] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._default: str | None = None
+        self._default_revision = 0
+        self._pending: str | None = None
+        self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
+        # request_id -> (verb, args, result); bounded FIFO so memory stays flat.
+        self._done: OrderedDict[str, tuple[str, tuple[Any, ...], Any]] = OrderedDict()
+        #: Number of state-changing calls applied so far (the journal's sequence number).
+        self.seq = 0
+        self._verbs: dict[str, Callable[..., Any]] = {v: getattr(self, v) for v in MUTATING_VERBS}
+
+    # --- the entry point the journal and every front end use ---------------------------------
+
+    def execute(self, request_id: str, verb: str, args: dict[str, Any]) -> tuple[Any, bool]:
+        """Run one mutating verb once per ``request_id``.
+
+        Returns ``(result, applied)``; ``applied`` is False when the result came from an earlier
+        call with the same request id (nothing changed, nothing to journal).
+        """
+        if not request_id:
+            raise InvalidStateError("request_id must be a non-empty string", reason="no_request_id")
+        fingerprint = tuple(tuple(a) if isinstance(a, list) else a for a in args.values())
+        seen = self._done.get(request_id)
+        if seen is not None:
+            if seen[0] != verb or seen[1] != fingerprint:
+                raise InvalidStateError(
+                    f"request id {request_id!r} was already used for another call ({seen[0]})",
+                    reason="request_id_reused",
+                    request_id=request_id,
+                )
+            return seen[2], False
+        fn = self._verbs.get(verb)
+        if fn is None:
+            raise InvalidStateError(f"unknown verb {verb!r}", reason="unknown_verb")
+        result = fn(**args)
+        self.seq += 1
+        done = self._done
+        done[request_id] = (verb, fingerprint, result)
+        if len(done) > self._idempotency_window:
+            done.popitem(last=False)
+        return result, True
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _version(self, version_id: str) -> _Version:
+        v = self._versions.get(version_id)
+        if v is None:
+            raise UnknownVersionError(f"no version {version_id!r}", version=version_id)
+        return v
+
+    def _engine(self, engine: str) -> None:
+        if engine not in self._incarnations:
+            raise UnknownEngineError(
+                f"engine {engine!r} is not in the fleet {list(self.engines)}", engine=engine
+            )
+
+    def _slots_in_use(self) -> int:
+        return sum(1 for v in self._versions.values() if v.state.holds_slot)
+
+    def _attempt(self, v: _Version, attempt: int) -> None:
+        if attempt != v.attempt:
+            raise StaleAttemptError(
+                f"attempt {attempt} of {v.version_id!r} is superseded by attempt {v.attempt}",
+                version=v.version_id,
+                attempt=attempt,
+                current_attempt=v.attempt,
+            )
+
+    def _vstatus(self, v: _Version) -> VersionStatus:
+        return VersionStatus(
+            version_id=v.version_id,
+            digest=v.digest,
+            lora_name=v.lora_name,
+            state=v.state,
+            attempt=v.attempt,
+            session_refs=v.session_refs,
+            ready_engines=tuple(e for e in self.engines if e in v.ready),
+            cleaned_engines=tuple(e for e in self.engines if e in v.cleaned),
+            reclaim_id=v.reclaim_id,
+            reclaimed_engines=tuple(e for e in self.engines if e in v.reclaimed),
+            published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
+        )
+
+    def _reservation(self, v: _Version, outcome: ReserveOutcome) -> Reservation:
+        return Reservation(
+            version_id=v.version_id,
+            digest=v.digest,
+            lora_name=v.lora_name,
+            attempt=v.attempt,
+            outcome=outcome,
+            state=v.state,
+            engines=self.engines,
+        )
+
+    def _claim(self, v: _Version) -> ReclaimClaim:
+        assert v.reclaim_id is not None
+        return ReclaimClaim(
+            version_id=v.version_id,
+            lora_name=v.lora_name,
+            reclaim_id=v.reclaim_id,
+            engines=self.engines,
+            confirmed=tuple(e for e in self.engines if e in v.reclaimed),
+        )
+
+    # --- publication ---------------------------------------------------------------------------
+
+    def reserve(self, version_id: str, digest: str) -> Reservation:
+        validate_version_id(version_id)
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            raise ReadyMismatchError(
+                "digest must be 64 lowercase hex characters (SHA-256)", version=version_id
+            )
+        v = self._versions.get(version_id)
+        if v is not None:
+            if v.digest != digest:
+                # Same id, other content: refused in every state, before any engine is touched.
+                raise VersionConflictError(
+                    f"version {version_id!r} already names content {v.digest[:16]}, not {digest[:16]}",
+                    version=version_id,
+                    existing_digest=v.digest,
+                    digest=digest,
+                    state=v.state.value,
+                )
+            if v.state is VersionState.LOADING:
+                return self._reservation(v, ReserveOutcome.IN_PROGRESS)
+            if v.state is VersionState.ABORTED:
+                raise PublicationBlockedError(
+                    f"attempt {v.attempt} of {version_id!r} is aborted and its cleanup is not confirmed",
+                    version=version_id,
+                    attempt=v.attempt,
+                )
+            if v.state is VersionState.FAILED_CLEAN:
+                self._admit(version_id)
+                v.state = advance(version_id, v.state, VersionEvent.RETRY)
+                v.attempt += 1
+                v.ready.clear()
+                v.cleaned.clear()
+                self._pending = version_id
+                return self._reservation(v, ReserveOutcome.RETRY_STARTED)
+            # Committed once: a late replay is a no-op; it never reloads nor rolls the default back.
+            return self._reservation(v, ReserveOutcome.ALREADY_COMPLETED)
+        self._admit(version_id)
+        v = _Version(
+            version_id,
+            digest,
+            make_lora_name(self.prefix, self.deployment_epoch, version_id, digest),
+        )
+        self._versions[version_id] = v
+        self._pending = version_id
+        return self._reservation(v, ReserveOutcome.STARTED)
+
+    def _admit(self, version_id: str) -> None:
+        if self._pending is not None:
+            raise PublicationBlockedError(
+                f"publication of {self._pending!r} is still pending; one at a time",
+                version=version_id,
+                pending=self._pending,
+            )
+        in_use = self._slots_in_use()
+        if in_use >= self.capacity:
+            raise CapacityError(
+                f"all {self.capacity} version slots are held; reclaim a retired version first",
+                version=version_id,
+                capacity=self.capacity,
+                held=[v.version_id for v in self._versions.values() if v.state.holds_slot],
+            )
+
+    def observe_incarnation(self, engine: str, incarnation: str) -> bool:
+        self._engine(engine)
+        known = self._incarnations[engine]
+        if known == incarnation:
+            return False
+        self._incarnations[engine] = incarnation
+        # An engine that restarted lost whatever it had prepared: its READY for a pending
+        # version no longer proves anything, so commit must wait for a fresh one.
+        for v in self._versions.values():
+            if v.state is VersionState.LOADING:
+                r = v.ready.get(engine)
+                if r is not None and r.incarnation != incarnation:
+                    del v.ready[engine]
+        return True
+
+    def record_ready(self, receipt: ReadyReceipt) -> VersionStatus:
+        v = self._version(receipt.version_id)
+        self._engine(receipt.engine)
+        if receipt.digest != v.digest or receipt.lora_name != v.lora_name:
+            raise ReadyMismatchError(
+                f"READY from {receipt.engine} names other content than {v.version_id!r}",
+                version=v.version_id,
+                engine=receipt.engine,
+                expected_digest=v.digest,
+                digest=receipt.digest,
+            )
+        if v.state is not VersionState.LOADING:
+            if v.commit_receipt is not None and receipt.attempt == v.commit_receipt.attempt:
+                return self._vstatus(v)  # a late duplicate of a READY that was already used
+            if receipt.attempt < v.attempt:
+                self._attempt(v, receipt.attempt)
+            raise InvalidStateError(
+                f"version {v.version_id!r} is {v.state.value}; READY is only taken while LOADING",
+                version=v.version_id,
+                state=v.state.value,
+            )
+        self._attempt(v, receipt.attempt)
+        known = self._incarnations[receipt.engine]
+        if known is None:
+            self._incarnations[receipt.engine] = receipt.incarnation
+        elif known != receipt.incarnation:
+            raise EngineRestartedError(
+                f"READY from {receipt.engine} incarnation {receipt.incarnation!r}, "
+                f"but the engine is now {known!r}",
+                version=v.version_id,
+                engine=receipt.engine,
+                incarnation=receipt.incarnation,
+                current_incarnation=known,
+            )
+        v.ready[receipt.engine] = receipt
+        return self._vstatus(v)
+
+    def commit(
+        self, version_id: str, attempt: int, expected_default_revision: int
+    ) -> CommitReceipt:
+        v = self._version(version_id)
+        if v.commit_receipt is not None and v.commit_receipt.attempt == attempt:
+            return v.commit_receipt  # retried commit: same receipt, default untouched
+        if v.state is not VersionState.LOADING:
+            advance(version_id, v.state, VersionEvent.COMMIT)  # raises InvalidStateError
+        self._attempt(v, attempt)
+        if expected_default_revision != self._default_revision:
+            raise RevisionConflictError(
+                f"default revision is {self._default_revision}, not {expected_default_revision}",
+                version=version_id,
+                default_revision=self._default_revision,
+            )
+        missing = [
+            e
+            for e in self.engines
+            if (r := v.ready.get(e)) is None or r.incarnation != self._incarnations[e]
+        ]
+        if missing:
+            raise NotReadyError(
+                f"{version_id!r} attempt {attempt} lacks READY from {missing}",
+                version=version_id,
+                attempt=attempt,
+                missing=missing,
+            )
+        previous = self._default
+        new_state = advance(version_id, v.state, VersionEvent.COMMIT)
+        if previous is not None:
+            old = self._versions[previous]
+            old.state = advance(previous, old.state, VersionEvent.SUPERSEDE)
+        v.state = new_state
+        self._default = version_id
+        self._default_revision += 1
+        self._pending = None
+        v.commit_receipt = CommitReceipt(
+            version_id=version_id,
+            lora_name=v.lora_name,
+            attempt=attempt,
+            default_revision=self._default_revision,
+            previous_default=previous,
+        )
+        return v.commit_receipt
+
+    def abort(self, version_id: str, attempt: int, reason: str) -> VersionStatus:
+        v = self._version(version_id)
+        if v.state in (VersionState.ABORTED, VersionState.FAILED_CLEAN) and attempt == v.attempt:
+            return self._vstatus(v)
+        self._attempt(v, attempt)
+        v.state = advance(version_id, v.state, VersionEvent.ABORT)
+        v.ready.clear()
+        return self._vstatus(v)
+
+    def confirm_cleanup(self, version_id: str, attempt: int, engine: str) -> VersionStatus:
+        v = self._version(version_id)
+        self._engine(engine)
+        self._attempt(v, attempt)
+        if v.state is VersionState.FAILED_CLEAN:
+            return self._vstatus(v)
+        if v.state is not VersionState.ABORTED:
+            raise InvalidStateError(
+                f"version {version_id!r} is {v.state.value}; cleanup is confirmed only after abort",
+                version=version_id,
+                state=v.state.value,
+            )
+        v.cleaned.add(engine)
+        if len(v.cleaned) == len(self.engines):
+            # Only now is it proven that no engine holds the candidate: free the slot.
+            v.state = advance(version_id, v.state, VersionEvent.ALL_CLEANED)
+            self._pending = None
+        return self._vstatus(v)
+
+    # --- Sessions -------------------------------------------------------------------------------
+
+    def bind_first(self, session_key: str) -> Binding:
+        s = self._sessions.get(session_key)
+        if s is not None:
+            if s.state is SessionState.BOUND:
+                assert s.binding is not None
+                return s.binding
+            raise SessionClosedError(
+                f"session {session_key!r} is {s.state.value}; it cannot bind",
+                session=session_key,
+                state=s.state.value,
+            )
+        if self._default is None:
+            raise NoPublishedVersionError("no version has been published yet", session=session_key)
+        v = self._versions[self._default]
+        v.session_refs += 1
+        binding = Binding(
+            session_key=session_key,
+            version_id=v.version_id,
+            lora_name=v.lora_name,
+            digest=v.digest,
+            default_revision=self._default_revision,
+        )
+        self._sessions[session_key] = _Session(SessionState.BOUND, binding)
+        return binding
+
+    def begin_close(self, session_key: str) -> SessionStatus:
+        s = self._sessions.get(session_key)
+        if s is None:
+            # Close before bind: keep a record so a late bind is refused.
+            s = self._sessions[session_key] = _Session(SessionState.CLOSING, None)
+        elif s.state is SessionState.BOUND:
+            s.state = SessionState.CLOSING
+        return SessionStatus(
+            session_key, s.state, s.binding.version_id if s.binding is not None else None
+        )
+
+    def release(self, session_key: str) -> ReleaseResult:
+        s = self._sessions.get(session_key)
+        if s is None:
+            raise InvalidStateError(
+                f"session {session_key!r} is unknown; begin_close first",
+                session=session_key,
+                reason="unknown_session",
+            )
+        version_id = s.binding.version_id if s.binding is not None else None
+        if s.state is SessionState.CLOSED:
+            return ReleaseResult(session_key, version_id, released_now=False)
+        if s.state is not SessionState.CLOSING:
+            raise InvalidStateError(
+                f"session {session_key!r} is {s.state.value}; begin_close first",
+                session=session_key,
+                state=s.state.value,
+            )
+        s.state = SessionState.CLOSED
+        if version_id is not None:
+            self._versions[version_id].session_refs -= 1
+        return ReleaseResult(session_key, version_id, released_now=True)
+
+    def forget_sessions(self, session_keys: Sequence[str]) -> int:
+        keys = list(session_keys)
+        live = [
+            k
+            for k in keys
+            if (s := self._sessions.get(k)) is not None and s.state is not SessionState.CLOSED
+        ]
+        if live:
+            raise SessionStillBoundError(
+                f"{len(live)} session(s) are not released yet", sessions=live[:8]
+            )
+        forgotten = 0
+        for k in keys:
+            if self._sessions.pop(k, None) is not None:
+                forgotten += 1
+        return forgotten
+
+    # --- reclaim --------------------------------------------------------------------------------
+
+    def claim_reclaim(self, version_id: str) -> ReclaimClaim:
+        v = self._version(version_id)
+        if v.state in (VersionState.RECLAIMING, VersionState.RECLAIMED):
+            return self._claim(v)
+        if v.state is VersionState.RETIRED and v.session_refs > 0:
+            raise SessionStillBoundError(
+                f"{v.session_refs} session(s) still hold {version_id!r}",
+                version=version_id,
+                session_refs=v.session_refs,
+            )
+        v.state = advance(version_id, v.state, VersionEvent.CLAIM_RECLAIM)
+        # From here on no request for this version may be dispatched.
+        v.reclaim_id = f"reclaim-{self.deployment_epoch}-{version_id}"
+        return self._claim(v)
+
+    def confirm_reclaim(self, version_id: str, reclaim_id: str, engine: str) -> VersionStatus:
+        v = self._version(version_id)
+        self._engine(engine)
+        if v.reclaim_id is None or v.reclaim_id != reclaim_id:
+            raise StaleAttemptError(
+                f"reclaim id {reclaim_id!r} does not match {version_id!r}'s ({v.reclaim_id!r})",
+                version=version_id,
+                reclaim_id=reclaim_id,
+            )
+        if v.state is VersionState.RECLAIMED:
+            return self._vstatus(v)
+        v.reclaimed.add(engine)
+        if len(v.reclaimed) == len(self.engines):
+            v.state = advance(version_id, v.state, VersionEvent.ALL_RECLAIMED)
+        return self._vstatus(v)
+
+    # --- reads (no request id, never journaled) ------------------------------------------------
+
+    def peek_version(self, version_id: str) -> VersionStatus | None:
+        v = self._versions.get(version_id)
+        return None if v is None else self._vstatus(v)
+
+    def version(self, version_id: str) -> VersionStatus:
+        return self._vstatus(self._version(version_id))
+
+    def state_of(self, version_id: str) -> VersionState | None:
+        """The cheapest read, for the dispatch hot path."""
+        v = self._versions.get(version_id)
+        return None if v is None else v.state
+
+    def session(self, session_key: str) -> SessionStatus | None:
+        s = self._sessions.get(session_key)
+        if s is None:
+            return None
+        return SessionStatus(
+            session_key, s.state, s.binding.version_id if s.binding is not None else None
+        )
+
+    @property
+    def default_revision(self) -> int:
+        return self._default_revision
+
+    @property
+    def default_version(self) -> str | None:
+        return self._default
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def status(self) -> RegistryStatus:
+        return RegistryStatus(
+            deployment_epoch=self.deployment_epoch,
+            capacity=self.capacity,
+            engines=tuple(EngineStatus(e, self._incarnations[e]) for e in self.engines),
+            default_version=self._default,
+            default_revision=self._default_revision,
+            slots_in_use=self._slots_in_use(),
+            pending_version=self._pending,
+            versions=tuple(self._vstatus(v) for v in self._versions.values()),
+            live_sessions=sum(
+                1 for s in self._sessions.values() if s.state is not SessionState.CLOSED
+            ),
+        )
+
+    # --- snapshot (journal compaction) ---------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able image of everything, including remembered results of recent calls."""
+        return {
+            "seq": self.seq,
+            "default": self._default,
+            "default_revision": self._default_revision,
+            "pending": self._pending,
+            "incarnations": self._incarnations,
+            "versions": [
+                {
+                    "version_id": v.version_id,
+                    "digest": v.digest,
+                    "lora_name": v.lora_name,
+                    "state": v.state.value,
+                    "attempt": v.attempt,
+                    "ready": [to_wire(r) for r in v.ready.values()],
+                    "cleaned": sorted(v.cleaned),
+                    "reclaim_id": v.reclaim_id,
+                    "reclaimed": sorted(v.reclaimed),
+                    "session_refs": v.session_refs,
+                    "commit_receipt": to_wire(v.commit_receipt),
+                }
+                for v in self._versions.values()
+            ],
+            "sessions": [[k, s.state.value, to_wire(s.binding)] for k, s in self._sessions.items()],
+            "done": [
+                [rid, verb, to_wire(list(fp)), to_wire(res)]
+                for rid, (verb, fp, res) in self._done.items()
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`to_state` (on a fresh core with the same fleet and capacity)."""
+        self.seq = int(state["seq"])
+        self._default = state["default"]
+        self._default_revision = int(state["default_revision"])
+        self._pending = state["pending"]
+        self._incarnations = dict(state["incarnations"])
+        self._versions = {}
+        for raw in state["versions"]:
+            v = _Version(raw["version_id"], raw["digest"], raw["lora_name"])
+            v.state = VersionState(raw["state"])
+            v.attempt = int(raw["attempt"])
+            for r in raw["ready"]:
+                receipt = from_wire(r)
+                v.ready[receipt.engine] = receipt
+            v.cleaned = set(raw["cleaned"])
+            v.reclaim_id = raw["reclaim_id"]
+            v.reclaimed = set(raw["reclaimed"])
+            v.session_refs = int(raw["session_refs"])
+            v.commit_receipt = from_wire(raw["commit_receipt"])
+            self._versions[v.version_id] = v
+        self._sessions = {
+            k: _Session(SessionState(st), from_wire(b)) for k, st, b in state["sessions"]
+        }
+        self._done = OrderedDict(
+            (rid, (verb, _freeze(from_wire(fp)), from_wire(res)))
+            for rid, verb, fp, res in state["done"]
+        )
+
+
+def _freeze(value: Iterable[Any]) -> tuple[Any, ...]:
+    """Rebuild an args fingerprint (JSON turned its inner tuples into lists)."""
+    return tuple(tuple(x) if isinstance(x, list) else x for x in value)

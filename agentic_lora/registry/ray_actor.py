@@ -1,0 +1,248 @@
+"""The registry as a named, detached Ray actor with one writer, and an async client for it.
+
+At fleet scale the rollout workers, the publisher and the reclaimer run in different processes and
+must all ask the same single writer. :func:`connect` gets or creates one named, detached actor
+(``get_if_exists``), so every process that connects with the same name shares it.
+
+* The actor is an async actor holding a :class:`~agentic_lora.registry.local.LocalRegistry`;
+  verbs never await anything but the journal, so each is atomic with respect to the others.
+* Journal replay happens in the actor's constructor: with ``max_restarts`` a crashed actor comes
+  back with every version, binding and slot it had accepted.
+* Ray task retries are off (``max_task_retries=0``): a call whose reply was lost is replayed by the
+  *caller*, with the same request id, and answered from the registry's memory of that id.
+* Errors travel as data (code, message, details) and are rebuilt as the same typed errors here, so
+  ``except CapacityError`` works across the process boundary.
+
+Ray is an optional extra (``agentic-lora[ray]``); importing this module does not import Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agentic_lora.errors import AgenticLoRAError, error_from_code
+from agentic_lora.registry.core import MUTATING_VERBS
+from agentic_lora.registry.types import (
+    Binding,
+    CommitReceipt,
+    ReadyReceipt,
+    ReclaimClaim,
+    RegistryStatus,
+    ReleaseResult,
+    Reservation,
+    SessionStatus,
+    VersionStatus,
+    from_wire,
+    to_wire,
+)
+
+__all__ = ["DEFAULT_NAME", "DEFAULT_NAMESPACE", "RayRegistryClient", "RegistryActor", "connect"]
+
+DEFAULT_NAME = "agentic-lora-registry"
+DEFAULT_NAMESPACE = "agentic-lora"
+
+
+class RegistryActor:
+    """The actor body (wrapped with ``ray.remote`` by :func:`connect`)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from agentic_lora.registry.local import LocalRegistry
+
+        self._registry = LocalRegistry(**config)
+
+    async def call(self, verb: str, request_id: str, args: Any) -> dict[str, Any]:
+        if verb not in MUTATING_VERBS:
+            return _failure(AgenticLoRAError(f"unknown verb {verb!r}"))
+        try:
+            result = await getattr(self._registry, verb)(request_id=request_id, **from_wire(args))
+        except AgenticLoRAError as exc:
+            return _failure(exc)
+        return {"ok": True, "result": to_wire(result)}
+
+    async def read(self, what: str, version_id: str | None = None) -> dict[str, Any]:
+        try:
+            if what == "status":
+                result: Any = await self._registry.status()
+            elif what == "version" and version_id is not None:
+                result = await self._registry.version(version_id)
+            elif what == "peek_version" and version_id is not None:
+                result = self._registry.peek_version(version_id)
+            else:
+                raise AgenticLoRAError(f"unknown read {what!r}")
+        except AgenticLoRAError as exc:
+            return _failure(exc)
+        return {"ok": True, "result": to_wire(result)}
+
+    async def flush(self) -> None:
+        """Close the journal cleanly (before a planned shutdown)."""
+        await self._registry.aclose()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _failure(exc: AgenticLoRAError) -> dict[str, Any]:
+    return {"ok": False, "error": to_wire(exc.to_dict())}
+
+
+class RayRegistryClient:
+    """Implements :class:`~agentic_lora.registry.api.RegistryAPI` by calling the actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    @property
+    def actor(self) -> Any:
+        return self._actor
+
+    async def _call(self, verb: str, request_id: str, args: dict[str, Any]) -> Any:
+        reply = await self._actor.call.remote(verb, request_id, to_wire(args))
+        return _unwrap(reply)
+
+    async def _read(self, what: str, version_id: str | None = None) -> Any:
+        return _unwrap(await self._actor.read.remote(what, version_id))
+
+    async def reserve(self, *, request_id: str, version_id: str, digest: str) -> Reservation:
+        r: Reservation = await self._call(
+            "reserve", request_id, {"version_id": version_id, "digest": digest}
+        )
+        return r
+
+    async def record_ready(self, *, request_id: str, receipt: ReadyReceipt) -> VersionStatus:
+        r: VersionStatus = await self._call("record_ready", request_id, {"receipt": receipt})
+        return r
+
+    async def observe_incarnation(self, *, request_id: str, engine: str, incarnation: str) -> bool:
+        r: bool = await self._call(
+            "observe_incarnation", request_id, {"engine": engine, "incarnation": incarnation}
+        )
+        return r
+
+    async def commit(
+        self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
+    ) -> CommitReceipt:
+        r: CommitReceipt = await self._call(
+            "commit",
+            request_id,
+            {
+                "version_id": version_id,
+                "attempt": attempt,
+                "expected_default_revision": expected_default_revision,
+            },
+        )
+        return r
+
+    async def abort(
+        self, *, request_id: str, version_id: str, attempt: int, reason: str
+    ) -> VersionStatus:
+        r: VersionStatus = await self._call(
+            "abort", request_id, {"version_id": version_id, "attempt": attempt, "reason": reason}
+        )
+        return r
+
+    async def confirm_cleanup(
+        self, *, request_id: str, version_id: str, attempt: int, engine: str
+    ) -> VersionStatus:
+        r: VersionStatus = await self._call(
+            "confirm_cleanup",
+            request_id,
+            {"version_id": version_id, "attempt": attempt, "engine": engine},
+        )
+        return r
+
+    async def bind_first(self, *, request_id: str, session_key: str) -> Binding:
+        r: Binding = await self._call("bind_first", request_id, {"session_key": session_key})
+        return r
+
+    async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
+        r: SessionStatus = await self._call("begin_close", request_id, {"session_key": session_key})
+        return r
+
+    async def release(self, *, request_id: str, session_key: str) -> ReleaseResult:
+        r: ReleaseResult = await self._call("release", request_id, {"session_key": session_key})
+        return r
+
+    async def forget_sessions(self, *, request_id: str, session_keys: Sequence[str]) -> int:
+        r: int = await self._call(
+            "forget_sessions", request_id, {"session_keys": list(session_keys)}
+        )
+        return r
+
+    async def claim_reclaim(self, *, request_id: str, version_id: str) -> ReclaimClaim:
+        r: ReclaimClaim = await self._call("claim_reclaim", request_id, {"version_id": version_id})
+        return r
+
+    async def confirm_reclaim(
+        self, *, request_id: str, version_id: str, reclaim_id: str, engine: str
+    ) -> VersionStatus:
+        r: VersionStatus = await self._call(
+            "confirm_reclaim",
+            request_id,
+            {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine},
+        )
+        return r
+
+    async def status(self) -> RegistryStatus:
+        r: RegistryStatus = await self._read("status")
+        return r
+
+    async def version(self, version_id: str) -> VersionStatus:
+        r: VersionStatus = await self._read("version", version_id)
+        return r
+
+    async def fetch_version(self, version_id: str) -> VersionStatus | None:
+        """Like ``peek_version`` of the local registry, but one round trip to the actor."""
+        r: VersionStatus | None = await self._read("peek_version", version_id)
+        return r
+
+
+def _unwrap(reply: dict[str, Any]) -> Any:
+    if reply["ok"]:
+        return from_wire(reply["result"])
+    err = reply["error"]
+    raise error_from_code(err["code"], err["message"], **err["details"])
+
+
+def connect(
+    *,
+    engines: Sequence[str],
+    capacity: int,
+    deployment_epoch: int = 0,
+    prefix: str = "policy_lora",
+    journal_path: str | Path | None = None,
+    group_commit: bool = True,
+    name: str = DEFAULT_NAME,
+    namespace: str = DEFAULT_NAMESPACE,
+    max_restarts: int = -1,
+) -> RayRegistryClient:
+    """Get the named registry actor, creating it if it does not exist yet.
+
+    Call after ``ray.init()``. A registry without ``journal_path`` forgets everything when its
+    actor restarts; production deployments must give one on storage that survives the node.
+    """
+    import ray
+
+    config: dict[str, Any] = {
+        "engines": list(engines),
+        "capacity": capacity,
+        "deployment_epoch": deployment_epoch,
+        "prefix": prefix,
+        "journal_path": str(journal_path) if journal_path is not None else None,
+        "group_commit": group_commit,
+    }
+    actor_cls = ray.remote(RegistryActor)
+    actor = actor_cls.options(
+        name=name,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=max_restarts,
+        max_task_retries=0,  # a lost reply is replayed by the caller, never by Ray
+        max_concurrency=1000,
+        num_cpus=0,
+    ).remote(config)
+    return RayRegistryClient(actor)

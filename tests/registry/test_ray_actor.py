@@ -1,0 +1,106 @@
+"""The registry as a detached Ray actor on a local Ray cluster: one writer shared by name, typed
+errors across the process boundary, lost replies replayed by request id, and a killed actor that
+comes back from its journal."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from agentic_lora.errors import CapacityError, NoPublishedVersionError, SessionClosedError  # noqa: E402
+from agentic_lora.registry.ray_actor import RayRegistryClient, connect  # noqa: E402
+from agentic_lora.registry.types import ReadyReceipt, new_request_id  # noqa: E402
+
+from .util import E0, E1, digest_of  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.asyncio]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(
+        num_cpus=2, include_dashboard=False, namespace="agentic-lora-tests", log_to_driver=False
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _client(name: str, journal: Path | None) -> RayRegistryClient:
+    return connect(engines=(E0, E1), capacity=2, journal_path=journal, name=name, namespace="t")
+
+
+async def _publish(reg: RayRegistryClient, version_id: str) -> None:
+    r = await reg.reserve(
+        request_id=new_request_id(), version_id=version_id, digest=digest_of(version_id)
+    )
+    for e in (E0, E1):
+        await reg.record_ready(
+            request_id=new_request_id(),
+            receipt=ReadyReceipt(e, version_id, r.digest, r.lora_name, r.attempt, "inc-1"),
+        )
+    st = await reg.status()
+    await reg.commit(
+        request_id=new_request_id(),
+        version_id=version_id,
+        attempt=r.attempt,
+        expected_default_revision=st.default_revision,
+    )
+
+
+async def test_clients_share_one_named_writer_and_errors_stay_typed(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    a = _client("shared", tmp_path / "j.sqlite")
+    b = _client("shared", tmp_path / "j.sqlite")  # get_if_exists: the same actor
+    with pytest.raises(NoPublishedVersionError):
+        await a.bind_first(request_id=new_request_id(), session_key="s0")
+    await _publish(a, "A")
+    binding = await b.bind_first(request_id="bind-1", session_key="s1")
+    assert binding.version_id == "A"
+    # A lost reply: the caller replays with the same request id and gets the same answer.
+    assert await a.bind_first(request_id="bind-1", session_key="s1") == binding
+    assert (await b.version("A")).session_refs == 1
+    await b.begin_close(request_id=new_request_id(), session_key="s1")
+    with pytest.raises(SessionClosedError) as err:
+        await a.bind_first(request_id=new_request_id(), session_key="s1")
+    assert err.value.code == "SESSION_CLOSED"
+    await _publish(a, "B")
+    with pytest.raises(CapacityError) as cap:
+        await a.reserve(request_id=new_request_id(), version_id="C", digest=digest_of("C"))
+    assert sorted(cap.value.details["held"]) == ["A", "B"]
+    assert await a.fetch_version("nope") is None
+    ray.kill(a.actor, no_restart=True)
+
+
+async def test_a_killed_actor_restarts_from_its_journal(ray_cluster: None, tmp_path: Path) -> None:
+    reg = _client("restarting", tmp_path / "j.sqlite")
+    await _publish(reg, "A")
+    await reg.bind_first(request_id="bind-old", session_key="s_old")
+    await _publish(reg, "B")
+    before = await reg.status()
+    pid_before = await reg.actor.pid.remote()
+    ray.kill(reg.actor, no_restart=False)  # a crash: Ray restarts it (max_restarts=-1)
+
+    async def status_after_restart() -> Any:
+        # Bounded wait for Ray to bring the actor back (not a timing assertion).
+        for _ in range(1200):
+            try:
+                return await reg.status()
+            except ray.exceptions.RayError:
+                await asyncio.sleep(0.05)
+        raise AssertionError("actor did not come back")
+
+    assert await status_after_restart() == before
+    assert await reg.actor.pid.remote() != pid_before
+    replay = await reg.bind_first(request_id="bind-old", session_key="s_old")
+    assert replay.version_id == "A"
+    assert (await reg.version("A")).session_refs == 1
+    ray.kill(reg.actor, no_restart=True)

@@ -1,0 +1,73 @@
+"""Small drivers for the registry core in tests: every call mints its own request id."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from agentic_lora.registry.core import RegistryCore
+from agentic_lora.registry.types import ReadyReceipt, Reservation, new_request_id
+
+E0, E1 = "e0", "e1"
+
+
+def digest_of(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def call(core: RegistryCore, verb: str, request_id: str | None = None, **args: Any) -> Any:
+    result, _ = core.execute(request_id or new_request_id(), verb, args)
+    return result
+
+
+def receipt(
+    core: RegistryCore, r: Reservation, engine: str, incarnation: str = "inc-1"
+) -> ReadyReceipt:
+    return ReadyReceipt(
+        engine=engine,
+        version_id=r.version_id,
+        digest=r.digest,
+        lora_name=r.lora_name,
+        attempt=r.attempt,
+        incarnation=incarnation,
+    )
+
+
+def ready(core: RegistryCore, r: Reservation, *engines: str, incarnation: str = "inc-1") -> None:
+    for e in engines or core.engines:
+        call(core, "record_ready", receipt=receipt(core, r, e, incarnation))
+
+
+def publish(core: RegistryCore, version_id: str, content: str | None = None) -> Reservation:
+    """reserve -> READY on every engine -> commit; returns the reservation."""
+    r: Reservation = call(
+        core, "reserve", version_id=version_id, digest=digest_of(content or version_id)
+    )
+    ready(core, r)
+    call(
+        core,
+        "commit",
+        version_id=version_id,
+        attempt=r.attempt,
+        expected_default_revision=core.default_revision,
+    )
+    return r
+
+
+def bind(core: RegistryCore, session: str) -> str:
+    return str(call(core, "bind_first", session_key=session).version_id)
+
+
+def close(core: RegistryCore, session: str) -> None:
+    call(core, "begin_close", session_key=session)
+    call(core, "release", session_key=session)
+
+
+def reclaim(core: RegistryCore, version_id: str) -> None:
+    claim = call(core, "claim_reclaim", version_id=version_id)
+    for e in core.engines:
+        call(core, "confirm_reclaim", version_id=version_id, reclaim_id=claim.reclaim_id, engine=e)
+
+
+def new_core(capacity: int = 2, **kw: Any) -> RegistryCore:
+    return RegistryCore(engines=(E0, E1), capacity=capacity, **kw)
