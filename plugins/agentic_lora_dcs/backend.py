@@ -1,0 +1,378 @@
+"""``DcsBackend``: the publisher side of the staged transfer (a :class:`~agentic_lora.backends.Backend`).
+
+Per engine, ``prepare`` runs one *driver* for the attempt: read the sidecar's incarnation, send
+``begin`` with the fixed bucket plan, join the attempt's process group as rank 0, then for every
+bucket in plan order send ``bucket`` and broadcast only when the sidecar answered ``ARMED`` and
+this driver has not broadcast that index yet, then ``end`` and check the READY_LOCAL reply.
+
+Exactly one driver exists per (engine, lora_name, attempt): a second ``prepare`` for the same
+attempt (a reentrant publisher, a retry after a lost reply) awaits the first driver instead of
+starting another, so a key is broadcast at most once by this process. The sidecar arms each key at
+most once, so the two sides always agree on which collectives happen.
+
+A control message whose reply was lost is asked again (``control_replays`` times, default once):
+begin, bucket and end are idempotent on the sidecar, and the answer to the repeat tells the
+driver whether the original was acted on. Generation requests are never repeated; this is the
+control plane.
+
+Outcomes follow the Backend contract: a clean refusal means the sidecar states it holds nothing of
+the attempt (or the very first message never left this process); everything else that fails after
+``begin`` may have left a stash or a load behind and is ambiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import httpx
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.backends import EngineRef, PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.identity import thaw_json
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora_dcs.client import NOT_SENT, SidecarClient
+from agentic_lora_dcs.collective import (
+    SUPPORTED_BACKENDS,
+    AttemptGroup,
+    CollectiveCounter,
+    connect_store,
+    default_backend,
+)
+from agentic_lora_dcs.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_for_snapshot
+from agentic_lora_dcs.protocol import (
+    PROTOCOL_VERSION,
+    BeginReply,
+    BeginRequest,
+    BucketRequest,
+    BucketState,
+    CleanupRequest,
+    CollectiveName,
+    EndRequest,
+    ReadyReply,
+    ReclaimRequest,
+)
+
+__all__ = ["DcsBackend"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_DriverKey = tuple[str, str, int]
+
+
+class DcsBackend:
+    """Publishes adapters to engines through their receiver sidecars over torch.distributed.
+
+    ``sidecars`` maps each engine name to its sidecar's base URL. ``bucket_bytes`` caps one
+    collective; ``collective_backend`` is ``"gloo"`` or ``"nccl"`` (default: NCCL when CUDA is
+    available); ``local_host`` is the interface this process's data plane binds to.
+    """
+
+    def __init__(
+        self,
+        sidecars: Mapping[str, str],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        collective_backend: str | None = None,
+        local_host: str = "127.0.0.1",
+        http_timeout: float = 30.0,
+        end_timeout: float | None = 600.0,
+        control_replays: int = 1,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if not sidecars:
+            raise ConfigurationError("the DCS backend needs one sidecar URL per engine")
+        if bucket_bytes < 1:
+            raise ConfigurationError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if control_replays < 0:
+            raise ConfigurationError(f"control_replays must be >= 0, got {control_replays}")
+        backend = collective_backend or default_backend()
+        if backend not in ("gloo", "nccl") or backend not in SUPPORTED_BACKENDS:
+            raise ConfigurationError(
+                f"collective backend {backend!r} is not available here "
+                f"(available: {SUPPORTED_BACKENDS})"
+            )
+        self.bucket_bytes = bucket_bytes
+        self.collective_backend: CollectiveName = "nccl" if backend == "nccl" else "gloo"
+        self.local_host = local_host
+        self.control_replays = control_replays
+        #: Collectives this process entered, per (lora_name, attempt).
+        self.collectives = CollectiveCounter()
+        self._owns_client = client is None
+        self._http = client or httpx.AsyncClient(timeout=httpx.Timeout(http_timeout))
+        self._sidecars = {
+            name: SidecarClient(url, engine=name, client=self._http, end_timeout=end_timeout)
+            for name, url in sidecars.items()
+        }
+        self._drivers: dict[_DriverKey, asyncio.Task[ReadyReceipt]] = {}
+
+    def _sidecar(self, engine: EngineRef) -> SidecarClient:
+        try:
+            return self._sidecars[engine.name]
+        except KeyError:
+            raise ConfigurationError(
+                f"no DCS sidecar configured for engine {engine.name!r}",
+                engine=engine.name,
+                configured=sorted(self._sidecars),
+            ) from None
+
+    # --- Backend protocol -----------------------------------------------------------------------
+
+    async def incarnation(self, engine: EngineRef) -> str:
+        """The sidecar-plus-engine incarnation (changes when either process restarts)."""
+        return (await self._sidecar(engine).incarnation()).incarnation
+
+    async def prepare(
+        self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
+    ) -> ReadyReceipt:
+        """Stage ``snapshot`` on ``engine`` and return its READY receipt (one driver per attempt)."""
+        if snapshot.digest != target.digest:
+            raise BackendRefusedError(
+                f"snapshot digest {snapshot.digest[:16]} is not the target's {target.digest[:16]}",
+                engine=engine.name,
+                reason="SNAPSHOT_MISMATCH",
+            )
+        key = (engine.name, target.lora_name, target.attempt)
+        task = self._drivers.get(key)
+        if task is None:
+            task = asyncio.create_task(self._drive(engine, target, snapshot))
+            task.add_done_callback(_consume)
+            self._drivers[key] = task
+        else:
+            logger.info(
+                "prepare joins the running driver of %s attempt %d",
+                target.lora_name,
+                target.attempt,
+                extra=_extra(engine, target),
+            )
+        # Shielded: a cancelled caller never cancels a transfer half-way.
+        return await asyncio.shield(task)
+
+    async def cleanup(self, engine: EngineRef, target: PublicationTarget) -> None:
+        """Drop everything of this attempt on the sidecar (stale attempts are fenced there)."""
+        client = self._sidecar(engine)
+        try:
+            reply = await client.cleanup(
+                CleanupRequest(lora_name=target.lora_name, attempt=target.attempt)
+            )
+        except (BackendRefusedError, BackendAmbiguousError) as exc:
+            # A cleanup that did not confirm proves nothing about what the engine holds.
+            raise BackendAmbiguousError(
+                f"cleanup of {target.lora_name} attempt {target.attempt} on {engine.name} "
+                f"not confirmed: {exc.message}",
+                engine=engine.name,
+                reason=exc.details.get("reason", "UNKNOWN"),
+            ) from exc
+        self._forget(engine.name, target.lora_name, target.attempt)
+        logger.info(
+            "cleanup %s attempt %d on %s: %s",
+            target.lora_name,
+            target.attempt,
+            engine.name,
+            reply.outcome,
+            extra=_extra(engine, target),
+        )
+
+    async def reclaim(self, engine: EngineRef, *, lora_name: str, reclaim_id: str) -> None:
+        """Unload ``lora_name`` once its in-flight requests finished (idempotent per name)."""
+        client = self._sidecar(engine)
+        try:
+            reply = await client.reclaim(ReclaimRequest(lora_name=lora_name, reclaim_id=reclaim_id))
+        except (BackendRefusedError, BackendAmbiguousError) as exc:
+            raise BackendAmbiguousError(
+                f"reclaim of {lora_name} on {engine.name} not confirmed: {exc.message}",
+                engine=engine.name,
+                reason=exc.details.get("reason", "UNKNOWN"),
+            ) from exc
+        self._forget(engine.name, lora_name, None)
+        logger.info(
+            "reclaim %s on %s: %s",
+            lora_name,
+            engine.name,
+            reply.outcome,
+            extra={"engine": engine.name, "version": lora_name},
+        )
+
+    async def aclose(self) -> None:
+        """Stop waiting for running drivers and close the HTTP client if this backend made it."""
+        running = [t for t in self._drivers.values() if not t.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+        self._drivers.clear()
+        if self._owns_client:
+            await self._http.aclose()
+
+    # --- the driver -----------------------------------------------------------------------------
+
+    def _forget(self, engine: str, lora_name: str, attempt: int | None) -> None:
+        for key in [k for k in self._drivers if k[0] == engine and k[1] == lora_name]:
+            if (attempt is None or key[2] == attempt) and self._drivers[key].done():
+                del self._drivers[key]
+
+    async def _drive(
+        self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
+    ) -> ReadyReceipt:
+        client = self._sidecar(engine)
+        extra = _extra(engine, target)
+        incarnation = (await client.incarnation()).incarnation
+        plan = await asyncio.to_thread(plan_for_snapshot, snapshot, self.bucket_bytes)
+        begin = BeginRequest(
+            lora_name=target.lora_name,
+            attempt=target.attempt,
+            version_id=target.version_id,
+            digest=target.digest,
+            incarnation=incarnation,
+            config=thaw_json(snapshot.config),
+            plan=plan,
+            backend=self.collective_backend,
+            protocol=PROTOCOL_VERSION,
+        )
+        # Until the sidecar acknowledged Begin, a message that never left here left nothing.
+        began = await self._ask(lambda: client.begin(begin), extra, first=True)
+        group = await self._join(began, target, extra)
+        try:
+            await self._send_buckets(client, group, plan, snapshot, target, incarnation, extra)
+            end = EndRequest(
+                lora_name=target.lora_name, attempt=target.attempt, incarnation=incarnation
+            )
+            ready = await self._ask(lambda: client.end(end), extra, first=False)
+        finally:
+            group.close()
+        return self._receipt(engine, target, incarnation, ready)
+
+    async def _join(
+        self, began: BeginReply, target: PublicationTarget, extra: dict[str, object]
+    ) -> AttemptGroup:
+        rv = began.rendezvous
+        timeout = datetime.timedelta(seconds=rv.timeout_s)
+
+        def join() -> AttemptGroup:
+            store = connect_store(rv.host, rv.port, timeout=timeout)
+            return AttemptGroup.join(
+                store=store,
+                prefix=rv.prefix,
+                rank=0,
+                backend=self.collective_backend,
+                local_host=self.local_host,
+                timeout=timeout,
+                label=(target.lora_name, target.attempt),
+                counter=self.collectives,
+            )
+
+        try:
+            return await asyncio.to_thread(join)
+        except Exception as exc:
+            raise BackendAmbiguousError(
+                f"joining the process group of {target.lora_name} attempt {target.attempt} "
+                f"failed: {exc!r}",
+                reason="TRANSPORT_FAILED",
+                **extra,
+            ) from exc
+
+    async def _send_buckets(
+        self,
+        client: SidecarClient,
+        group: AttemptGroup,
+        plan: BucketPlan,
+        snapshot: AdapterSnapshot,
+        target: PublicationTarget,
+        incarnation: str,
+        extra: dict[str, object],
+    ) -> None:
+        tensors = {blob.name: blob.data for blob in snapshot.tensors}
+        # This driver's half of the collective contract: one pass over the plan, one broadcast at
+        # most per index, and a failed broadcast ends the attempt (it is never sent again).
+        for bucket in plan.buckets:
+            message = BucketRequest(
+                lora_name=target.lora_name,
+                attempt=target.attempt,
+                incarnation=incarnation,
+                index=bucket.index,
+            )
+            reply = await self._ask(functools.partial(client.bucket, message), extra, first=False)
+            if reply.state is BucketState.RECEIVED:
+                # Only possible for a replayed message whose original was armed and completed.
+                continue
+            data = plan.pack(bucket.index, tensors)
+            try:
+                await asyncio.to_thread(group.send, data)
+            except Exception as exc:
+                raise BackendAmbiguousError(
+                    f"broadcast of bucket {bucket.index} failed: {exc!r}",
+                    reason="TRANSPORT_FAILED",
+                    bucket=bucket.index,
+                    **extra,
+                ) from exc
+
+    async def _ask(
+        self, send: Callable[[], Awaitable[_T]], extra: dict[str, object], *, first: bool
+    ) -> _T:
+        """One control message, asked again only when its reply was lost (it is idempotent)."""
+        for replay in range(self.control_replays + 1):
+            try:
+                return await send()
+            except BackendRefusedError as exc:
+                if exc.details.get("reason") == NOT_SENT and not first:
+                    # This message did nothing, but earlier ones of the attempt did.
+                    raise BackendAmbiguousError(exc.message, **exc.details) from exc
+                raise
+            except BackendAmbiguousError as exc:
+                if exc.details.get("reason") not in _LOST_REPLY or replay == self.control_replays:
+                    raise
+                logger.warning(
+                    "control reply lost (%s); asking again",
+                    exc.message,
+                    extra={**extra, "attempt_replay": replay + 1},
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _receipt(
+        self, engine: EngineRef, target: PublicationTarget, incarnation: str, ready: ReadyReply
+    ) -> ReadyReceipt:
+        expected = (target.lora_name, target.attempt, target.version_id, target.digest, incarnation)
+        got = (ready.lora_name, ready.attempt, ready.version_id, ready.digest, ready.incarnation)
+        if got != expected:
+            raise BackendAmbiguousError(
+                f"READY for {got} does not match the attempt {expected}",
+                engine=engine.name,
+                reason="READY_MISMATCH",
+            )
+        logger.info(
+            "READY %s attempt %d on %s (%d collectives)",
+            target.lora_name,
+            target.attempt,
+            engine.name,
+            self.collectives.of(target.lora_name, target.attempt),
+            extra=_extra(engine, target),
+        )
+        return ReadyReceipt(
+            engine=engine.name,
+            version_id=target.version_id,
+            digest=target.digest,
+            lora_name=target.lora_name,
+            attempt=target.attempt,
+            incarnation=ready.incarnation,
+        )
+
+
+# Transport failures after the request was sent: the sidecar may have acted, the reply is gone.
+_LOST_REPLY = frozenset(
+    {"ReadError", "ReadTimeout", "RemoteProtocolError", "WriteError", "WriteTimeout"}
+)
+
+
+def _extra(engine: EngineRef, target: PublicationTarget) -> dict[str, object]:
+    return {"engine": engine.name, "version": target.lora_name, "attempt": target.attempt}
+
+
+def _consume(task: asyncio.Task[ReadyReceipt]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,290 @@
+"""The receiver sidecar process: an HTTP control server plus rank 1 of every attempt's group.
+
+Run one beside each engine::
+
+    python -m agentic_lora_dcs.sidecar --engine-url http://127.0.0.1:30000 \\
+        --store-dir /var/lib/agentic-lora/adapters --host 127.0.0.1 --port 31000
+
+It writes verified adapters under ``--store-dir`` (immutable directories the engine loads from,
+so that directory must be readable by the engine) and talks to the engine's HTTP control
+endpoints. The control API is in :mod:`agentic_lora_dcs.protocol`; every refusal is a
+:class:`~agentic_lora_dcs.protocol.RefusalReply` with HTTP 409 when clean and 503 when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora.store import AdapterStore
+from agentic_lora_dcs.attempts import Refused
+from agentic_lora_dcs.collective import RendezvousServer
+from agentic_lora_dcs.protocol import (
+    PATHS,
+    BeginRequest,
+    BucketRequest,
+    CleanupRequest,
+    EndRequest,
+    Reason,
+    ReclaimRequest,
+    RefusalReply,
+)
+from agentic_lora_dcs.receiver import Receiver
+
+__all__ = ["SidecarConfig", "build_receiver", "create_app", "main", "parse_args", "serve"]
+
+logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class SidecarConfig(BaseModel):
+    """Everything a sidecar needs to start."""
+
+    engine_url: str
+    store_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    rendezvous_port: int = 0
+    collective_timeout_s: float = 300.0
+    probe: bool = True
+    ready_file: Path | None = None
+    engine_name: str | None = None
+
+
+def _refusal(refused: Refused) -> JSONResponse:
+    body = RefusalReply(
+        reason=refused.reason,
+        message=refused.message,
+        clean=refused.clean,
+        details={k: _jsonable(v) for k, v in refused.details.items()},
+    )
+    return JSONResponse(body.model_dump(mode="json"), status_code=409 if refused.clean else 503)
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return str(value)
+    return value
+
+
+def _endpoint(
+    model: type[_M], handler: Callable[[_M], Awaitable[BaseModel]], *, clean_if_malformed: bool
+) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            message = model.model_validate_json(raw)
+        except ValidationError as exc:
+            # A message that does not parse changed nothing; for a Begin that also means the
+            # attempt holds nothing, for a later message its earlier state is untouched.
+            return _refusal(
+                Refused(
+                    Reason.BAD_REQUEST,
+                    f"malformed {model.__name__}: {exc.error_count()} error(s): {exc.errors()[:3]}",
+                    clean=clean_if_malformed,
+                )
+            )
+        try:
+            reply = await handler(message)
+        except Refused as refused:
+            return _refusal(refused)
+        except Exception:
+            logger.exception("sidecar %s failed", request.url.path)
+            return _refusal(
+                Refused(Reason.INTERNAL, "internal error; see sidecar log", clean=False)
+            )
+        return JSONResponse(reply.model_dump(mode="json"))
+
+    return endpoint
+
+
+def create_app(receiver: Receiver, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """The control server for ``receiver`` (``extra_routes`` lets a host add its own)."""
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "sidecar_id": receiver.sidecar_id})
+
+    async def incarnation(_: Request) -> Response:
+        try:
+            reply = await receiver.incarnation()
+        except (BackendRefusedError, BackendAmbiguousError) as exc:
+            return _refusal(Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=True))
+        return JSONResponse(reply.model_dump(mode="json"))
+
+    async def status(_: Request) -> Response:
+        return JSONResponse(receiver.status().model_dump(mode="json"))
+
+    routes: list[BaseRoute] = [
+        Route(PATHS["health"], health, methods=["GET"]),
+        Route(PATHS["incarnation"], incarnation, methods=["GET"]),
+        Route(PATHS["status"], status, methods=["GET"]),
+        Route(
+            PATHS["begin"],
+            _endpoint(BeginRequest, receiver.begin, clean_if_malformed=True),
+            methods=["POST"],
+        ),
+        Route(
+            PATHS["bucket"],
+            _endpoint(BucketRequest, receiver.bucket, clean_if_malformed=False),
+            methods=["POST"],
+        ),
+        Route(
+            PATHS["end"],
+            _endpoint(EndRequest, receiver.end, clean_if_malformed=False),
+            methods=["POST"],
+        ),
+        Route(
+            PATHS["cleanup"],
+            _endpoint(CleanupRequest, receiver.cleanup, clean_if_malformed=False),
+            methods=["POST"],
+        ),
+        Route(
+            PATHS["reclaim"],
+            _endpoint(ReclaimRequest, receiver.reclaim, clean_if_malformed=False),
+            methods=["POST"],
+        ),
+        *extra_routes,
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await receiver.aclose()
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def build_receiver(
+    config: SidecarConfig, *, engine_client: EngineAdminClient | None = None
+) -> tuple[Receiver, EngineAdminClient]:
+    """A receiver wired to the real engine client, adapter store and rendezvous store."""
+    timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+    engine = engine_client or EngineAdminClient(
+        config.engine_url, engine=config.engine_name, timeouts=AdminTimeouts()
+    )
+    store = AdapterStore(config.store_dir)
+    store.discard_partials()
+    rendezvous = RendezvousServer(config.host, config.rendezvous_port, timeout=timeout)
+    receiver = Receiver(
+        engine=engine,
+        store=store,
+        rendezvous=rendezvous,
+        collective_timeout=timeout,
+        probe=config.probe,
+    )
+    return receiver, engine
+
+
+async def serve(config: SidecarConfig, app: Starlette, *, on_ready: Callable[[int], None]) -> None:
+    """Serve ``app`` on ``config.host:config.port`` (0: any free port, reported to on_ready)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    # Listening before uvicorn starts: early connections wait in the backlog, none is refused.
+    sock.listen(128)
+    on_ready(int(sock.getsockname()[1]))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    )
+    await server.serve(sockets=[sock])
+
+
+def write_ready_file(path: Path, payload: dict[str, Any]) -> None:
+    """Atomically publish how to reach this sidecar (for launchers and tests)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m agentic_lora_dcs.sidecar",
+        description="DCS receiver sidecar: staged LoRA publication into one engine.",
+    )
+    parser.add_argument("--engine-url", required=True, help="the engine's HTTP base URL")
+    parser.add_argument("--engine-name", default=None, help="name used in logs")
+    parser.add_argument("--store-dir", required=True, type=Path, help="adapter directory root")
+    parser.add_argument("--host", default="127.0.0.1", help="control and data-plane interface")
+    parser.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+    parser.add_argument("--rendezvous-port", type=int, default=0, help="TCPStore port (0: any)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--no-probe", action="store_true", help="skip the one-token probe")
+    parser.add_argument("--ready-file", type=Path, default=None, help="write the port here")
+    parser.add_argument("--log-level", default="INFO")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return SidecarConfig(
+        engine_url=ns.engine_url,
+        engine_name=ns.engine_name,
+        store_dir=ns.store_dir,
+        host=ns.host,
+        port=ns.port,
+        rendezvous_port=ns.rendezvous_port,
+        collective_timeout_s=ns.collective_timeout,
+        probe=not ns.no_probe,
+        ready_file=ns.ready_file,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m agentic_lora_dcs.sidecar``."""
+    config = parse_args(argv)
+    receiver, engine = build_receiver(config)
+    app = create_app(receiver)
+
+    def ready(port: int) -> None:
+        logger.info(
+            "sidecar %s serving on %s:%d (rendezvous %d), engine %s",
+            receiver.sidecar_id,
+            config.host,
+            port,
+            receiver.rendezvous_port,
+            config.engine_url,
+        )
+        if config.ready_file is not None:
+            write_ready_file(
+                config.ready_file,
+                {
+                    "url": f"http://{config.host}:{port}",
+                    "rendezvous_port": receiver.rendezvous_port,
+                    "sidecar_id": receiver.sidecar_id,
+                    "pid": os.getpid(),
+                },
+            )
+
+    async def run() -> None:
+        try:
+            await serve(config, app, on_ready=ready)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Helpers for the DCS tests: deterministic adapters and sidecar processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from agentic_lora.adapter import AdapterSnapshot, TensorBlob
+from agentic_lora.backends import EngineRef, PublicationTarget
+from agentic_lora.identity import make_lora_name
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 60.0
+
+
+def make_snapshot(
+    seed: int, *, layers: int = 3, hidden: int = 64, rank: int = 4
+) -> AdapterSnapshot:
+    """A small, valid, seeded LoRA adapter (F32, q/v projections)."""
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for layer in range(layers):
+        for module in ("q_proj", "v_proj"):
+            base = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = rng.standard_normal((rank, hidden), dtype=np.float32)
+            b = rng.standard_normal((hidden, rank), dtype=np.float32)
+            blobs.append(TensorBlob(f"{base}.lora_A.weight", "F32", (rank, hidden), a.tobytes()))
+            blobs.append(TensorBlob(f"{base}.lora_B.weight", "F32", (hidden, rank), b.tobytes()))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 8,
+        "target_modules": ["v_proj", "q_proj"],
+        "base_model_name_or_path": "tiny-qwen3",
+    }
+    return AdapterSnapshot.from_blobs(config, blobs)
+
+
+def target_for(snapshot: AdapterSnapshot, version_id: str, attempt: int = 1) -> PublicationTarget:
+    return PublicationTarget(
+        version_id=version_id,
+        digest=snapshot.digest,
+        lora_name=make_lora_name("policy_lora", 0, version_id, snapshot.digest),
+        attempt=attempt,
+    )
+
+
+@dataclass
+class SidecarProcess:
+    """One ``tests.dcs.sidecar_host`` process (real sidecar, scripted engine behind it)."""
+
+    name: str
+    store_dir: Path
+    process: subprocess.Popen[str]
+    url: str
+    sidecar_id: str
+
+    @property
+    def engine(self) -> EngineRef:
+        return EngineRef(self.name, f"http://127.0.0.1:9/{self.name}")
+
+    @classmethod
+    def start(
+        cls, name: str, store_dir: Path, *, collective_timeout: float = 20.0
+    ) -> SidecarProcess:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "plugins")]))
+        env["OMP_NUM_THREADS"] = "1"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.dcs.sidecar_host",
+                "--name",
+                name,
+                "--store-dir",
+                str(store_dir),
+                "--collective-timeout",
+                str(collective_timeout),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = _read_line(process, START_TIMEOUT_S)
+        info = json.loads(line)
+        return cls(name, store_dir, process, info["url"], info["sidecar_id"])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=15)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    # --- test controls (the scripted engine and the receiver's internals) ----------------------
+
+    async def engine_state(self, http: httpx.AsyncClient) -> dict[str, Any]:
+        return (await http.get(f"{self.url}/_test/engine")).raise_for_status().json()  # type: ignore[no-any-return]
+
+    async def restart_engine(self, http: httpx.AsyncClient) -> None:
+        (await http.post(f"{self.url}/_test/engine/restart")).raise_for_status()
+
+    async def script(self, http: httpx.AsyncClient, op: str, *faults: str) -> None:
+        body = {"op": op, "faults": list(faults)}
+        (await http.post(f"{self.url}/_test/engine/script", json=body)).raise_for_status()
+
+    async def stash_bytes(self, http: httpx.AsyncClient) -> int:
+        reply = (await http.get(f"{self.url}/_test/receiver")).raise_for_status().json()
+        return int(reply["stash_bytes"])
+
+    async def status(self, http: httpx.AsyncClient) -> dict[str, Any]:
+        return (await http.get(f"{self.url}/status")).raise_for_status().json()  # type: ignore[no-any-return]
+
+    async def attempt(
+        self, http: httpx.AsyncClient, lora_name: str, attempt: int
+    ) -> dict[str, Any] | None:
+        for view in (await self.status(http))["attempts"]:
+            if view["lora_name"] == lora_name and view["attempt"] == attempt:
+                return view  # type: ignore[no-any-return]
+        return None
+
+
+def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            process.kill()
+            raise RuntimeError(f"sidecar did not report ready within {timeout}s")
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"sidecar exited before it was ready (rc={process.wait()})")
+    return line
