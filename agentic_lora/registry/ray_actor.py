@@ -18,6 +18,7 @@ Ray is an optional extra (``agentic-lora[ray]``); importing this module does not
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,11 @@ class RegistryActor:
             return _failure(exc)
         return {"ok": True, "result": to_wire(result)}
 
+    async def call_batch(self, calls: list[tuple[str, str, Any]]) -> list[dict[str, Any]]:
+        """Many verbs in one actor call; applied in list order, made durable together."""
+        # Each call applies to the core before its first await, so gather keeps list order.
+        return list(await asyncio.gather(*(self.call(v, rid, args) for v, rid, args in calls)))
+
     async def read(self, what: str, version_id: str | None = None) -> dict[str, Any]:
         try:
             if what == "status":
@@ -90,18 +96,53 @@ def _failure(exc: AgenticLoRAError) -> dict[str, Any]:
 
 
 class RayRegistryClient:
-    """Implements :class:`~agentic_lora.registry.api.RegistryAPI` by calling the actor."""
+    """Implements :class:`~agentic_lora.registry.api.RegistryAPI` by calling the actor.
 
-    def __init__(self, actor: Any) -> None:
+    Calls made in the same event-loop turn are coalesced into one actor call (``call_batch``):
+    one Ray round trip carries many Sessions' binds and releases, and the actor makes them durable
+    in one group commit. A lost batch reply fails every call in it; each caller replays its own
+    call with its own request id, as with any lost reply.
+    """
+
+    def __init__(self, actor: Any, *, coalesce: bool = True) -> None:
         self._actor = actor
+        self._coalesce = coalesce
+        self._pending: list[tuple[str, str, Any, asyncio.Future[dict[str, Any]]]] = []
+        self._deliveries: set[asyncio.Task[None]] = set()
 
     @property
     def actor(self) -> Any:
         return self._actor
 
     async def _call(self, verb: str, request_id: str, args: dict[str, Any]) -> Any:
-        reply = await self._actor.call.remote(verb, request_id, to_wire(args))
-        return _unwrap(reply)
+        if not self._coalesce:
+            return _unwrap(await self._actor.call.remote(verb, request_id, to_wire(args)))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((verb, request_id, to_wire(args), fut))
+        return _unwrap(await fut)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        ref = self._actor.call_batch.remote([(v, rid, args) for v, rid, args, _ in batch])
+        task = asyncio.get_running_loop().create_task(self._deliver(ref, [f for *_, f in batch]))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    @staticmethod
+    async def _deliver(ref: Any, futures: list[asyncio.Future[dict[str, Any]]]) -> None:
+        try:
+            replies = await ref
+        except BaseException as exc:  # the reply was lost: every caller learns it
+            for f in futures:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        for f, reply in zip(futures, replies, strict=True):
+            if not f.done():
+                f.set_result(reply)
 
     async def _read(self, what: str, version_id: str | None = None) -> Any:
         return _unwrap(await self._actor.read.remote(what, version_id))
