@@ -1,0 +1,649 @@
+"""Publication: get one version onto every engine, then make it the default, or leave no trace.
+
+::
+
+    reserve ──> per engine, concurrently: observe incarnation -> prepare -> record_ready
+                      │ all READY                                   │ any engine failed
+                      v                                             v
+        observe every incarnation -> commit             abort -> per engine: cleanup -> confirm_cleanup
+                      │                                             │ all confirmed   │ some unconfirmed
+                      v                                             v                 v
+                  PUBLISHED                                    FAILED_CLEAN         BLOCKED
+
+Rules this module keeps, and what each one prevents:
+
+* ``reserve`` comes first and admits capacity before any byte moves: a refused version costs no
+  engine call. After the bootstrap version a capacity refusal is a SKIPPED result (the run goes on
+  with the current default); for the very first version any failure is fatal (raised).
+* Every engine's prepare runs to its own end and is collected as an outcome; one engine failing
+  never cancels another's in-flight load into an unknown state.
+* Each engine's incarnation is observed again right before ``commit``: an engine that restarted
+  since its READY invalidates it in the registry, so ``commit`` refuses and the attempt is cleaned.
+* Registry calls carry request ids. A lost reply (any error that is not a typed registry answer)
+  is replayed with the same id, so a commit whose reply was lost is retried, never doubled. If a
+  commit's outcome stays unknown the candidate is never cleaned: the result is BLOCKED.
+* Cleanup runs on every engine whatever its prepare did; the slot is freed (FAILED_CLEAN) only when
+  every engine confirmed. Anything unconfirmed keeps the slot and blocks later publications
+  (BLOCKED) until :meth:`Publisher.resolve` finishes the cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+from tenacity.wait import wait_base
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.errors import (
+    AgenticLoRAError,
+    BackendAmbiguousError,
+    BackendRefusedError,
+    CapacityError,
+    ConfigurationError,
+    RegistryError,
+)
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import (
+    CommitReceipt,
+    Reservation,
+    ReserveOutcome,
+    VersionState,
+    VersionStatus,
+    new_request_id,
+)
+
+__all__ = [
+    "EngineReport",
+    "Phase",
+    "PhaseEvent",
+    "PhaseRecorder",
+    "PhaseStatus",
+    "PhaseTiming",
+    "PublicationOutcome",
+    "PublicationResult",
+    "Publisher",
+    "ReclaimTrigger",
+    "RegistryRetry",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PublicationOutcome(enum.StrEnum):
+    """How a publication ended."""
+
+    PUBLISHED = "PUBLISHED"  # committed: the version is the default
+    ALREADY_PUBLISHED = "ALREADY_PUBLISHED"  # same id and content was committed before: no-op
+    SKIPPED = "SKIPPED"  # capacity refused after bootstrap; nothing was transferred
+    FAILED_CLEAN = "FAILED_CLEAN"  # aborted; every engine confirmed cleanup; slot freed
+    BLOCKED = "BLOCKED"  # outcome or cleanup unconfirmed: slot held, publications blocked
+
+
+class Phase(enum.StrEnum):
+    """Steps of publication and reclaim (per engine, or fleet-wide when ``engine`` is None)."""
+
+    RESERVE = "reserve"
+    OBSERVE = "observe_incarnation"
+    PREPARE = "prepare"
+    RECORD_READY = "record_ready"
+    COMMIT = "commit"
+    ABORT = "abort"
+    CLEANUP = "cleanup"
+    CONFIRM_CLEANUP = "confirm_cleanup"
+    CLAIM_RECLAIM = "claim_reclaim"
+    RECLAIM = "reclaim"
+    CONFIRM_RECLAIM = "confirm_reclaim"
+
+
+class PhaseStatus(enum.StrEnum):
+    STARTED = "STARTED"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseEvent:
+    """What a progress callback receives: a phase started, finished or failed on an engine."""
+
+    engine: str | None
+    phase: Phase
+    status: PhaseStatus
+    seconds: float | None = None
+    error_code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTiming:
+    """How long one phase took on one engine (``engine`` None: fleet-wide)."""
+
+    engine: str | None
+    phase: Phase
+    seconds: float
+    ok: bool
+    error_code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """One engine's part in a publication."""
+
+    engine: str
+    ready: bool = False
+    cleaned: bool | None = None  # None: no cleanup was needed
+    error_code: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PublicationResult:
+    """The outcome of :meth:`Publisher.publish` or :meth:`Publisher.resolve`."""
+
+    version_id: str
+    digest: str
+    outcome: PublicationOutcome
+    bootstrap: bool
+    lora_name: str | None = None
+    attempt: int | None = None
+    commit: CommitReceipt | None = None
+    reason: str | None = None
+    engines: tuple[EngineReport, ...] = ()
+    timings: tuple[PhaseTiming, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """The version is (now or already) the committed one it names."""
+        return self.outcome in (PublicationOutcome.PUBLISHED, PublicationOutcome.ALREADY_PUBLISHED)
+
+    def seconds(self, phase: Phase, engine: str | None = None) -> float:
+        """Total time spent in ``phase`` on ``engine`` (fleet-wide phases: ``engine=None``)."""
+        return sum(t.seconds for t in self.timings if t.phase is phase and t.engine == engine)
+
+
+class ReclaimTrigger(Protocol):
+    """The part of a reclaimer the publisher uses (see :class:`agentic_lora.reclaimer.Reclaimer`)."""
+
+    def poke(self) -> None: ...
+
+    async def reclaim_once(self) -> object: ...
+
+
+def _is_lost_reply(exc: BaseException) -> bool:
+    # A typed error is the registry's answer; anything else may have been a lost reply.
+    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
+
+
+@dataclass(frozen=True)
+class RegistryRetry:
+    """Replays a registry call (same request id) when its reply may have been lost."""
+
+    attempts: int = 5
+    wait: wait_base = field(default_factory=lambda: wait_exponential(multiplier=0.05, max=2.0))
+
+    async def call(self, verb: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` until it answers (or raises a typed error); re-raise the last lost reply."""
+
+        def _log(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            logger.warning(
+                "registry %s reply lost (%r); replaying with the same request id",
+                verb,
+                exc,
+                extra={"attempt": state.attempt_number},
+            )
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=self.wait,
+            retry=retry_if_exception(_is_lost_reply),
+            before_sleep=_log,
+            reraise=True,
+        )
+
+        async def attempt() -> T:
+            # A coroutine function, so tenacity awaits each try (a lambda would not be awaited).
+            return await fn()
+
+        result: T = await retrying(attempt)
+        return result
+
+
+class PhaseRecorder:
+    """Collects phase timings of one publication or reclaim and forwards progress events."""
+
+    def __init__(
+        self, clock: Callable[[], float], on_progress: Callable[[PhaseEvent], None] | None
+    ) -> None:
+        self._clock = clock
+        self._on_progress = on_progress
+        self.timings: list[PhaseTiming] = []
+
+    def _emit(self, event: PhaseEvent) -> None:
+        if self._on_progress is None:
+            return
+        try:
+            self._on_progress(event)
+        except Exception:
+            logger.exception("progress callback failed")
+
+    @contextlib.asynccontextmanager
+    async def phase(self, engine: str | None, phase: Phase) -> AsyncIterator[None]:
+        """Time the enclosed block as ``phase`` on ``engine`` (a failure is recorded and re-raised)."""
+        start = self._clock()
+        self._emit(PhaseEvent(engine, phase, PhaseStatus.STARTED))
+        try:
+            yield
+        except BaseException as exc:
+            seconds = self._clock() - start
+            code = getattr(exc, "code", type(exc).__name__)
+            self.timings.append(PhaseTiming(engine, phase, seconds, False, code))
+            self._emit(PhaseEvent(engine, phase, PhaseStatus.FAILED, seconds, code))
+            raise
+        seconds = self._clock() - start
+        self.timings.append(PhaseTiming(engine, phase, seconds, True))
+        self._emit(PhaseEvent(engine, phase, PhaseStatus.DONE, seconds))
+
+
+@dataclass
+class _Run:
+    """Mutable state of one publish/resolve call."""
+
+    version_id: str
+    digest: str
+    bootstrap: bool
+    recorder: PhaseRecorder
+    reservation: Reservation | None = None
+    reports: dict[str, EngineReport] = field(default_factory=dict)
+
+    def result(
+        self,
+        outcome: PublicationOutcome,
+        *,
+        reason: str | None = None,
+        commit: CommitReceipt | None = None,
+        attempt: int | None = None,
+        lora_name: str | None = None,
+    ) -> PublicationResult:
+        res = self.reservation
+        return PublicationResult(
+            version_id=self.version_id,
+            digest=self.digest,
+            outcome=outcome,
+            bootstrap=self.bootstrap,
+            lora_name=lora_name or (res.lora_name if res else None),
+            attempt=attempt or (res.attempt if res else None),
+            commit=commit,
+            reason=reason,
+            engines=tuple(self.reports[name] for name in sorted(self.reports)),
+            timings=tuple(self.recorder.timings),
+        )
+
+
+class Publisher:
+    """Publishes versions through ``backend`` onto the fixed fleet ``engines`` (one at a time).
+
+    ``reclaimer`` (optional) is poked after every commit and asked for one reclaim round when a
+    reservation hits capacity. ``on_progress`` receives a :class:`PhaseEvent` per phase start and
+    end (for a CLI). ``clock`` only feeds the timings.
+    """
+
+    def __init__(
+        self,
+        registry: RegistryAPI,
+        backend: Backend,
+        engines: Sequence[EngineRef],
+        *,
+        reclaimer: ReclaimTrigger | None = None,
+        on_progress: Callable[[PhaseEvent], None] | None = None,
+        registry_retry: RegistryRetry | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        names = [e.name for e in engines]
+        if not names or len(set(names)) != len(names):
+            raise ConfigurationError(
+                f"the fleet needs distinct engines, got {names}", engines=names
+            )
+        self.registry = registry
+        self.backend = backend
+        self.engines: tuple[EngineRef, ...] = tuple(engines)
+        self.reclaimer = reclaimer
+        self.on_progress = on_progress
+        self.retry = registry_retry or RegistryRetry()
+        self._clock = clock
+        self._lock = asyncio.Lock()
+
+    # --- public verbs -------------------------------------------------------------------------
+
+    async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationResult:
+        """Publish ``snapshot`` as ``version_id`` and make it the default (see module docstring).
+
+        Raises typed registry errors for bad requests (VERSION_CONFLICT, PUBLICATION_BLOCKED, ...)
+        and, for the bootstrap version, any failure. Returns a result otherwise.
+        """
+        async with self._lock:
+            status = await self.registry.status()
+            run = _Run(
+                version_id,
+                snapshot.digest,
+                bootstrap=status.default_version is None,
+                recorder=PhaseRecorder(self._clock, self.on_progress),
+            )
+            reservation = await self._reserve(run)
+            if reservation is None:
+                return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
+            run.reservation = reservation
+            self._check_fleet(reservation.engines)
+            if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
+                # Same id, same content, committed before: nothing to load, nothing to switch.
+                return run.result(PublicationOutcome.ALREADY_PUBLISHED)
+            target = PublicationTarget(
+                version_id, snapshot.digest, reservation.lora_name, reservation.attempt
+            )
+            result = await self._prepare_and_commit(run, target, snapshot, status.default_revision)
+            return self._final(run, result)
+
+    async def resolve(self, version_id: str) -> PublicationResult:
+        """Finish a publication left LOADING or ABORTED (a crash, a BLOCKED result).
+
+        A LOADING version is aborted first. Cleanup runs on every engine that has not confirmed
+        it; the slot is freed only when all have.
+        """
+        async with self._lock:
+            status = await self.registry.version(version_id)
+            run = _Run(
+                version_id,
+                status.digest,
+                bootstrap=False,
+                recorder=PhaseRecorder(self._clock, self.on_progress),
+            )
+            if status.state not in (VersionState.LOADING, VersionState.ABORTED):
+                return run.result(
+                    PublicationOutcome.FAILED_CLEAN
+                    if status.state is VersionState.FAILED_CLEAN
+                    else PublicationOutcome.ALREADY_PUBLISHED,
+                    reason=f"nothing to resolve: {status.state.value}",
+                    attempt=status.attempt,
+                    lora_name=status.lora_name,
+                )
+            target = PublicationTarget(version_id, status.digest, status.lora_name, status.attempt)
+            return await self._abort_and_clean(
+                run, target, reason="resolved by operator", skip=set(status.cleaned_engines)
+            )
+
+    # --- steps --------------------------------------------------------------------------------
+
+    async def _reserve(self, run: _Run) -> Reservation | None:
+        request_id = new_request_id()
+
+        async def reserve() -> Reservation:
+            async with run.recorder.phase(None, Phase.RESERVE):
+                return await self.retry.call(
+                    "reserve",
+                    lambda: self.registry.reserve(
+                        request_id=request_id, version_id=run.version_id, digest=run.digest
+                    ),
+                )
+
+        try:
+            return await reserve()
+        except CapacityError as exc:
+            if self.reclaimer is None:
+                self._skip(run, exc)
+                return None
+        # Capacity is full: one reclaim round may free a retired version's slot.
+        await self.reclaimer.reclaim_once()
+        try:
+            return await reserve()
+        except CapacityError as exc:
+            self._skip(run, exc)
+            return None
+
+    def _skip(self, run: _Run, exc: CapacityError) -> None:
+        if run.bootstrap:
+            raise exc
+        logger.warning(
+            "publication of %s skipped: no free version slot; the current default stays",
+            run.version_id,
+            extra={"version": run.version_id},
+        )
+
+    def _check_fleet(self, engines: Sequence[str]) -> None:
+        mine = sorted(e.name for e in self.engines)
+        if sorted(engines) != mine:
+            raise ConfigurationError(
+                f"publisher fleet {mine} is not the registry's {sorted(engines)}",
+                publisher=mine,
+                registry=sorted(engines),
+            )
+
+    async def _prepare_and_commit(
+        self, run: _Run, target: PublicationTarget, snapshot: AdapterSnapshot, revision: int
+    ) -> PublicationResult:
+        reports = await self._each_engine(lambda e: self._prepare_one(run, e, target, snapshot))
+        run.reports.update({r.engine: r for r in reports})
+        failed = [r for r in reports if not r.ready]
+        if failed:
+            reason = "; ".join(f"{r.engine}: {r.error_code}" for r in failed)
+            return await self._abort_and_clean(run, target, reason=f"prepare failed ({reason})")
+        # Right before commit: an engine that restarted since its READY must not count.
+        restarted = await self._each_engine(lambda e: self._observe(run, e))
+        unreadable = [r for r in restarted if r.error_code is not None]
+        if unreadable:
+            for r in unreadable:
+                run.reports[r.engine] = r
+            names = ", ".join(r.engine for r in unreadable)
+            return await self._abort_and_clean(
+                run, target, reason=f"incarnation unknown before commit ({names})"
+            )
+        return await self._commit(run, target, revision)
+
+    async def _prepare_one(
+        self, run: _Run, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
+    ) -> EngineReport:
+        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        try:
+            await self._observe_or_raise(run, engine)
+            async with run.recorder.phase(engine.name, Phase.PREPARE):
+                receipt = await self.backend.prepare(engine, target, snapshot)
+            request_id = new_request_id()
+            async with run.recorder.phase(engine.name, Phase.RECORD_READY):
+                await self.retry.call(
+                    "record_ready",
+                    lambda: self.registry.record_ready(request_id=request_id, receipt=receipt),
+                )
+        except Exception as exc:
+            # Collected, not propagated: the other engines' prepares run to their own end.
+            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            logger.warning("prepare failed on %s: %s", engine.name, exc, extra=extra)
+            return EngineReport(engine.name, ready=False, error_code=code, error=str(exc))
+        logger.info("READY on %s", engine.name, extra=extra)
+        return EngineReport(engine.name, ready=True)
+
+    async def _observe_or_raise(self, run: _Run, engine: EngineRef) -> None:
+        async with run.recorder.phase(engine.name, Phase.OBSERVE):
+            incarnation = await self.backend.incarnation(engine)
+            request_id = new_request_id()
+            await self.retry.call(
+                "observe_incarnation",
+                lambda: self.registry.observe_incarnation(
+                    request_id=request_id, engine=engine.name, incarnation=incarnation
+                ),
+            )
+
+    async def _observe(self, run: _Run, engine: EngineRef) -> EngineReport:
+        try:
+            await self._observe_or_raise(run, engine)
+        except Exception as exc:
+            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            return EngineReport(engine.name, ready=True, error_code=code, error=str(exc))
+        return EngineReport(engine.name, ready=True)
+
+    async def _commit(
+        self, run: _Run, target: PublicationTarget, revision: int
+    ) -> PublicationResult:
+        request_id = new_request_id()
+        extra = {"version": target.version_id, "attempt": target.attempt}
+        try:
+            async with run.recorder.phase(None, Phase.COMMIT):
+                receipt = await self.retry.call(
+                    "commit",
+                    lambda: self.registry.commit(
+                        request_id=request_id,
+                        version_id=target.version_id,
+                        attempt=target.attempt,
+                        expected_default_revision=revision,
+                    ),
+                )
+        except RegistryError as exc:
+            # A definite refusal (an engine restarted, the default moved): nothing was switched.
+            return await self._abort_and_clean(run, target, reason=f"commit refused: {exc.code}")
+        except Exception as exc:
+            # Unknown: the commit may have happened. Cleaning B now could unload the default.
+            logger.error("commit of %s unconfirmed: %r", target.version_id, exc, extra=extra)
+            return run.result(
+                PublicationOutcome.BLOCKED,
+                reason=f"commit unconfirmed ({type(exc).__name__}); publish the same version again",
+            )
+        logger.info(
+            "%s is the default (revision %d)",
+            target.version_id,
+            receipt.default_revision,
+            extra=extra,
+        )
+        if self.reclaimer is not None:
+            self.reclaimer.poke()
+        return run.result(PublicationOutcome.PUBLISHED, commit=receipt)
+
+    async def _abort_and_clean(
+        self,
+        run: _Run,
+        target: PublicationTarget,
+        *,
+        reason: str,
+        skip: set[str] | None = None,
+    ) -> PublicationResult:
+        extra = {"version": target.version_id, "attempt": target.attempt}
+        request_id = new_request_id()
+        try:
+            async with run.recorder.phase(None, Phase.ABORT):
+                await self.retry.call(
+                    "abort",
+                    lambda: self.registry.abort(
+                        request_id=request_id,
+                        version_id=target.version_id,
+                        attempt=target.attempt,
+                        reason=reason,
+                    ),
+                )
+        except Exception as exc:
+            logger.error("abort of %s unconfirmed: %r", target.version_id, exc, extra=extra)
+            return run.result(
+                PublicationOutcome.BLOCKED,
+                reason=f"{reason}; abort unconfirmed ({type(exc).__name__})",
+                attempt=target.attempt,
+                lora_name=target.lora_name,
+            )
+        skipped = skip or set()
+        todo = [e for e in self.engines if e.name not in skipped]
+        cleaned = await self._each_engine(lambda e: self._clean_one(run, e, target), todo)
+        for report in cleaned:
+            previous = run.reports.get(report.engine)
+            run.reports[report.engine] = EngineReport(
+                report.engine,
+                ready=previous.ready if previous else False,
+                cleaned=report.cleaned,
+                error_code=report.error_code or (previous.error_code if previous else None),
+                error=report.error or (previous.error if previous else None),
+            )
+        unconfirmed = [r.engine for r in cleaned if not r.cleaned]
+        if unconfirmed:
+            logger.error(
+                "cleanup of %s unconfirmed on %s; its slot stays held",
+                target.version_id,
+                unconfirmed,
+                extra=extra,
+            )
+            return run.result(
+                PublicationOutcome.BLOCKED,
+                reason=f"{reason}; cleanup unconfirmed on {', '.join(unconfirmed)}",
+                attempt=target.attempt,
+                lora_name=target.lora_name,
+            )
+        logger.info("%s failed clean: %s", target.version_id, reason, extra=extra)
+        return run.result(
+            PublicationOutcome.FAILED_CLEAN,
+            reason=reason,
+            attempt=target.attempt,
+            lora_name=target.lora_name,
+        )
+
+    async def _clean_one(
+        self, run: _Run, engine: EngineRef, target: PublicationTarget
+    ) -> EngineReport:
+        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        try:
+            async with run.recorder.phase(engine.name, Phase.CLEANUP):
+                # A refusal means, by contract, that the engine holds nothing of this attempt.
+                with contextlib.suppress(BackendRefusedError):
+                    await self.backend.cleanup(engine, target)
+            request_id = new_request_id()
+            async with run.recorder.phase(engine.name, Phase.CONFIRM_CLEANUP):
+                status: VersionStatus = await self.retry.call(
+                    "confirm_cleanup",
+                    lambda: self.registry.confirm_cleanup(
+                        request_id=request_id,
+                        version_id=target.version_id,
+                        attempt=target.attempt,
+                        engine=engine.name,
+                    ),
+                )
+        except Exception as exc:
+            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            logger.warning("cleanup unconfirmed on %s: %s", engine.name, exc, extra=extra)
+            return EngineReport(engine.name, cleaned=False, error_code=code, error=str(exc))
+        logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)
+        return EngineReport(engine.name, cleaned=True)
+
+    async def _each_engine(
+        self,
+        work: Callable[[EngineRef], Coroutine[Any, Any, EngineReport]],
+        engines: Sequence[EngineRef] | None = None,
+    ) -> list[EngineReport]:
+        # ``work`` never raises (it returns a report), so no sibling is ever cancelled.
+        async with asyncio.TaskGroup() as group:
+            tasks: list[asyncio.Task[EngineReport]] = [
+                group.create_task(work(e)) for e in (engines or self.engines)
+            ]
+        return [t.result() for t in tasks]
+
+    def _final(self, run: _Run, result: PublicationResult) -> PublicationResult:
+        if run.bootstrap and not result.ok:
+            # The very first version failed: there is nothing to fall back to.
+            error_cls: type[AgenticLoRAError] = (
+                BackendRefusedError
+                if result.outcome is PublicationOutcome.FAILED_CLEAN
+                else BackendAmbiguousError
+            )
+            raise error_cls(
+                f"bootstrap publication of {run.version_id} failed: {result.reason}",
+                version=run.version_id,
+                outcome=result.outcome.value,
+                result=result,
+            )
+        return result

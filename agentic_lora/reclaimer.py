@@ -1,0 +1,280 @@
+"""Reclaim: unload a retired version from every engine once no Session can ask for it again.
+
+::
+
+    RETIRED, 0 Session refs --claim_reclaim--> RECLAIMING (stable reclaim id; dispatch refused)
+        per engine not yet confirmed, concurrently: backend.reclaim -> confirm_reclaim
+        every engine confirmed --> RECLAIMED (slot freed)
+
+Two owners decide when a version may go, and neither is duplicated here: the registry's Session
+refs say when reclaim may *start* (no Session bound to it), the engine's native request refcount
+says when the physical unload may *happen* (the backend's unload waits for it).
+
+* The claim is idempotent and carries a stable reclaim id, so a retried round resumes the same
+  reclaim and skips engines the registry already counts as confirmed.
+* One reclaim per version runs at a time in this process; a second request joins it, so an engine
+  is never asked twice concurrently.
+* An engine whose unload is not confirmed keeps the slot held (the version stays RECLAIMING) and is
+  retried by a later round; a retry after a lost receipt finds the name absent, which confirms it
+  without a second physical unload.
+
+:meth:`Reclaimer.reclaim_once` runs one round on demand. :meth:`Reclaimer.start` runs rounds in the
+background, each woken by :meth:`Reclaimer.poke` (after a commit, after a Session release) and, if
+``retry_interval`` is set, again after that long while some reclaim is unconfirmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.errors import AgenticLoRAError, ConfigurationError, SessionStillBoundError
+from agentic_lora.publisher import Phase, PhaseEvent, PhaseRecorder, PhaseTiming, RegistryRetry
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
+
+__all__ = ["ReclaimOutcome", "ReclaimReport", "ReclaimResult", "Reclaimer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ReclaimOutcome(enum.StrEnum):
+    RECLAIMED = "RECLAIMED"  # every engine confirmed; slot freed
+    PENDING = "PENDING"  # claimed, some engine unconfirmed; slot held, retried later
+    STILL_BOUND = "STILL_BOUND"  # a Session holds it again; not claimed
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """One version's reclaim round."""
+
+    version_id: str
+    outcome: ReclaimOutcome
+    lora_name: str | None = None
+    reclaim_id: str | None = None
+    confirmed: tuple[str, ...] = ()
+    unconfirmed: tuple[str, ...] = ()
+    errors: tuple[tuple[str, str], ...] = ()  # (engine, error code)
+    timings: tuple[PhaseTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReclaimReport:
+    """One round over every eligible version."""
+
+    results: tuple[ReclaimResult, ...] = ()
+
+    @property
+    def reclaimed(self) -> tuple[str, ...]:
+        return tuple(r.version_id for r in self.results if r.outcome is ReclaimOutcome.RECLAIMED)
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return tuple(r.version_id for r in self.results if r.outcome is ReclaimOutcome.PENDING)
+
+
+class Reclaimer:
+    """Reclaims retired versions through ``backend`` on the fixed fleet ``engines``."""
+
+    def __init__(
+        self,
+        registry: RegistryAPI,
+        backend: Backend,
+        engines: Sequence[EngineRef],
+        *,
+        registry_retry: RegistryRetry | None = None,
+        on_progress: Callable[[PhaseEvent], None] | None = None,
+        retry_interval: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        names = [e.name for e in engines]
+        if not names or len(set(names)) != len(names):
+            raise ConfigurationError(
+                f"the fleet needs distinct engines, got {names}", engines=names
+            )
+        self.registry = registry
+        self.backend = backend
+        self.engines: tuple[EngineRef, ...] = tuple(engines)
+        self.retry = registry_retry or RegistryRetry()
+        self.on_progress = on_progress
+        self.retry_interval = retry_interval
+        self._clock = clock
+        self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Condition()
+        self._busy = False
+        self._loop_task: asyncio.Task[None] | None = None
+        #: Rounds the background loop has finished (for observers and tests).
+        self.rounds = 0
+
+    # --- on demand ---------------------------------------------------------------------------
+
+    async def reclaim_once(self) -> ReclaimReport:
+        """Reclaim every RETIRED version without Session refs, and resume RECLAIMING ones."""
+        status = await self.registry.status()
+        eligible = [
+            v.version_id
+            for v in status.versions
+            if v.state is VersionState.RECLAIMING
+            or (v.state is VersionState.RETIRED and v.session_refs == 0)
+        ]
+        if not eligible:
+            return ReclaimReport()
+        results = await asyncio.gather(*(self.reclaim_version(v) for v in eligible))
+        return ReclaimReport(tuple(results))
+
+    async def reclaim_version(self, version_id: str) -> ReclaimResult:
+        """Reclaim one version (joins a reclaim of it already running in this process)."""
+        task = self._inflight.get(version_id)
+        if task is None:
+            task = asyncio.ensure_future(self._reclaim(version_id))
+            self._inflight[version_id] = task
+            task.add_done_callback(lambda _: self._inflight.pop(version_id, None))
+        # Shielded: a caller that gives up must not cancel an unload other callers wait on.
+        return await asyncio.shield(task)
+
+    # --- background ---------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Ask the background loop for a round (after a commit or a Session release)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run rounds in the background until :meth:`stop`."""
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop the background loop (an unload in flight finishes; its result is kept)."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for inflight in list(self._inflight.values()):
+            with contextlib.suppress(Exception):
+                await inflight
+
+    async def settled(self) -> None:
+        """Return once no poke is pending and no background round is running."""
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self._wake.is_set() and not self._busy)
+
+    async def __aenter__(self) -> Reclaimer:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        pending = False
+        while True:
+            if pending and self.retry_interval is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.retry_interval)
+            else:
+                await self._wake.wait()
+            async with self._idle:
+                # Cleared before the round: a poke during it triggers another round.
+                self._wake.clear()
+                self._busy = True
+            try:
+                report = await self.reclaim_once()
+                pending = bool(report.pending)
+            except Exception:
+                logger.exception("reclaim round failed")
+                pending = True
+            finally:
+                async with self._idle:
+                    self._busy = False
+                    self.rounds += 1
+                    self._idle.notify_all()
+
+    # --- one version --------------------------------------------------------------------------
+
+    async def _reclaim(self, version_id: str) -> ReclaimResult:
+        recorder = PhaseRecorder(self._clock, self.on_progress)
+        request_id = new_request_id()
+        try:
+            async with recorder.phase(None, Phase.CLAIM_RECLAIM):
+                claim: ReclaimClaim = await self.retry.call(
+                    "claim_reclaim",
+                    lambda: self.registry.claim_reclaim(
+                        request_id=request_id, version_id=version_id
+                    ),
+                )
+        except SessionStillBoundError:
+            return ReclaimResult(
+                version_id, ReclaimOutcome.STILL_BOUND, timings=tuple(recorder.timings)
+            )
+        extra = {"version": version_id}
+        by_name = {e.name: e for e in self.engines}
+        if sorted(claim.engines) != sorted(by_name):
+            raise ConfigurationError(
+                f"reclaimer fleet {sorted(by_name)} is not the registry's {sorted(claim.engines)}",
+                reclaimer=sorted(by_name),
+                registry=sorted(claim.engines),
+            )
+        todo = [by_name[name] for name in claim.engines if name not in claim.confirmed]
+        outcomes = await asyncio.gather(*(self._reclaim_on(recorder, e, claim) for e in todo))
+        confirmed = set(claim.confirmed)
+        errors: list[tuple[str, str]] = []
+        for engine, outcome in zip(todo, outcomes, strict=True):
+            if isinstance(outcome, str):
+                errors.append((engine.name, outcome))
+            else:
+                confirmed.add(engine.name)
+        unconfirmed = tuple(e for e in claim.engines if e not in confirmed)
+        outcome_kind = ReclaimOutcome.PENDING if unconfirmed else ReclaimOutcome.RECLAIMED
+        if unconfirmed:
+            logger.warning(
+                "reclaim of %s unconfirmed on %s; its slot stays held",
+                version_id,
+                unconfirmed,
+                extra=extra,
+            )
+        else:
+            logger.info("%s reclaimed on every engine", version_id, extra=extra)
+        return ReclaimResult(
+            version_id,
+            outcome_kind,
+            lora_name=claim.lora_name,
+            reclaim_id=claim.reclaim_id,
+            confirmed=tuple(e for e in claim.engines if e in confirmed),
+            unconfirmed=unconfirmed,
+            errors=tuple(errors),
+            timings=tuple(recorder.timings),
+        )
+
+    async def _reclaim_on(
+        self, recorder: PhaseRecorder, engine: EngineRef, claim: ReclaimClaim
+    ) -> VersionStatus | str:
+        """The registry's status after this engine's confirmation, or the failure's code."""
+        extra = {"engine": engine.name, "version": claim.version_id}
+        try:
+            async with recorder.phase(engine.name, Phase.RECLAIM):
+                await self.backend.reclaim(
+                    engine, lora_name=claim.lora_name, reclaim_id=claim.reclaim_id
+                )
+            request_id = new_request_id()
+            async with recorder.phase(engine.name, Phase.CONFIRM_RECLAIM):
+                return await self.retry.call(
+                    "confirm_reclaim",
+                    lambda: self.registry.confirm_reclaim(
+                        request_id=request_id,
+                        version_id=claim.version_id,
+                        reclaim_id=claim.reclaim_id,
+                        engine=engine.name,
+                    ),
+                )
+        except Exception as exc:
+            # Collected: the other engines' unloads run to their own end.
+            logger.warning("reclaim unconfirmed on %s: %s", engine.name, exc, extra=extra)
+            return exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__

@@ -1,0 +1,63 @@
+"""A fleet of scripted SGLang engines behind one respx router, for tests of whole flows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+
+import respx
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
+
+__all__ = ["ScriptedFleet"]
+
+
+class ScriptedFleet:
+    """``ScriptedSGLangEngine`` per name at ``127.0.0.1:<base_port + i>``, routed while entered.
+
+    Use as a context manager (sync or async); every HTTP request made through ``httpx`` to one of
+    the engines' URLs is answered by that engine, anything else fails loudly.
+    """
+
+    def __init__(self, names: Sequence[str] = ("e0", "e1"), *, base_port: int = 31000) -> None:
+        self.engines: dict[str, ScriptedSGLangEngine] = {
+            name: ScriptedSGLangEngine(name, f"http://127.0.0.1:{base_port + i}")
+            for i, name in enumerate(names)
+        }
+        self.refs: tuple[EngineRef, ...] = tuple(
+            EngineRef(e.name, e.base_url) for e in self.engines.values()
+        )
+        self.router = respx.mock(assert_all_called=False, assert_all_mocked=True)
+        for engine in self.engines.values():
+            engine.mount(self.router)
+
+    def __getitem__(self, name: str) -> ScriptedSGLangEngine:
+        return self.engines[name]
+
+    def calls(self, op: EngineOp | None = None) -> int:
+        """Requests that reached any engine (of one operation, or all)."""
+        return sum(len(e.calls) if op is None else e.count(op) for e in self.engines.values())
+
+    def __enter__(self) -> ScriptedFleet:
+        self.router.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.router.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> ScriptedFleet:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)

@@ -1,0 +1,566 @@
+"""Publication against scripted SGLang engines (respx) and the real LocalRegistry.
+
+One named test per publication row of the RFC's fault table (section 7.1), plus the publisher's
+own rules (bootstrap, skip on capacity, blocked on unknown outcomes, progress and timings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from agentic_lora_http import HttpPushBackend
+from tenacity import wait_none
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.backends import PublicationTarget
+from agentic_lora.errors import (
+    BackendAmbiguousError,
+    BackendRefusedError,
+    PublicationBlockedError,
+    VersionConflictError,
+)
+from agentic_lora.identity import make_lora_name
+from agentic_lora.publisher import (
+    Phase,
+    PhaseEvent,
+    PhaseStatus,
+    PublicationOutcome,
+    Publisher,
+    RegistryRetry,
+)
+from agentic_lora.reclaimer import Reclaimer
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import Binding, VersionState, new_request_id
+from agentic_lora.testing.adapters import tiny_snapshot
+from agentic_lora.testing.fleet import ScriptedFleet
+from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+
+A = tiny_snapshot(1)
+B = tiny_snapshot(2)
+C = tiny_snapshot(3)
+FAST = RegistryRetry(attempts=3, wait=wait_none())
+
+
+class Progress:
+    """Collects progress events; hands out asyncio.Events that fire on a matching one."""
+
+    def __init__(self) -> None:
+        self.events: list[PhaseEvent] = []
+        self._waiters: list[tuple[Callable[[PhaseEvent], bool], asyncio.Event]] = []
+
+    def __call__(self, event: PhaseEvent) -> None:
+        self.events.append(event)
+        for matches, flag in self._waiters:
+            if matches(event):
+                flag.set()
+
+    def when(
+        self, engine: str | None, phase: Phase, status: PhaseStatus = PhaseStatus.DONE
+    ) -> asyncio.Event:
+        flag = asyncio.Event()
+        self._waiters.append(
+            (lambda e: (e.engine, e.phase, e.status) == (engine, phase, status), flag)
+        )
+        return flag
+
+
+class LossyRegistry:
+    """The real registry behind a link that can drop replies: the call runs, its answer is lost."""
+
+    def __init__(self, inner: LocalRegistry) -> None:
+        self.inner = inner
+        self.drop: Counter[str] = Counter()
+        self.seen: list[tuple[str, str | None]] = []
+
+    def __getattr__(self, verb: str) -> Any:
+        target = getattr(self.inner, verb)
+        if not asyncio.iscoroutinefunction(target):
+            return target
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append((verb, kwargs.get("request_id")))
+            result = await target(*args, **kwargs)
+            if self.drop[verb] > 0:
+                self.drop[verb] -= 1
+                raise ConnectionError(f"{verb} reply lost")
+            return result
+
+        return call
+
+
+@dataclass
+class World:
+    fleet: ScriptedFleet
+    registry: LocalRegistry
+    link: LossyRegistry
+    backend: HttpPushBackend
+    publisher: Publisher
+    reclaimer: Reclaimer
+    progress: Progress
+    store: Path
+    sessions: dict[str, Binding] = field(default_factory=dict)
+
+    async def bind(self, key: str) -> Binding:
+        binding = await self.registry.bind_first(request_id=new_request_id(), session_key=key)
+        self.sessions[key] = binding
+        return binding
+
+    async def close(self, key: str) -> None:
+        await self.registry.begin_close(request_id=new_request_id(), session_key=key)
+        await self.registry.release(request_id=new_request_id(), session_key=key)
+
+    async def default(self) -> str | None:
+        return (await self.registry.status()).default_version
+
+    async def slots(self) -> int:
+        return (await self.registry.status()).slots_in_use
+
+    def state(self, version_id: str) -> VersionState:
+        status = self.registry.peek_version(version_id)
+        assert status is not None
+        return status.state
+
+    def name(self, version_id: str) -> str:
+        status = self.registry.peek_version(version_id)
+        assert status is not None
+        return status.lora_name
+
+
+@pytest_asyncio.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    with ScriptedFleet(("e0", "e1")) as fleet:
+        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
+        link = LossyRegistry(registry)
+        backend = HttpPushBackend(tmp_path / "store")
+        progress = Progress()
+        reclaimer = Reclaimer(link, backend, fleet.refs, registry_retry=FAST)  # type: ignore[arg-type]
+        publisher = Publisher(
+            link,  # type: ignore[arg-type]
+            backend,
+            fleet.refs,
+            reclaimer=reclaimer,
+            on_progress=progress,
+            registry_retry=FAST,
+        )
+        yield World(
+            fleet, registry, link, backend, publisher, reclaimer, progress, tmp_path / "store"
+        )
+        await reclaimer.stop()
+        await backend.aclose()
+        await registry.aclose()
+
+
+async def publish(world: World, version_id: str, snapshot: AdapterSnapshot) -> PublicationOutcome:
+    return (await world.publisher.publish(version_id, snapshot)).outcome
+
+
+# --- RFC 7.1: staged READY, one engine at a time ---------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_b_ready_on_e0_only_keeps_the_default_then_both_ready_commit_switches_to_b(
+    world: World,
+) -> None:
+    assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
+    assert (await world.bind("s_old")).version_id == "v1"
+
+    gate = asyncio.Event()
+    world.fleet["e1"].script(EngineOp.LOAD, Fault.waiting_for(gate))
+    e0_ready = world.progress.when("e0", Phase.RECORD_READY)
+    publication = asyncio.create_task(world.publisher.publish("v2", B))
+    await e0_ready.wait()
+
+    # E0 has B READY, E1 is still loading: nothing switched.
+    assert world.registry.peek_version("v2").ready_engines == ("e0",)  # type: ignore[union-attr]
+    assert await world.default() == "v1"
+    assert (await world.bind("s_mid")).version_id == "v1"
+    assert not publication.done()
+
+    gate.set()
+    result = await publication
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    assert result.commit is not None
+    assert result.commit.previous_default == "v1"
+    assert await world.default() == "v2"
+    assert (await world.bind("s_new")).version_id == "v2"
+    # Sessions bound before the commit keep A on every later turn.
+    for key in ("s_old", "s_mid"):
+        again = await world.registry.bind_first(request_id=new_request_id(), session_key=key)
+        assert again.lora_name == world.name("v1")
+    assert world.state("v1") is VersionState.RETIRED
+
+
+# --- RFC 7.1: duplicate publication and content conflict ---------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_same_id_same_content_never_loads_twice_nor_takes_a_second_slot_nor_switches_again(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    await publish(world, "v2", B)
+    before = (
+        world.fleet.calls(),
+        await world.slots(),
+        (await world.registry.status()).default_revision,
+    )
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.ALREADY_PUBLISHED
+    assert result.ok
+    assert (
+        world.fleet.calls(),
+        await world.slots(),
+        (await world.registry.status()).default_revision,
+    ) == before
+    # A replay of the older version does not roll the default back either.
+    assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.ALREADY_PUBLISHED
+    assert await world.default() == "v2"
+
+
+@pytest.mark.asyncio
+async def test_same_id_same_content_resumes_a_pending_publication_without_a_second_slot(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    # A publisher that reserved v2, loaded it on E0 and then died.
+    await world.registry.reserve(request_id=new_request_id(), version_id="v2", digest=B.digest)
+    await world.backend.prepare(
+        world.fleet.refs[0], PublicationTarget("v2", B.digest, world.name("v2"), 1), B
+    )
+    assert await world.slots() == 2
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    assert await world.slots() == 2
+    assert world.fleet["e0"].physical_loads[world.name("v2")] == 1  # not loaded again
+    assert world.fleet["e1"].physical_loads[world.name("v2")] == 1
+
+
+async def _to_loading(world: World) -> None:
+    await world.registry.reserve(request_id=new_request_id(), version_id="v2", digest=B.digest)
+
+
+async def _to_aborted(world: World) -> None:
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.REFUSE))
+    assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+
+
+async def _to_failed_clean(world: World) -> None:
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
+    assert await publish(world, "v2", B) is PublicationOutcome.FAILED_CLEAN
+
+
+async def _to_published(world: World) -> None:
+    await publish(world, "v2", B)
+
+
+async def _to_retired(world: World) -> None:
+    await publish(world, "v2", B)
+    await world.bind("holder")
+    await world.reclaimer.reclaim_once()  # frees v1, keeps v2 (bound)
+    await publish(world, "v3", C)
+
+
+async def _to_reclaiming(world: World) -> None:
+    await _to_retired(world)
+    await world.close("holder")
+    world.fleet["e0"].script(EngineOp.UNLOAD, Fault(FaultKind.REFUSE))
+    report = await world.reclaimer.reclaim_once()
+    assert report.pending == ("v2",)
+
+
+async def _to_reclaimed(world: World) -> None:
+    await _to_retired(world)
+    await world.close("holder")
+    assert (await world.reclaimer.reclaim_once()).reclaimed == ("v2",)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("bring", "state"),
+    [
+        (_to_loading, VersionState.LOADING),
+        (_to_aborted, VersionState.ABORTED),
+        (_to_failed_clean, VersionState.FAILED_CLEAN),
+        (_to_published, VersionState.PUBLISHED),
+        (_to_retired, VersionState.RETIRED),
+        (_to_reclaiming, VersionState.RECLAIMING),
+        (_to_reclaimed, VersionState.RECLAIMED),
+    ],
+)
+async def test_same_id_different_content_is_a_version_conflict_in_every_state(
+    world: World, bring: Callable[[World], Any], state: VersionState
+) -> None:
+    await publish(world, "v1", A)
+    await bring(world)
+    assert world.state("v2") is state
+    calls, default = world.fleet.calls(), await world.default()
+    other = tiny_snapshot(99)
+    with pytest.raises(VersionConflictError):
+        await world.publisher.publish("v2", other)
+    assert world.fleet.calls() == calls  # refused before any engine call
+    assert await world.default() == default
+    assert world.state("v2") is state
+
+
+@pytest.mark.asyncio
+async def test_a_new_id_with_an_old_versions_content_is_a_new_publication(world: World) -> None:
+    await publish(world, "v1", A)
+    await publish(world, "v2", B)
+    assert (await world.reclaimer.reclaim_once()).reclaimed == ("v1",)
+    result = await world.publisher.publish("v3", A)
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    assert result.lora_name != world.name("v1")
+    assert await world.default() == "v3"
+    for engine in world.fleet.engines.values():
+        assert engine.held_digest(world.name("v3")) == A.digest
+        assert engine.physical_loads[world.name("v3")] == 1
+
+
+# --- RFC 7.1: failures never move the default; cleanup on both before the slot is freed ---------
+
+
+@pytest.mark.asyncio
+async def test_single_engine_failure_cleans_b_on_both_engines_before_its_slot_is_freed(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "out of LoRA memory"))
+    held = asyncio.Event()
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault.waiting_for(held))
+    e0_confirmed = world.progress.when("e0", Phase.CONFIRM_CLEANUP)
+    publication = asyncio.create_task(world.publisher.publish("v2", B))
+    await e0_confirmed.wait()
+
+    # E0 confirmed, E1 not yet: the candidate still holds its slot.
+    assert world.state("v2") is VersionState.ABORTED
+    assert await world.slots() == 2
+    assert not world.fleet["e0"].holds(world.name("v2"))
+
+    held.set()
+    result = await publication
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    assert world.state("v2") is VersionState.FAILED_CLEAN
+    assert await world.slots() == 1
+    assert await world.default() == "v1"
+    reports = {r.engine: r for r in result.engines}
+    assert reports["e0"].ready
+    assert reports["e0"].cleaned
+    assert not reports["e1"].ready
+    assert reports["e1"].cleaned
+    assert reports["e1"].error_code == "BACKEND_REFUSED"
+    assert world.fleet["e0"].physical_unloads[world.name("v2")] == 1
+
+
+@pytest.mark.asyncio
+async def test_one_engine_failing_never_cancels_another_engines_in_flight_load(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    gate = asyncio.Event()
+    world.fleet["e0"].script(EngineOp.LOAD, Fault.waiting_for(gate))
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
+    e1_failed = world.progress.when("e1", Phase.PREPARE, PhaseStatus.FAILED)
+    publication = asyncio.create_task(world.publisher.publish("v2", B))
+    await e1_failed.wait()
+    assert not publication.done()
+    gate.set()
+    assert (await publication).outcome is PublicationOutcome.FAILED_CLEAN
+    # E0's load ran to its end (it was not cancelled into an unknown state) and was then undone.
+    assert world.fleet["e0"].physical_loads[world.name("v2")] == 1
+    assert world.fleet["e0"].physical_unloads[world.name("v2")] == 1
+
+
+@pytest.mark.asyncio
+async def test_manifest_mismatch_on_one_engine_fails_clean_on_both(world: World) -> None:
+    await publish(world, "v1", A)
+    lora_name = make_lora_name("policy_lora", 0, "v2", B.digest)
+    C.write_peft_dir(world.store / "e1" / lora_name)  # E1's stored copy holds other bytes
+    loads = world.fleet["e1"].count(EngineOp.LOAD)
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    assert {r.engine: r.error_code for r in result.engines}["e1"] == "BACKEND_REFUSED"
+    assert world.fleet["e1"].count(EngineOp.LOAD) == loads  # never asked to load bad bytes
+    assert not (world.store / "e1" / lora_name).exists()
+    assert not world.fleet["e0"].holds(lora_name)
+    assert await world.default() == "v1"
+    assert await world.slots() == 1
+
+
+@pytest.mark.asyncio
+async def test_lost_load_ack_fails_clean_and_unloads_what_the_engine_did_load(world: World) -> None:
+    await publish(world, "v1", A)
+    world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    name = world.name("v2")
+    assert {r.engine: r.error_code for r in result.engines}["e0"] == "BACKEND_AMBIGUOUS"
+    assert world.fleet["e0"].physical_loads[name] == 1
+    assert world.fleet["e0"].physical_unloads[name] == 1
+    assert not world.fleet["e1"].holds(name)
+    assert await world.default() == "v1"
+    assert await world.slots() == 1
+
+
+@pytest.mark.asyncio
+async def test_engine_restart_mid_publication_invalidates_its_ready_and_fails_clean(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    # E1 answers READY for B, then its process restarts before the commit.
+    world.fleet["e1"].script(EngineOp.GENERATE, Fault(FaultKind.RESTART_AFTER))
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    assert "NOT_READY" in (result.reason or "")
+    assert await world.default() == "v1"
+    name = world.name("v2")
+    assert not world.fleet["e0"].holds(name)
+    assert not world.fleet["e1"].holds(name)
+    assert world.fleet["e0"].physical_unloads[name] == 1
+    assert await world.slots() == 1
+    status = await world.registry.status()
+    assert {e.engine: e.incarnation for e in status.engines}[
+        "e1"
+    ] == await world.backend.incarnation(world.fleet.refs[1])
+
+
+# --- lost and unknown registry replies ----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_lost_commit_reply_is_retried_with_the_same_request_id(world: World) -> None:
+    await publish(world, "v1", A)
+    revision = (await world.registry.status()).default_revision
+    world.link.drop["commit"] = 1
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    commits = [rid for verb, rid in world.link.seen if verb == "commit"]
+    assert len(commits) == 3
+    assert commits[1] == commits[2]
+    assert (await world.registry.status()).default_revision == revision + 1
+    assert result.commit is not None
+    assert result.commit.default_revision == revision + 1
+
+
+@pytest.mark.asyncio
+async def test_a_commit_whose_outcome_stays_unknown_blocks_and_never_cleans(world: World) -> None:
+    await publish(world, "v1", A)
+    world.link.drop["commit"] = FAST.attempts
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.BLOCKED
+    name = world.name("v2")
+    # B may be the default (here it is): it must still be loaded everywhere.
+    assert world.fleet.calls(EngineOp.UNLOAD) == 0
+    assert world.fleet["e0"].holds(name)
+    assert world.fleet["e1"].holds(name)
+    # Publishing the same version again learns the outcome.
+    assert (await world.publisher.publish("v2", B)).outcome is PublicationOutcome.ALREADY_PUBLISHED
+    assert await world.default() == "v2"
+
+
+@pytest.mark.asyncio
+async def test_an_unconfirmed_cleanup_keeps_the_slot_and_blocks_until_resolved(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.BLOCKED
+    assert {r.engine: r.cleaned for r in result.engines} == {"e0": True, "e1": False}
+    assert world.state("v2") is VersionState.ABORTED
+    assert await world.slots() == 2  # unknown is never treated as released
+    calls = world.fleet.calls()
+    with pytest.raises(PublicationBlockedError):
+        await world.publisher.publish("v3", C)
+    assert world.fleet.calls() == calls
+
+    resolved = await world.publisher.resolve("v2")
+    assert resolved.outcome is PublicationOutcome.FAILED_CLEAN
+    assert [r.engine for r in resolved.engines] == ["e1"]  # E0 had confirmed already
+    assert not world.fleet["e1"].holds(world.name("v2"))
+    assert await world.slots() == 1
+    assert await publish(world, "v3", C) is PublicationOutcome.PUBLISHED
+
+
+@pytest.mark.asyncio
+async def test_resolve_aborts_a_publication_left_loading(world: World) -> None:
+    await publish(world, "v1", A)
+    await _to_loading(world)
+    result = await world.publisher.resolve("v2")
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    assert world.state("v2") is VersionState.FAILED_CLEAN
+    # The same version can be published again as a new attempt.
+    again = await world.publisher.publish("v2", B)
+    assert again.outcome is PublicationOutcome.PUBLISHED
+    assert again.attempt == 2
+
+
+# --- bootstrap and capacity -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_failed_bootstrap_publication_is_fatal(world: World) -> None:
+    world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
+    with pytest.raises(BackendRefusedError) as info:
+        await world.publisher.publish("v1", A)
+    assert info.value.details["result"].outcome is PublicationOutcome.FAILED_CLEAN
+    assert await world.default() is None
+
+
+@pytest.mark.asyncio
+async def test_an_ambiguous_bootstrap_publication_is_fatal(world: World) -> None:
+    world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    world.fleet["e0"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
+    with pytest.raises(BackendAmbiguousError):
+        await world.publisher.publish("v1", A)
+
+
+@pytest.mark.asyncio
+async def test_capacity_refusal_after_bootstrap_is_a_skip_with_zero_engine_calls(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    await world.bind("s_a")
+    await publish(world, "v2", B)
+    calls = world.fleet.calls()
+    result = await world.publisher.publish("v3", C)
+    assert result.outcome is PublicationOutcome.SKIPPED
+    assert result.reason == "CAPACITY_ERROR"
+    assert not result.ok
+    assert world.fleet.calls() == calls
+    assert await world.default() == "v2"
+    assert world.registry.peek_version("v3") is None  # the registry never saw it
+
+
+# --- progress and timings ---------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_results_carry_per_engine_per_phase_timings_and_progress_events(world: World) -> None:
+    result = await world.publisher.publish("v1", A)
+    for engine in ("e0", "e1"):
+        for phase in (Phase.OBSERVE, Phase.PREPARE, Phase.RECORD_READY):
+            assert any(t.engine == engine and t.phase is phase and t.ok for t in result.timings)
+            assert result.seconds(phase, engine) >= 0.0
+    assert any(t.engine is None and t.phase is Phase.COMMIT for t in result.timings)
+    prepare_e0 = [
+        e.status for e in world.progress.events if (e.engine, e.phase) == ("e0", Phase.PREPARE)
+    ]
+    assert prepare_e0 == [PhaseStatus.STARTED, PhaseStatus.DONE]
+
+
+@pytest.mark.asyncio
+async def test_a_failing_progress_callback_does_not_fail_the_publication(world: World) -> None:
+    def broken(event: PhaseEvent) -> None:
+        raise RuntimeError("display gone")
+
+    publisher = Publisher(world.registry, world.backend, world.fleet.refs, on_progress=broken)
+    assert (await publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
