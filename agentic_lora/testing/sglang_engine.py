@@ -63,10 +63,12 @@ class Fault:
     kind: FaultKind
     message: str = "scripted failure"
     gate: asyncio.Event | None = None
+    reached: asyncio.Event | None = None
 
     @classmethod
-    def waiting_for(cls, gate: asyncio.Event) -> Fault:
-        return cls(FaultKind.GATE, gate=gate)
+    def waiting_for(cls, gate: asyncio.Event, reached: asyncio.Event | None = None) -> Fault:
+        """Hold the call until ``gate`` is set; set ``reached`` when the call arrives."""
+        return cls(FaultKind.GATE, gate=gate, reached=reached)
 
 
 @dataclass(slots=True)
@@ -196,6 +198,8 @@ class ScriptedSGLangEngine:
         self.calls.append((op, body))
         if fault is not None and fault.kind is FaultKind.GATE:
             assert fault.gate is not None
+            if fault.reached is not None:
+                fault.reached.set()
             await fault.gate.wait()
             fault = None
         return body, fault
