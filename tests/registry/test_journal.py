@@ -228,3 +228,60 @@ async def test_listeners_see_applied_changes_only(tmp_path: Path) -> None:
     await reg.aclose()
     with pytest.raises(JournalError, match="closed"):
         await reg.bind_first(request_id="c", session_key="t")
+
+
+def _append_raw(path: Path, seq: int, request_id: str, verb: str, args: str) -> None:
+    from agentic_lora.registry.journal import _checksum
+
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+            (seq, request_id, verb, args, _checksum(seq, request_id, verb, args)),
+        )
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    ("verb", "args", "match"),
+    [
+        (
+            "commit",
+            '{"version_id":"nope","attempt":1,"expected_default_revision":0}',
+            "UNKNOWN_VERSION",
+        ),
+        ("reserve", "{}", "does not replay"),
+        ("bind_first", '{"session_key":"s_old"}', "same sequence"),  # a duplicate request id
+    ],
+)
+async def test_a_well_formed_row_that_does_not_replay_stops_start_up(
+    tmp_path: Path, verb: str, args: str, match: str
+) -> None:
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path)
+    await _scenario(reg)
+    seq = reg.core.seq
+    await reg.aclose()
+    _append_raw(path, seq + 1, "bind-old" if verb == "bind_first" else "x", verb, args)
+    with pytest.raises(JournalCorruptError, match=match):
+        _registry(path)
+
+
+async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(tmp_path: Path) -> None:
+    from agentic_lora.registry.journal import Journal, JournalEntry
+
+    j = Journal(tmp_path / "j.sqlite", identity={"x": 1})
+    assert j.open().entries == []
+    j.append([JournalEntry(1, "a", "bind_first", "{}")])
+    with pytest.raises(sqlite3.IntegrityError):
+        j.append(
+            [JournalEntry(2, "b", "bind_first", "{}"), JournalEntry(1, "c", "bind_first", "{}")]
+        )
+    with pytest.raises(TypeError):
+        j.write_snapshot(5, {"seq": object()})
+    j.append([JournalEntry(2, "b", "bind_first", "{}")])
+    j.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        j.append([])
+    again = Journal(tmp_path / "j.sqlite", identity={"x": 1})
+    assert [e.seq for e in again.open().entries] == [1, 2]
+    again.close()

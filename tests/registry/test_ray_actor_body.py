@@ -1,0 +1,117 @@
+"""The Ray actor's body and client, in this process: errors travel as data and come back typed,
+every verb round-trips through the wire form, and a lost batch reply reaches every caller."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentic_lora.errors import AgenticLoRAError, SessionStillBoundError, UnknownVersionError
+from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
+from agentic_lora.registry.types import ReadyReceipt, VersionState, new_request_id
+
+from .util import E0, E1, digest_of
+
+pytestmark = pytest.mark.asyncio
+
+
+class _Method:
+    """Stands in for a Ray actor method handle: ``.remote(...)`` returns an awaitable."""
+
+    def __init__(self, fn: Any, lose: list[bool]) -> None:
+        self._fn = fn
+        self._lose = lose
+
+    def remote(self, *args: Any) -> Any:
+        async def run() -> Any:
+            result = await self._fn(*args)
+            if self._lose and self._lose.pop(0):
+                raise ConnectionError("reply lost after the actor ran the call")
+            return result
+
+        return run()
+
+
+class _Handle:
+    def __init__(self, actor: RegistryActor, lose: list[bool]) -> None:
+        self.call = _Method(actor.call, lose)
+        self.call_batch = _Method(actor.call_batch, lose)
+        self.read = _Method(actor.read, [])
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+async def test_every_verb_round_trips_through_the_wire_form(tmp_path: Path, coalesce: bool) -> None:
+    actor = RegistryActor(
+        {"engines": [E0, E1], "capacity": 3, "journal_path": str(tmp_path / "j.sqlite")}
+    )
+    reg = RayRegistryClient(_Handle(actor, []), coalesce=coalesce)
+    for vid in ("A", "B"):
+        r = await reg.reserve(request_id=new_request_id(), version_id=vid, digest=digest_of(vid))
+        for e in (E0, E1):
+            await reg.observe_incarnation(request_id=new_request_id(), engine=e, incarnation="i")
+            await reg.record_ready(
+                request_id=new_request_id(),
+                receipt=ReadyReceipt(e, vid, r.digest, r.lora_name, r.attempt, "i"),
+            )
+        st = await reg.status()
+        await reg.commit(
+            request_id=new_request_id(),
+            version_id=vid,
+            attempt=1,
+            expected_default_revision=st.default_revision,
+        )
+        if vid == "A":
+            await reg.bind_first(request_id=new_request_id(), session_key="s")
+    rc = await reg.reserve(request_id=new_request_id(), version_id="C", digest=digest_of("C"))
+    await reg.abort(request_id=new_request_id(), version_id="C", attempt=rc.attempt, reason="t")
+    for e in (E0, E1):
+        await reg.confirm_cleanup(request_id=new_request_id(), version_id="C", attempt=1, engine=e)
+    assert (await reg.version("C")).state is VersionState.FAILED_CLEAN
+    with pytest.raises(SessionStillBoundError):
+        await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    await reg.begin_close(request_id=new_request_id(), session_key="s")
+    assert (await reg.release(request_id=new_request_id(), session_key="s")).released_now
+    assert await reg.forget_sessions(request_id=new_request_id(), session_keys=["s"]) == 1
+    claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    for e in (E0, E1):
+        await reg.confirm_reclaim(
+            request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e
+        )
+    assert (await reg.fetch_version("A")).state is VersionState.RECLAIMED  # type: ignore[union-attr]
+    with pytest.raises(UnknownVersionError):
+        await reg.version("nope")
+    await actor.flush()
+
+
+async def test_unknown_verbs_and_reads_are_refused_as_data() -> None:
+    actor = RegistryActor({"engines": [E0], "capacity": 2})
+    assert (await actor.call("drop_everything", "r", {}))["ok"] is False
+    assert (await actor.read("everything"))["ok"] is False
+    assert actor.pid() > 0
+    reg = RayRegistryClient(_Handle(actor, []))
+    with pytest.raises(AgenticLoRAError, match="unknown read"):
+        await reg._read("everything")
+
+
+async def test_a_lost_batch_reply_fails_every_caller_and_a_replay_gets_the_first_answers() -> None:
+    actor = RegistryActor({"engines": [E0], "capacity": 2})
+    lose = [False, False, False, True]  # reserve, ready, commit go through; the bind batch is lost
+    reg = RayRegistryClient(_Handle(actor, lose))
+    r = await reg.reserve(request_id="r", version_id="A", digest=digest_of("A"))
+    await reg.record_ready(
+        request_id="rr", receipt=ReadyReceipt(E0, "A", r.digest, r.lora_name, 1, "i")
+    )
+    await reg.commit(request_id="c", version_id="A", attempt=1, expected_default_revision=0)
+    lost = await asyncio.gather(
+        *(reg.bind_first(request_id=f"b{i}", session_key=f"s{i}") for i in range(5)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(x, ConnectionError) for x in lost)
+    replayed = await asyncio.gather(
+        *(reg.bind_first(request_id=f"b{i}", session_key=f"s{i}") for i in range(5))
+    )
+    assert {b.version_id for b in replayed} == {"A"}
+    assert (await reg.version("A")).session_refs == 5  # the lost batch ran once, not twice
