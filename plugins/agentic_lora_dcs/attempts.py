@@ -160,6 +160,16 @@ class _Name:
         return max(self.attempts, default=0)
 
 
+def _failed(record: AttemptRecord) -> Refused:
+    # Every later message of a failed attempt gets the root cause, whichever arrives first.
+    return Refused(
+        record.failure or Reason.ATTEMPT_FAILED,
+        f"attempt {record.attempt} of {record.lora_name} failed earlier",
+        clean=True,
+        failed_earlier=True,
+    )
+
+
 class Ledger:
     """Every attempt record of this sidecar incarnation, and the decisions over them."""
 
@@ -204,11 +214,7 @@ class Ledger:
                     clean=False,
                 )
             if existing.state is AttemptState.FAILED:
-                raise Refused(
-                    Reason.ATTEMPT_FAILED,
-                    f"attempt {attempt} of {lora_name} failed ({existing.failure})",
-                    clean=True,
-                )
+                raise _failed(existing)
             return BeginDecision.DUPLICATE, existing, []
         if attempt < entry.newest:
             raise Refused(
@@ -254,12 +260,7 @@ class Ledger:
                 Reason.FENCED, f"attempt {attempt} of {lora_name} was cleaned up", clean=True
             )
         if record.state is AttemptState.FAILED:
-            raise Refused(
-                Reason.ATTEMPT_FAILED,
-                f"attempt {attempt} of {lora_name} failed ({record.failure})",
-                clean=True,
-                failure=str(record.failure),
-            )
+            raise _failed(record)
         if record.attempt < self._names[lora_name].newest:
             raise Refused(
                 Reason.STALE_ATTEMPT,

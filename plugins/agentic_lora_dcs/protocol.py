@@ -77,7 +77,7 @@ class Reason(enum.StrEnum):
     UNKNOWN_ATTEMPT = "UNKNOWN_ATTEMPT"  # no begin was accepted for this attempt
     ATTEMPT_CONFLICT = "ATTEMPT_CONFLICT"  # same attempt, different identity or plan
     ATTEMPT_ACTIVE = "ATTEMPT_ACTIVE"  # an older attempt still holds the engine; clean it first
-    ATTEMPT_FAILED = "ATTEMPT_FAILED"  # this attempt already failed (and was dropped)
+    ATTEMPT_FAILED = "ATTEMPT_FAILED"  # this attempt already failed (root cause unrecorded)
     BAD_PLAN = "BAD_PLAN"  # the plan is not the canonical packing of its manifest
     MANIFEST_MISMATCH = "MANIFEST_MISMATCH"  # manifest/config do not hash to the digest
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # received bytes differ from the manifest

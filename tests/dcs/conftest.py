@@ -6,8 +6,9 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from agentic_lora_dcs import DcsBackend
 
-from tests.dcs.util import SidecarProcess
+from tests.dcs.util import BUCKET_BYTES, EdgeTransport, SidecarProcess
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,31 @@ def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sid
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=30.0) as client:
         yield client
+
+
+class Publisher:
+    """A DcsBackend whose HTTP client runs over a scripted :class:`EdgeTransport`."""
+
+    def __init__(self, sidecars: dict[str, SidecarProcess], bucket_bytes: int) -> None:
+        self.edge = EdgeTransport()
+        self.client = httpx.AsyncClient(transport=self.edge, timeout=30.0)
+        self.backend = DcsBackend(
+            {n: s.url for n, s in sidecars.items()},
+            bucket_bytes=bucket_bytes,
+            collective_backend="gloo",
+            client=self.client,
+        )
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+        await self.client.aclose()
+        await self.edge.aclose()
+
+
+@pytest_asyncio.fixture
+async def publisher(sidecars: dict[str, SidecarProcess]) -> AsyncIterator[Publisher]:
+    pub = Publisher(sidecars, BUCKET_BYTES)
+    try:
+        yield pub
+    finally:
+        await pub.aclose()

@@ -20,6 +20,8 @@ from agentic_lora.identity import make_lora_name
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
+#: Small enough that every test adapter moves in several buckets (several collectives).
+BUCKET_BYTES = 4096
 
 
 def make_snapshot(
@@ -134,6 +136,14 @@ class SidecarProcess:
         return None
 
 
+async def state_of(
+    sidecar: SidecarProcess, http: httpx.AsyncClient, lora_name: str, attempt: int
+) -> str | None:
+    """The sidecar's state for one attempt (None: it has no record of it)."""
+    view = await sidecar.attempt(http, lora_name, attempt)
+    return None if view is None else str(view["state"])
+
+
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     assert process.stdout is not None
     with selectors.DefaultSelector() as sel:
@@ -145,3 +155,64 @@ def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     if not line:
         raise RuntimeError(f"sidecar exited before it was ready (rc={process.wait()})")
     return line
+
+
+class EdgeTransport(httpx.AsyncBaseTransport):
+    """The publisher's network, scripted: records, duplicates, loses replies, runs hooks.
+
+    Wraps a real loopback transport; every scripted behaviour happens on the wire, so the
+    sidecar sees exactly what a flaky network would deliver.
+    """
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self.sent: list[tuple[str, bytes]] = []
+        self._duplicate: set[str] = set()
+        self._lose: dict[str, int] = {}
+        self._lose_after: dict[str, int] = {}
+        self._hooks: dict[str, list[Any]] = {}
+
+    def duplicate(self, path: str) -> None:
+        """Deliver every request to ``path`` twice; the caller sees the second reply."""
+        self._duplicate.add(path)
+
+    def lose_reply(self, path: str, *, after: int = 0) -> None:
+        """Deliver the request, then drop its reply (once, skipping ``after`` requests first)."""
+        self._lose[path] = self._lose.get(path, 0) + 1
+        self._lose_after[path] = after
+
+    def before(self, path: str, hook: Any) -> None:
+        """Await ``hook()`` before the next request to ``path`` goes out."""
+        self._hooks.setdefault(path, []).append(hook)
+
+    def bodies(self, path: str) -> list[bytes]:
+        return [body for p, body in self.sent if p == path]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = await request.aread()
+        hooks = self._hooks.get(path)
+        if hooks:
+            await hooks.pop(0)()
+        self.sent.append((path, body))
+        response = await self._deliver(request)
+        if path in self._duplicate:
+            await response.aclose()
+            self.sent.append((path, body))
+            response = await self._deliver(request)
+        if self._lose.get(path):
+            if self._lose_after[path] > 0:
+                self._lose_after[path] -= 1
+            else:
+                self._lose[path] -= 1
+                await response.aclose()
+                raise httpx.ReadError("reply lost (scripted)", request=request)
+        return response
+
+    async def _deliver(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        content = await response.aread()
+        return httpx.Response(response.status_code, headers=response.headers, content=content)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
