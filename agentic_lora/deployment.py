@@ -1,0 +1,153 @@
+"""One object that wires the whole feature for a process: registry, Sessions, publisher, reclaimer.
+
+::
+
+    settings = load_settings(enable_versioned_lora_publication=True, engines=[...], capacity=2)
+    async with Deployment.from_settings(settings, backend_options={"store_root": "/adapters"}) as d:
+        await d.publish("step-100", AdapterSnapshot.from_peft_dir(path))
+        async with d.session("episode-7") as s:
+            reply = await s.generate({"text": prompt, "sampling_params": {...}})
+
+The reclaimer runs in the background and is poked after every commit (by the publisher) and after
+every Session release (by a registry listener, where the registry offers one), so a retired
+version is unloaded as soon as its last Session is gone and its in-flight requests have drained.
+
+Frameworks that already have their own registry (a Ray actor shared by many workers) pass it in;
+then only the process that publishes needs a publisher, and every rollout worker only needs
+:attr:`Deployment.versioning`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.backends import Backend
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.discovery import load_backend
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.publisher import PublicationResult, Publisher
+from agentic_lora.reclaimer import Reclaimer, ReclaimReport
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import RegistryStatus, ReleaseResult
+from agentic_lora.session import Session, Versioning
+
+__all__ = ["Deployment"]
+
+logger = logging.getLogger(__name__)
+
+
+class Deployment:
+    """Registry + :class:`Versioning` + :class:`Publisher` + background :class:`Reclaimer`."""
+
+    def __init__(
+        self,
+        *,
+        settings: AgenticLoRASettings,
+        versioning: Versioning,
+        backend: Backend,
+        registry: RegistryAPI,
+        on_progress: Any = None,
+        owns_backend: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.versioning = versioning
+        self.registry = registry
+        self.backend = backend
+        self._owns_backend = owns_backend
+        engines = versioning.engines
+        self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
+        self.publisher = Publisher(
+            registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
+        )
+        if isinstance(registry, LocalRegistry):
+            registry.add_listener(self._on_registry_change)
+        self._started = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: AgenticLoRASettings,
+        *,
+        backend: Backend | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        registry: RegistryAPI | None = None,
+        on_progress: Any = None,
+    ) -> Deployment:
+        """Build every part from validated settings (the flag must be on)."""
+        if not settings.enable_versioned_lora_publication:
+            raise ConfigurationError(
+                "a Deployment publishes versions; enable --enable-versioned-lora-publication "
+                "(with the flag off, use Versioning.from_settings for the legacy pass-through)",
+                check="flag",
+            )
+        owns_backend = backend is None
+        if backend is None:
+            backend = load_backend(settings.backend, **dict(backend_options or {}))
+        versioning = Versioning.from_settings(settings, registry=registry)
+        assert versioning.registry is not None
+        return cls(
+            settings=settings,
+            versioning=versioning,
+            backend=backend,
+            registry=versioning.registry,
+            on_progress=on_progress,
+            owns_backend=owns_backend,
+        )
+
+    def _on_registry_change(self, verb: str, result: Any) -> None:
+        # A released Session may have been the last holder of a retired version.
+        if verb == "release" and isinstance(result, ReleaseResult) and result.released_now:
+            self.reclaimer.poke()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background reclaimer (idempotent)."""
+        if not self._started:
+            self.reclaimer.start()
+            self._started = True
+
+    async def aclose(self) -> None:
+        """Close live Sessions, stop the reclaimer, close the backend and the registry."""
+        try:
+            await self.versioning.aclose()
+        finally:
+            await self.reclaimer.stop()
+            if self._owns_backend:
+                await self.backend.aclose()
+            self._started = False
+
+    async def __aenter__(self) -> Deployment:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- the verbs users call -----------------------------------------------------------------
+
+    async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationResult:
+        """Publish ``snapshot`` as the immutable version ``version_id`` (two-phase, see Publisher)."""
+        return await self.publisher.publish(version_id, snapshot)
+
+    async def reclaim(self) -> ReclaimReport:
+        """One reclaim round now (the background loop does this on its own too)."""
+        return await self.reclaimer.reclaim_once()
+
+    async def status(self) -> RegistryStatus:
+        return await self.registry.status()
+
+    def session(self, session_id: str) -> contextlib.AbstractAsyncContextManager[Session]:
+        """``async with deployment.session(id) as s``: see :meth:`Versioning.session`."""
+        return self.versioning.session(session_id)
