@@ -37,11 +37,9 @@ def _settings(fleet: ScriptedFleet, **kw: object) -> object:
 def _sent_adapters(fleet: ScriptedFleet, session_marker: str) -> set[str]:
     names: set[str] = set()
     for engine in fleet.engines.values():
-        for op, request in engine.calls:
-            if op is EngineOp.GENERATE:
-                body = json.loads(request.content)
-                if body.get("text", "").startswith(session_marker):
-                    names.add(body["lora_path"])
+        for op, body in engine.calls:
+            if op is EngineOp.GENERATE and str(body.get("text", "")).startswith(session_marker):
+                names.add(body["lora_path"])
     return names
 
 
