@@ -149,6 +149,11 @@ class ScriptedSGLangEngine:
         """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
         self._faults[op].extend(faults)
 
+    def clear_script(self) -> None:
+        """Drop every scripted fault not consumed yet."""
+        for queue in self._faults.values():
+            queue.clear()
+
     def restart(self) -> None:
         """The engine process restarts: every adapter and every in-flight request is gone."""
         self.restarts += 1
