@@ -21,6 +21,7 @@ describe the writer rather than the adapter (``inference_mode``, ``peft_version`
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import json
 import logging
@@ -366,11 +367,13 @@ def _blob_from_torch(name: object, tensor: object, codes: Mapping[Any, str]) -> 
         )
     # An owned copy: the bytes below share no storage with the live (possibly GPU, possibly
     # still training) tensor, so a later in-place update cannot change the snapshot.
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    buffer = bytearray(flat.numel())
-    if buffer:
-        torch.frombuffer(buffer, dtype=torch.uint8).copy_(flat)
-    return TensorBlob(name, code, tuple(tensor.shape), bytes(buffer))
+    # string_at copies exactly the contiguous tensor's bytes from its first element in one pass
+    # (torch cannot hand out a buffer without numpy, and copy_ into a frombuffer view is ~50x
+    # slower). ``cpu`` is kept alive across the call, so the pointer stays valid.
+    cpu = tensor.detach().to("cpu").contiguous()
+    nbytes = cpu.numel() * cpu.element_size()
+    data = ctypes.string_at(cpu.data_ptr(), nbytes) if nbytes else b""
+    return TensorBlob(name, code, tuple(tensor.shape), data)
 
 
 # --- snapshot --------------------------------------------------------------------------------

@@ -480,6 +480,13 @@ GOOD_A, GOOD_B = tiny_blobs()
             ),
         ),
         (
+            AdapterProblem.SHAPE_MISMATCH,
+            lambda: AdapterSnapshot.from_state_dict(
+                {f"{M}.lora_A.weight": torch.ones(1, 0), f"{M}.lora_B.weight": torch.ones(2, 1)},
+                tiny_config(),
+            ),
+        ),
+        (
             AdapterProblem.NOT_LORA,
             lambda: AdapterSnapshot.from_module(TinyDecoder(), tiny_config()),
         ),
