@@ -60,7 +60,7 @@ class ReclaimResult:
     reclaim_id: str | None = None
     confirmed: tuple[str, ...] = ()
     unconfirmed: tuple[str, ...] = ()
-    errors: tuple[tuple[str, str], ...] = ()  # (engine, error code)
+    errors: tuple[tuple[str, str], ...] = ()  # (engine, or "registry" for the claim; error code)
     timings: tuple[PhaseTiming, ...] = ()
 
 
@@ -213,6 +213,17 @@ class Reclaimer:
         except SessionStillBoundError:
             return ReclaimResult(
                 version_id, ReclaimOutcome.STILL_BOUND, timings=tuple(recorder.timings)
+            )
+        except Exception as exc:
+            # The claim's fate is unknown (replies lost) or the version moved on: a later round
+            # replays it; claim_reclaim is idempotent.
+            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            logger.warning("claim of %s failed: %s", version_id, exc, extra={"version": version_id})
+            return ReclaimResult(
+                version_id,
+                ReclaimOutcome.PENDING,
+                errors=(("registry", code),),
+                timings=tuple(recorder.timings),
             )
         extra = {"version": version_id}
         by_name = {e.name: e for e in self.engines}

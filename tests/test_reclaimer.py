@@ -249,3 +249,27 @@ async def test_reclaim_results_carry_per_engine_timings(world: World) -> None:
         ("e0", "confirm_reclaim"),
         (None, "claim_reclaim"),
     } <= phases
+
+
+@pytest.mark.asyncio
+async def test_a_claim_whose_replies_are_lost_is_replayed_by_the_next_round(world: World) -> None:
+    await a_retired_and_bound_b_published(world)
+    await world.close("s_a")
+    real_claim = world.registry.claim_reclaim
+    lost = {"left": FAST.attempts}
+
+    async def claim_with_lost_replies(**kwargs: object) -> object:
+        claim = await real_claim(**kwargs)  # type: ignore[arg-type]
+        if lost["left"] > 0:
+            lost["left"] -= 1
+            raise ConnectionError("claim reply lost")
+        return claim
+
+    world.registry.claim_reclaim = claim_with_lost_replies  # type: ignore[method-assign]
+    (first,) = (await world.reclaimer.reclaim_once()).results
+    assert first.outcome is ReclaimOutcome.PENDING
+    assert first.errors == (("registry", "ConnectionError"),)
+    assert world.state("v1") is VersionState.RECLAIMING  # the claim did happen
+    assert world.fleet.calls(EngineOp.UNLOAD) == 0
+    assert (await world.reclaimer.reclaim_once()).reclaimed == ("v1",)
+    assert world.unloads("v1") == {"e0": 1, "e1": 1}
