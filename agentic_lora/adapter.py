@@ -519,6 +519,10 @@ class AdapterSnapshot:
         """Total tensor bytes (what a transfer moves)."""
         return sum(len(t.data) for t in self.tensors)
 
+    def __hash__(self) -> int:
+        # Equal snapshots have equal digests; the config mapping itself is not hashable.
+        return hash(self.digest)
+
     def __repr__(self) -> str:
         return (
             f"AdapterSnapshot(digest={self.digest[:16]}…, r={self.config['r']}, "

@@ -361,6 +361,9 @@ class Manifest:
         _refuse_duplicates([e.name for e in entries])
         return cls(config, tuple(entries))
 
+    def __hash__(self) -> int:
+        return hash(self.canonical)
+
     @property
     def digest(self) -> str:
         """SHA-256 hex of :attr:`canonical`: the content identity of the adapter."""

@@ -340,6 +340,7 @@ def test_snapshot_is_read_only_and_serialisable() -> None:
         snapshot.digest = "x"  # type: ignore[misc]
     assert json.loads(json.dumps(snapshot.config)) == thaw_json(snapshot.config)
     assert pickle.loads(pickle.dumps(snapshot)) == snapshot
+    assert len({snapshot, AdapterSnapshot.from_blobs(tiny_config(), tiny_blobs())}) == 1
     assert pickle.loads(pickle.dumps(snapshot)).manifest == snapshot.manifest
     assert snapshot.nbytes == 16 == sum(t.nbytes for t in snapshot.tensors)
     text = repr(snapshot)

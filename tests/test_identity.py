@@ -360,6 +360,7 @@ def test_manifest_round_trips_through_dict_and_json() -> None:
     assert manifest.entry("absent") is None
     assert ManifestEntry.of(A).sha256 == tensor_sha256(A.data)
     assert pickle.loads(pickle.dumps(manifest)) == manifest
+    assert len({manifest, Manifest.from_dict(manifest.to_dict())}) == 1
 
 
 def test_manifest_config_is_frozen() -> None:
