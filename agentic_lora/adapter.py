@@ -411,6 +411,7 @@ class AdapterSnapshot:
         cls, config: Mapping[str, Any] | _HasToDict | None, tensors: Iterable[TensorBlob]
     ) -> AdapterSnapshot:
         normalized, blobs, manifest = _validated(config, tensors)
+        # Bypasses __init__ on purpose: __post_init__ would validate and hash everything again.
         snapshot = cls.__new__(cls)
         for name, value in (
             ("config", normalized),
