@@ -184,9 +184,17 @@ def _create(venv: Path, base_python: str, log_path: Path) -> EngineEnv:
 
 def _run(cmd: Sequence[str], log: TextIO, log_path: Path, step: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    result = subprocess.run(
-        list(cmd), capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, check=False
-    )
+    try:
+        result = subprocess.run(
+            list(cmd),
+            capture_output=True,
+            text=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except OSError as exc:
+        raise EngineEnvError(f"engine venv: could not {step}: {exc}") from exc
     log.write(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}\n")
     log.flush()
     if result.returncode != 0:

@@ -77,7 +77,6 @@ def lora_flags(
     )  # fmt: skip
 
 
-_STOP_GRACE_SECONDS = 15.0
 _POLL_SECONDS = 0.25
 _LOG_TAIL_LINES = 40
 
@@ -106,6 +105,7 @@ class _Engine:
     name: str
     port: int
     log_path: Path
+    stop_grace: float
     process: subprocess.Popen[bytes] | None = None
     log_handle: IO[bytes] | None = None
     incarnation: int = 0
@@ -122,7 +122,8 @@ class EngineFleet:
 
     Use as ``with EngineFleet(...) as fleet`` or ``async with``, or call :meth:`start` /
     :meth:`stop`. ``flags`` replaces the default engine flags (:data:`CPU_FLAGS` plus
-    :func:`lora_flags`); ``extra_args`` is appended to them.
+    :func:`lora_flags`); ``extra_args`` is appended to them. ``startup_timeout`` bounds the wait
+    for health; ``stop_grace`` is how long a stopping engine gets before its group is killed.
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class EngineFleet:
         extra_env: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
         startup_timeout: float = 300.0,
+        stop_grace: float = 15.0,
     ) -> None:
         if count < 1:
             raise ValueError("an engine fleet needs at least one engine")
@@ -150,7 +152,7 @@ class EngineFleet:
         self._engines: dict[str, _Engine] = {}
         for index in range(count):
             name = f"E{index}"
-            self._engines[name] = _Engine(name, 0, self._log_dir / f"{name}.log")
+            self._engines[name] = _Engine(name, 0, self._log_dir / f"{name}.log", stop_grace)
         # Ends every engine group still running when the fleet is collected or the interpreter
         # exits, so an aborted test session leaves no engines behind.
         self._finalizer = weakref.finalize(self, _kill_all, list(self._engines.values()))
@@ -442,9 +444,9 @@ def _stop_engine(engine: _Engine) -> None:
         # SIGTERM to the server lets it shut its children down; signalling the whole group at once
         # makes SGLang treat it as a crash and sit in crash diagnostics first.
         _signal_server(engine, signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_GRACE_SECONDS
+        deadline = time.monotonic() + engine.stop_grace
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=_STOP_GRACE_SECONDS)
+            process.wait(timeout=engine.stop_grace)
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
         if process.poll() is None or _group_alive(pgid):
@@ -465,7 +467,7 @@ def _kill_all(engines: list[_Engine]) -> None:
         if engine.process is not None:
             _killpg(engine.process.pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
-                engine.process.wait(timeout=_STOP_GRACE_SECONDS)
+                engine.process.wait(timeout=30)
         if engine.log_handle is not None:
             engine.log_handle.close()
 
