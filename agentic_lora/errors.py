@@ -29,6 +29,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── VersionNotDispatchableError VERSION_NOT_DISPATCHABLE  version is reclaiming or gone
     │   ├── AdapterMismatchError       ADAPTER_MISMATCH      caller named another adapter than the binding
     │   ├── SessionStateError          SESSION_STATE         Session cannot dispatch in its state
+    │   ├── InvalidRequestError        INVALID_REQUEST       malformed generation request; nothing was sent
     │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
     │   └── RequestIndeterminateError  REQUEST_INDETERMINATE engine may have accepted the request
     ├── SessionReleaseError            SESSION_RELEASE_FAILED release not confirmed; record kept for retry
@@ -56,6 +57,7 @@ __all__ = [
     "EngineRestartedError",
     "InvalidAdapterError",
     "InvalidIdentityError",
+    "InvalidRequestError",
     "InvalidStateError",
     "JournalCorruptError",
     "JournalError",
@@ -102,7 +104,9 @@ class AgenticLoRAError(Exception):
         return {"code": self.code, "message": self.message, "details": self.details}
 
 
-def _rebuild(cls: type[AgenticLoRAError], message: str, details: dict[str, Any]) -> AgenticLoRAError:
+def _rebuild(
+    cls: type[AgenticLoRAError], message: str, details: dict[str, Any]
+) -> AgenticLoRAError:
     return cls(message, **details)
 
 
@@ -209,6 +213,12 @@ class AdapterMismatchError(DispatchError):
 
 class SessionStateError(DispatchError):
     code = "SESSION_STATE"
+
+
+class InvalidRequestError(DispatchError):
+    """The generation request is malformed; it was refused locally and never sent."""
+
+    code = "INVALID_REQUEST"
 
 
 class RequestRefusedError(DispatchError):
