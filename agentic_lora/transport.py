@@ -1,0 +1,384 @@
+"""The engine HTTP client: one attempt per generation, every failure classified.
+
+One :class:`EngineTransport` holds one ``httpx.AsyncClient`` for the whole engine set. By default
+it runs on ``httpx_aiohttp.AiohttpTransport`` (several times the throughput of httpx's default
+transport on loopback); if that package is missing it falls back to the default transport.
+
+Nothing here sends a generation twice. The HTTP layer has no retries, aiohttp never re-sends a
+POST on a reused connection, and generation goes through a tenacity policy that stops after one
+attempt (:data:`GENERATION_STOP`), so the rule is written down in one place and a test can read it.
+Whether to generate again is the caller's decision, made with the classification:
+
+* :class:`~agentic_lora.errors.RequestRefusedError`: the engine provably did not accept the
+  request (the connection was never established, or the engine answered 4xx);
+* :class:`~agentic_lora.errors.RequestIndeterminateError`: it may have (a timeout or reset after
+  the request went out, a 5xx, an unreadable reply).
+
+Control-plane calls (``/abort_request``, ``/get_server_info``) are idempotent, so they alone are
+retried, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.errors import (
+    ConfigurationError,
+    DispatchError,
+    RequestIndeterminateError,
+    RequestRefusedError,
+    UnknownEngineError,
+)
+
+__all__ = [
+    "GENERATION_STOP",
+    "EngineReply",
+    "EngineTransport",
+    "HttpTransportKind",
+    "Outcome",
+    "classify_exception",
+    "classify_status",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The generation retry policy: one attempt, never a second.
+GENERATION_STOP: stop_base = stop_after_attempt(1)
+
+HttpTransportKind = Literal["aiohttp", "httpx"]
+
+
+class Outcome(enum.StrEnum):
+    """The answer to "may the engine have accepted this request?"."""
+
+    REFUSED = "refused"  # provably not accepted
+    INDETERMINATE = "indeterminate"  # may have been accepted
+
+
+# httpx errors raised before a single byte of the request left this process.
+_NOT_SENT: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.UnsupportedProtocol,
+)
+
+
+def _aiohttp_connect_phase_errors() -> tuple[type[BaseException], ...] | None:
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiohttp ships with httpx-aiohttp, a core dependency
+        return None
+    return (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _aiohttp_error_base() -> type[BaseException] | None:
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover
+        return None
+    return aiohttp.ClientError
+
+
+def classify_exception(exc: BaseException) -> Outcome:
+    """Classify a failed HTTP exchange by whether the request can have reached the engine.
+
+    httpx-aiohttp maps every ``aiohttp.ClientConnectionError`` to ``httpx.ConnectTimeout``, even a
+    server disconnect after the request was written; the httpx type alone would call that
+    "refused". So when an aiohttp error is in the cause chain it decides: only a failure to
+    connect (``ClientConnectorError``, ``ConnectionTimeoutError``) proves nothing was sent.
+    """
+    aio_base = _aiohttp_error_base()
+    connect_phase = _aiohttp_connect_phase_errors()
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if aio_base is not None and isinstance(cause, aio_base):
+            assert connect_phase is not None
+            return Outcome.REFUSED if isinstance(cause, connect_phase) else Outcome.INDETERMINATE
+        cause = cause.__cause__
+    if isinstance(exc, _NOT_SENT):
+        return Outcome.REFUSED
+    return Outcome.INDETERMINATE
+
+
+def classify_status(status_code: int) -> Outcome | None:
+    """None for a 2xx answer; 4xx: refused (the engine rejected it); anything else: indeterminate."""
+    if 200 <= status_code < 300:
+        return None
+    if 400 <= status_code < 500:
+        return Outcome.REFUSED
+    return Outcome.INDETERMINATE
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReply:
+    """One engine answer: where it came from, its status and its decoded body."""
+
+    engine: str
+    path: str
+    status_code: int
+    body: Any
+    rid: str | None = None
+
+    @property
+    def finish_reason(self) -> Mapping[str, Any] | None:
+        """SGLang's ``meta_info.finish_reason`` when the body has one."""
+        if isinstance(self.body, Mapping):
+            meta = self.body.get("meta_info")
+            if isinstance(meta, Mapping):
+                reason = meta.get("finish_reason")
+                if isinstance(reason, Mapping):
+                    return reason
+        return None
+
+    @property
+    def aborted(self) -> bool:
+        """The engine ended this request by abort (e.g. ``/abort_request``)."""
+        reason = self.finish_reason
+        return reason is not None and reason.get("type") == "abort"
+
+
+def _encode(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _decode(response: httpx.Response) -> Any:
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _failure(
+    outcome: Outcome,
+    message: str,
+    **details: Any,
+) -> DispatchError:
+    cls = RequestRefusedError if outcome is Outcome.REFUSED else RequestIndeterminateError
+    return cls(f"{message} [{outcome.value}]", outcome=outcome.value, **details)
+
+
+def _make_client(
+    kind: HttpTransportKind, timeout: httpx.Timeout, limits: httpx.Limits
+) -> tuple[httpx.AsyncClient, HttpTransportKind]:
+    transport: httpx.AsyncBaseTransport
+    if kind == "aiohttp":
+        try:
+            from httpx_aiohttp import AiohttpTransport
+        except ImportError:
+            logger.warning("httpx-aiohttp is not installed; using httpx's default transport")
+            kind = "httpx"
+        else:
+            transport = AiohttpTransport(retries=0, limits=limits, trust_env=False)
+    if kind == "httpx":
+        transport = httpx.AsyncHTTPTransport(retries=0, limits=limits, trust_env=False)
+    # trust_env=False: an environment proxy would be another hop that may retry.
+    client = httpx.AsyncClient(
+        transport=transport, timeout=timeout, follow_redirects=False, trust_env=False
+    )
+    return client, kind
+
+
+class EngineTransport:
+    """HTTP access to a fixed set of engines (see module docstring)."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineRef],
+        *,
+        request_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        http_transport: HttpTransportKind = "aiohttp",
+        max_connections: int = 512,
+        control_attempts: int = 3,
+        control_wait: wait_base | None = None,
+    ) -> None:
+        if not engines:
+            raise ConfigurationError(
+                "an engine transport needs at least one engine", check="empty_fleet"
+            )
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"duplicate engine names in {names}", check="duplicate_engine")
+        if control_attempts < 1:
+            raise ConfigurationError(
+                "control_attempts must be at least 1", check="control_attempts"
+            )
+        self._engines: dict[str, EngineRef] = {e.name: e for e in engines}
+        timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=connect_timeout)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        self._client, self._kind = _make_client(http_transport, timeout, limits)
+        self._control_attempts = control_attempts
+        self._control_wait: wait_base = (
+            control_wait if control_wait is not None else wait_exponential(multiplier=0.05, max=1.0)
+        )
+        self._closed = False
+
+    @property
+    def engines(self) -> tuple[EngineRef, ...]:
+        """The fixed engine set, in the order given."""
+        return tuple(self._engines.values())
+
+    @property
+    def http_transport(self) -> HttpTransportKind:
+        """The transport actually in use (``"httpx"`` after a fallback)."""
+        return self._kind
+
+    @property
+    def generation_stop(self) -> stop_base:
+        """The stop condition of the generation policy (always :data:`GENERATION_STOP`)."""
+        return GENERATION_STOP
+
+    def _ref(self, engine: str) -> EngineRef:
+        ref = self._engines.get(engine)
+        if ref is None:
+            raise UnknownEngineError(
+                f"engine {engine!r} is not in the fleet {list(self._engines)}", engine=engine
+            )
+        return ref
+
+    async def _exchange(
+        self, engine: str, method: str, path: str, content: bytes | None, rid: str | None
+    ) -> EngineReply:
+        """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError."""
+        ref = self._ref(engine)
+        url = ref.base_url.rstrip("/") + path
+        headers = {"content-type": "application/json"} if content is not None else None
+        request = self._client.build_request(method, url, content=content, headers=headers)
+        where = {"engine": engine, "path": path, "rid": rid}
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            outcome = classify_exception(exc)
+            sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
+            raise _failure(
+                outcome,
+                f"{method} {path} to {engine}: {type(exc).__name__} ({exc}); the request {sent} "
+                "and is not resent",
+                error=type(exc).__name__,
+                **where,
+            ) from exc
+        try:
+            try:
+                await response.aread()
+            except httpx.TransportError as exc:
+                # The engine answered, so it has the request: only a 4xx still proves refusal.
+                outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
+                if outcome is Outcome.REFUSED:
+                    raise _failure(
+                        outcome,
+                        f"{method} {path} to {engine} refused with HTTP {response.status_code}",
+                        status=response.status_code,
+                        **where,
+                    ) from exc
+                raise _failure(
+                    Outcome.INDETERMINATE,
+                    f"{method} {path} to {engine}: reply lost while reading it "
+                    f"({type(exc).__name__}); the engine may have run the request",
+                    status=response.status_code,
+                    error=type(exc).__name__,
+                    **where,
+                ) from exc
+        finally:
+            await response.aclose()
+        body = _decode(response)
+        status_outcome = classify_status(response.status_code)
+        if status_outcome is not None:
+            what = "refused" if status_outcome is Outcome.REFUSED else "failed and may have run"
+            raise _failure(
+                status_outcome,
+                f"{method} {path} to {engine} {what}: HTTP {response.status_code}",
+                status=response.status_code,
+                body=body,
+                **where,
+            )
+        return EngineReply(
+            engine=engine, path=path, status_code=response.status_code, body=body, rid=rid
+        )
+
+    async def send(self, engine: str, path: str, body: Mapping[str, Any]) -> EngineReply:
+        """POST one generation to ``engine``: exactly one attempt, failures classified."""
+        if self._closed:
+            raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
+        content = _encode(body)
+        given_rid = body.get("rid")
+        rid = given_rid if isinstance(given_rid, str) else None
+        reply: EngineReply | None = None
+        async for attempt in AsyncRetrying(stop=GENERATION_STOP, reraise=True):
+            with attempt:
+                reply = await self._exchange(engine, "POST", path, content, rid)
+        assert reply is not None
+        return reply
+
+    def _control_policy(self) -> AsyncRetrying:
+        def retryable(exc: BaseException) -> bool:
+            # A 4xx is the engine's answer; asking again changes nothing.
+            if isinstance(exc, RequestRefusedError):
+                return exc.details.get("status") is None
+            return isinstance(exc, RequestIndeterminateError)
+
+        return AsyncRetrying(
+            stop=stop_after_attempt(self._control_attempts),
+            wait=self._control_wait,
+            retry=retry_if_exception(retryable),
+            reraise=True,
+        )
+
+    async def abort(self, engine: str, rid: str) -> None:
+        """Ask ``engine`` to abort request ``rid`` (idempotent: retried on transport failures).
+
+        SGLang answers 200 whether or not the request is still running; the request itself then
+        ends with ``finish_reason.type == "abort"``.
+        """
+        content = _encode({"rid": rid})
+        async for attempt in self._control_policy():
+            with attempt:
+                await self._exchange(engine, "POST", "/abort_request", content, rid)
+        logger.info("abort sent", extra={"engine": engine, "rid": rid})
+
+    async def server_info(self, engine: str) -> Mapping[str, Any]:
+        """SGLang ``GET /get_server_info`` (server args and scheduler info), retried when lost."""
+        reply: EngineReply | None = None
+        async for attempt in self._control_policy():
+            with attempt:
+                reply = await self._exchange(engine, "GET", "/get_server_info", None, None)
+        assert reply is not None
+        if not isinstance(reply.body, Mapping):
+            raise RequestIndeterminateError(
+                f"/get_server_info of {engine} is not a JSON object", engine=engine
+            )
+        return reply.body
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            await self._client.aclose()
+
+    async def __aenter__(self) -> EngineTransport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

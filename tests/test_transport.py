@@ -1,0 +1,269 @@
+"""The engine transport: one attempt, every failure classified refused or indeterminate.
+
+The classification is checked twice: with respx (scripted engine answers) and against real
+loopback sockets, because respx replaces the HTTP transport and so cannot show how the aiohttp
+transport reports a connection that dies after the request was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+import respx
+from tenacity import wait_none
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.errors import (
+    ConfigurationError,
+    RequestIndeterminateError,
+    RequestRefusedError,
+    UnknownEngineError,
+)
+from agentic_lora.transport import (
+    GENERATION_STOP,
+    EngineTransport,
+    Outcome,
+    classify_exception,
+    classify_status,
+)
+
+URL = "http://127.0.0.1:30000"
+KINDS = ["aiohttp", "httpx"]
+
+
+def transport(kind: str = "aiohttp", url: str = URL, attempts: int = 3) -> EngineTransport:
+    return EngineTransport(
+        [EngineRef("e0", url)],
+        http_transport=kind,  # type: ignore[arg-type]
+        control_attempts=attempts,
+        control_wait=wait_none(),
+        request_timeout=30,
+        connect_timeout=5,
+    )
+
+
+def test_status_classes() -> None:
+    assert classify_status(200) is None
+    assert classify_status(204) is None
+    for code in (400, 404, 408, 422, 429):
+        assert classify_status(code) is Outcome.REFUSED
+    for code in (301, 500, 502, 503, 504):
+        assert classify_status(code) is Outcome.INDETERMINATE
+
+
+def test_exception_classes_without_a_cause() -> None:
+    req = httpx.Request("POST", URL)
+    for refused in (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout):
+        assert classify_exception(refused("x", request=req)) is Outcome.REFUSED
+    for maybe in (
+        httpx.ReadTimeout,
+        httpx.WriteTimeout,
+        httpx.ReadError,
+        httpx.RemoteProtocolError,
+    ):
+        assert classify_exception(maybe("x", request=req)) is Outcome.INDETERMINATE
+
+
+def test_an_aiohttp_cause_decides_over_the_httpx_type() -> None:
+    import aiohttp
+
+    # httpx-aiohttp reports a server disconnect as ConnectTimeout: the cause must win.
+    after_send = httpx.ConnectTimeout("x")
+    after_send.__cause__ = aiohttp.ServerDisconnectedError()
+    assert classify_exception(after_send) is Outcome.INDETERMINATE
+    before_send = httpx.ConnectTimeout("x")
+    before_send.__cause__ = aiohttp.ConnectionTimeoutError()
+    assert classify_exception(before_send) is Outcome.REFUSED
+
+
+def test_the_generation_policy_is_one_attempt() -> None:
+    assert GENERATION_STOP.max_attempt_number == 1  # type: ignore[attr-defined]
+    assert transport().generation_stop is GENERATION_STOP
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
+    t = transport(kind)
+    try:
+        with respx.mock(using="httpx") as mock:
+            route = mock.post(URL + "/generate")
+            route.side_effect = [
+                httpx.Response(
+                    200, json={"text": "ok", "meta_info": {"finish_reason": {"type": "stop"}}}
+                ),
+                httpx.Response(400, json={"error": {"message": "too long"}}),
+                httpx.Response(503, json={"error": {"message": "busy"}}),
+                httpx.ConnectError("refused"),
+                httpx.ReadTimeout("lost"),
+            ]
+            ok = await t.send("e0", "/generate", {"text": "x", "rid": "r0"})
+            assert (ok.status_code, ok.rid, ok.aborted) == (200, "r0", False)
+            with pytest.raises(RequestRefusedError) as refused:
+                await t.send("e0", "/generate", {"text": "x"})
+            assert refused.value.details["status"] == 400
+            with pytest.raises(RequestIndeterminateError) as busy:
+                await t.send("e0", "/generate", {"text": "x"})
+            assert busy.value.details["status"] == 503
+            with pytest.raises(RequestRefusedError, match="was not sent"):
+                await t.send("e0", "/generate", {"text": "x"})
+            with pytest.raises(RequestIndeterminateError, match="indeterminate"):
+                await t.send("e0", "/generate", {"text": "x"})
+            assert route.call_count == 5  # five sends, five requests: nothing retried
+    finally:
+        await t.aclose()
+    assert t.http_transport == kind
+
+
+@pytest.mark.asyncio
+async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> None:
+    t = transport()
+    try:
+        with respx.mock(using="httpx") as mock:
+            route = mock.post(URL + "/v1/completions").respond(200, json={"choices": []})
+            body = {"model": "m:a", "prompt": "héllo", "max_tokens": 3}
+            await t.send("e0", "/v1/completions", body)
+            sent = route.calls.last.request
+            assert sent.headers["content-type"] == "application/json"
+            assert (
+                sent.content == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+            )
+    finally:
+        await t.aclose()
+
+
+@pytest.mark.asyncio
+async def test_abort_is_retried_on_transport_failures_but_not_on_a_4xx() -> None:
+    t = transport(attempts=3)
+    try:
+        with respx.mock(using="httpx") as mock:
+            route = mock.post(URL + "/abort_request")
+            route.side_effect = [httpx.Response(503), httpx.ConnectError("x"), httpx.Response(200)]
+            await t.abort("e0", "r1")
+            assert route.call_count == 3
+            assert all(json.loads(c.request.content) == {"rid": "r1"} for c in route.calls)
+
+            route.side_effect = [httpx.Response(400)]
+            with pytest.raises(RequestRefusedError):
+                await t.abort("e0", "r2")
+            assert route.call_count == 4
+
+            route.side_effect = [httpx.Response(500)] * 3
+            with pytest.raises(RequestIndeterminateError):
+                await t.abort("e0", "r3")
+            assert route.call_count == 7
+    finally:
+        await t.aclose()
+
+
+@pytest.mark.asyncio
+async def test_server_info_and_unknown_engine_and_closed_transport() -> None:
+    t = transport()
+    with respx.mock(using="httpx") as mock:
+        mock.get(URL + "/get_server_info").respond(200, json={"enable_lora": True})
+        assert (await t.server_info("e0"))["enable_lora"] is True
+        with pytest.raises(UnknownEngineError):
+            await t.send("e9", "/generate", {"text": "x"})
+        await t.aclose()
+        with pytest.raises(RequestRefusedError, match="closed"):
+            await t.send("e0", "/generate", {"text": "x"})
+        assert mock.calls.call_count == 1  # only server_info reached the engine
+
+
+def test_fleet_shape_is_checked() -> None:
+    with pytest.raises(ConfigurationError) as empty:
+        EngineTransport([])
+    assert empty.value.details["check"] == "empty_fleet"
+    with pytest.raises(ConfigurationError) as dup:
+        EngineTransport([EngineRef("e0", URL), EngineRef("e0", "http://127.0.0.1:30001")])
+    assert dup.value.details["check"] == "duplicate_engine"
+
+
+# --- real loopback sockets ------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def loopback_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return await reader.readexactly(length)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_connection_refused_is_refused(kind: str) -> None:
+    # A bound socket that is not listening: the kernel refuses connections, deterministically.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        t = transport(kind, url)
+        try:
+            with pytest.raises(RequestRefusedError):
+                await t.send("e0", "/generate", {"text": "x"})
+        finally:
+            await t.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_connection_closed_after_the_request_arrived_is_indeterminate(kind: str) -> None:
+    received: list[bytes] = []
+
+    async def accept_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await read_request(reader))  # the engine has the whole request...
+        writer.close()  # ...and the reply never comes
+        await writer.wait_closed()
+
+    async with loopback_server(accept_then_drop) as url:
+        t = transport(kind, url)
+        try:
+            with pytest.raises(RequestIndeterminateError):
+                await t.send("e0", "/generate", {"text": "x", "rid": "r-drop"})
+        finally:
+            await t.aclose()
+    assert [json.loads(r) for r in received] == [{"text": "x", "rid": "r-drop"}]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_real_answer_round_trips(kind: str) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = json.loads(await read_request(reader))
+        payload = json.dumps({"text": "ok", "meta_info": {"id": body["rid"]}}).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    async with loopback_server(answer) as url:
+        t = transport(kind, url)
+        try:
+            reply = await t.send("e0", "/generate", {"text": "x", "rid": "r-ok"})
+        finally:
+            await t.aclose()
+    assert reply.body == {"text": "ok", "meta_info": {"id": "r-ok"}}
