@@ -1,0 +1,285 @@
+"""The dispatch chain: small middlewares, each wrapping the next, ending at the engine transport.
+
+A :data:`Dispatch` takes an :class:`EngineCall` and returns an
+:class:`~agentic_lora.transport.EngineReply`. A middleware is a class built as
+``Middleware(next_dispatch, **options)`` whose instances are themselves a ``Dispatch`` (the shape
+of a Starlette middleware). :func:`build_chain` stacks them; the first one listed runs first.
+
+For a versioned Session the chain is::
+
+    framework middleware ... -> AdapterPinMiddleware -> DispatchGuardMiddleware
+        -> RoutingMiddleware -> TransportEndpoint
+
+* :class:`AdapterPinMiddleware` writes the Session's bound ``lora_name`` into the body
+  (``lora_path`` for ``/generate``, ``model="<base>:<lora_name>"`` for OpenAI routes) and refuses
+  a caller that named another adapter.
+* :class:`DispatchGuardMiddleware` refuses, locally, a version that is reclaiming or gone: an
+  engine would otherwise reload it from its old path and resurrect it behind the registry's back.
+* :class:`RoutingMiddleware` lets the router pick an engine (it sees a read-only body).
+* :class:`TransportEndpoint` sends once.
+
+Framework middlewares run before the pin, so whatever they put in the body is checked against the
+binding, never trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
+
+from agentic_lora.errors import (
+    AdapterMismatchError,
+    ConfigurationError,
+    RequestRefusedError,
+    SessionStateError,
+    VersionNotDispatchableError,
+)
+from agentic_lora.registry.types import Binding, VersionStatus
+from agentic_lora.requests import Route
+from agentic_lora.routing import EngineHealth, Router
+from agentic_lora.transport import EngineReply, EngineTransport
+
+__all__ = [
+    "AdapterPinMiddleware",
+    "Dispatch",
+    "DispatchGuard",
+    "DispatchGuardMiddleware",
+    "EngineCall",
+    "InFlight",
+    "Middleware",
+    "PeekGuard",
+    "RoutingMiddleware",
+    "TransportEndpoint",
+    "build_chain",
+    "pin_adapter",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """One dispatch while it runs: its request id and, once routed, its engine (for abort)."""
+
+    rid: str | None
+    engine: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One request travelling down the chain. Change it with :func:`dataclasses.replace`."""
+
+    route: Route
+    body: Mapping[str, Any]
+    session_key: str | None = None
+    binding: Binding | None = None
+    engine: str | None = None
+    ticket: InFlight | None = field(default=None, compare=False)
+
+    def with_body(self, body: Mapping[str, Any]) -> EngineCall:
+        """This call with another body."""
+        return dataclasses.replace(self, body=body)
+
+
+Dispatch = Callable[[EngineCall], Awaitable[EngineReply]]
+
+
+class Middleware:
+    """A middleware class plus its options, built later around the next dispatch."""
+
+    def __init__(self, cls: Callable[..., Dispatch], /, **options: Any) -> None:
+        self.cls = cls
+        self.options = options
+
+    def build(self, next_dispatch: Dispatch) -> Dispatch:
+        """Instantiate the middleware around ``next_dispatch``."""
+        return self.cls(next_dispatch, **self.options)
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return (
+            f"Middleware({getattr(self.cls, '__name__', self.cls)!r}{', ' if opts else ''}{opts})"
+        )
+
+
+def build_chain(endpoint: Dispatch, middleware: Sequence[Middleware]) -> Dispatch:
+    """Wrap ``endpoint`` so that ``middleware[0]`` runs first."""
+    dispatch = endpoint
+    for m in reversed(middleware):
+        dispatch = m.build(dispatch)
+    return dispatch
+
+
+# --- adapter pinning ----------------------------------------------------------------------------
+
+
+def _openai_model(base_model: str, lora_name: str, given: Any) -> str:
+    pinned = f"{base_model}:{lora_name}"
+    if given is None or given in (base_model, pinned, lora_name):
+        # A bare adapter name in ``model`` would be read by SGLang as a base model name and
+        # silently served without the adapter: it is rewritten to the explicit form.
+        return pinned
+    if not isinstance(given, str):
+        raise AdapterMismatchError("`model` must be a string", given=repr(given))
+    _, sep, adapter = given.partition(":")
+    raise AdapterMismatchError(
+        f"request names model {given!r} but this Session is bound to {pinned!r}",
+        given=given,
+        bound=lora_name,
+        given_adapter=adapter.strip() if sep else given,
+    )
+
+
+def pin_adapter(
+    route: Route, body: Mapping[str, Any], lora_name: str, base_model: str | None
+) -> dict[str, Any]:
+    """``body`` with the bound adapter written in; a different adapter named by the caller raises.
+
+    ``/generate`` gets ``lora_path=lora_name``; OpenAI routes get ``model="<base>:<lora_name>"``
+    (SGLang gives the adapter in ``model`` precedence over ``lora_path``; an explicit
+    ``lora_path`` is still checked so the two can never disagree).
+    """
+    out = dict(body)
+    given_path = out.get("lora_path")
+    if given_path is not None and given_path != lora_name:
+        raise AdapterMismatchError(
+            f"request names adapter {given_path!r} but this Session is bound to {lora_name!r}",
+            given=given_path,
+            bound=lora_name,
+        )
+    if route is Route.GENERATE:
+        out["lora_path"] = lora_name
+        return out
+    if not base_model:
+        raise ConfigurationError(
+            "OpenAI routes need the base model name to address an adapter",
+            check="base_model_name",
+        )
+    out["model"] = _openai_model(base_model, lora_name, out.get("model"))
+    return out
+
+
+class AdapterPinMiddleware:
+    """Writes the Session's bound adapter into every request (see :func:`pin_adapter`)."""
+
+    def __init__(self, next_dispatch: Dispatch, *, base_model: str | None) -> None:
+        self._next = next_dispatch
+        self._base_model = base_model
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        binding = call.binding
+        if binding is None:
+            # Fail closed: a versioned request without a binding would run on the base model.
+            raise SessionStateError(
+                "a versioned dispatch reached the adapter pin without a binding",
+                session=call.session_key,
+            )
+        body = pin_adapter(call.route, call.body, binding.lora_name, self._base_model)
+        return await self._next(call.with_body(body))
+
+
+# --- dispatch guard -----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DispatchGuard(Protocol):
+    """Says, without I/O, whether requests for a bound version may still reach an engine."""
+
+    def check(self, binding: Binding) -> None:
+        """Return if dispatchable; raise VersionNotDispatchableError otherwise."""
+        ...
+
+
+class PeekGuard:
+    """A DispatchGuard over a synchronous version read, e.g. ``LocalRegistry.peek_version``."""
+
+    def __init__(self, peek: Callable[[str], VersionStatus | None]) -> None:
+        self._peek = peek
+
+    def check(self, binding: Binding) -> None:
+        """Raise unless the bound version is PUBLISHED or RETIRED (and is the same content)."""
+        status = self._peek(binding.version_id)
+        if status is None:
+            raise VersionNotDispatchableError(
+                f"version {binding.version_id!r} is unknown to the registry",
+                version=binding.version_id,
+                state=None,
+            )
+        if not status.state.dispatchable:
+            raise VersionNotDispatchableError(
+                f"version {binding.version_id!r} is {status.state.value}; "
+                "it can no longer be dispatched",
+                version=binding.version_id,
+                state=status.state.value,
+            )
+        if status.lora_name != binding.lora_name:
+            raise VersionNotDispatchableError(
+                f"version {binding.version_id!r} is now {status.lora_name!r}, "
+                f"not the bound {binding.lora_name!r}",
+                version=binding.version_id,
+                state=status.state.value,
+            )
+
+
+class DispatchGuardMiddleware:
+    """Refuses, before any engine sees it, a request for a version that is reclaiming or gone."""
+
+    def __init__(self, next_dispatch: Dispatch, *, guard: DispatchGuard) -> None:
+        self._next = next_dispatch
+        self._guard = guard
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        if call.binding is not None:
+            self._guard.check(call.binding)
+        return await self._next(call)
+
+
+# --- routing and the endpoint -------------------------------------------------------------------
+
+
+class RoutingMiddleware:
+    """Lets the router pick a healthy engine; counts the dispatch in flight around the send."""
+
+    def __init__(self, next_dispatch: Dispatch, *, router: Router, health: EngineHealth) -> None:
+        self._next = next_dispatch
+        self._router = router
+        self._health = health
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        engines = self._health.healthy()
+        if not engines:
+            raise RequestRefusedError(
+                "no healthy engine to dispatch to; nothing was sent", session=call.session_key
+            )
+        engine = self._router.choose(call.session_key, engines, MappingProxyType(dict(call.body)))
+        if engine not in engines:
+            raise ConfigurationError(
+                f"router {type(self._router).__name__} chose {engine!r}, not one of {list(engines)}",
+                check="router",
+            )
+        if call.ticket is not None:
+            call.ticket.engine = engine
+        self._router.on_dispatch(engine, call.session_key)
+        try:
+            return await self._next(dataclasses.replace(call, engine=engine))
+        finally:
+            self._router.on_complete(engine, call.session_key)
+
+
+class TransportEndpoint:
+    """The end of the chain: one send through the engine transport."""
+
+    def __init__(self, transport: EngineTransport) -> None:
+        self._transport = transport
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        if call.engine is None:
+            raise ConfigurationError(
+                "the chain reached the transport without choosing an engine (no router?)",
+                check="router",
+            )
+        return await self._transport.send(call.engine, call.route.value, call.body)

@@ -1,0 +1,619 @@
+"""Sessions: bind once at the first generation, send exactly that version, release exactly once.
+
+Users hold a :class:`Versioning` (one per rollout worker) and open a :class:`Session` per agent
+episode::
+
+    async with versioning.session(session_id) as s:
+        out = await s.generate({"text": prompt, "sampling_params": {"max_new_tokens": 64}})
+
+or, for frameworks without context managers, ``s = versioning.open_session(id)`` ... ``await
+s.close()``.
+
+A Session's life (one transition table, :data:`TRANSITIONS`)::
+
+    OPEN --first generation binds--> BOUND --close--> FINALIZING --released--> CLOSED
+      \\------------------------------close-----------^
+
+* OPEN binds nothing. The first generation starts ONE bind task (registry ``bind_first``); every
+  concurrent first generation awaits that task through :func:`asyncio.shield`, so cancelling a
+  waiter never cancels the binding, and once bound no request reads the default again.
+* If the bind task fails (no version published yet, a lost reply), the next generation replays
+  ``bind_first`` with the same request id; the registry answers per Session, so a replay can
+  only ever return the first answer, never a fresh choice.
+* Close: FINALIZING (no new dispatch) -> ``begin_close`` (a late bind is now refused) -> wait for
+  the bind task -> abort and drain in-flight requests -> ``release`` (retried with the same
+  request id until confirmed; on failure :class:`~agentic_lora.errors.SessionReleaseError` and the
+  Session stays FINALIZING so close can be called again) -> drop the record -> ``forget_sessions``.
+
+With the feature flag off a Session is a pass-through: no registry, no binding, and every body
+goes out exactly as the caller sent it (the legacy fixed adapter name included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity.wait import wait_base
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.errors import (
+    AgenticLoRAError,
+    ConfigurationError,
+    InvalidRequestError,
+    RequestRefusedError,
+    SessionClosedError,
+    SessionReleaseError,
+    SessionStateError,
+)
+from agentic_lora.middleware import (
+    AdapterPinMiddleware,
+    Dispatch,
+    DispatchGuard,
+    DispatchGuardMiddleware,
+    EngineCall,
+    InFlight,
+    Middleware,
+    PeekGuard,
+    RoutingMiddleware,
+    TransportEndpoint,
+    build_chain,
+)
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import Binding, ReleaseResult, new_request_id
+from agentic_lora.requests import RequestLike, Route, request_body
+from agentic_lora.routing import EngineHealth, Router, load_router
+from agentic_lora.transport import EngineReply, EngineTransport
+
+if TYPE_CHECKING:
+    from agentic_lora.config import AgenticLoRASettings
+
+__all__ = ["TRANSITIONS", "Session", "SessionPhase", "Versioning", "next_phase"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class SessionPhase(enum.StrEnum):
+    """Where a Session is in its life (finer than the registry's view of it)."""
+
+    OPEN = "OPEN"  # created; bound to nothing
+    BOUND = "BOUND"  # bound to one version for the rest of its life
+    FINALIZING = "FINALIZING"  # closing: no new dispatch; release not yet confirmed
+    CLOSED = "CLOSED"  # released exactly once; the record is gone
+
+
+#: The only legal moves. FINALIZING is left only by a confirmed release.
+TRANSITIONS: Mapping[SessionPhase, frozenset[SessionPhase]] = {
+    SessionPhase.OPEN: frozenset({SessionPhase.BOUND, SessionPhase.FINALIZING}),
+    SessionPhase.BOUND: frozenset({SessionPhase.FINALIZING}),
+    SessionPhase.FINALIZING: frozenset({SessionPhase.CLOSED}),
+    SessionPhase.CLOSED: frozenset(),
+}
+
+
+def next_phase(current: SessionPhase, target: SessionPhase, *, session: str = "") -> SessionPhase:
+    """``target`` if the table allows ``current -> target``; otherwise SessionStateError."""
+    if target not in TRANSITIONS[current]:
+        raise SessionStateError(
+            f"session {session!r} cannot go from {current.value} to {target.value}",
+            session=session,
+            phase=current.value,
+            target=target.value,
+        )
+    return target
+
+
+def _is_transient(exc: BaseException) -> bool:
+    # A typed error is the registry's answer; anything else (a lost reply, a dead actor, a
+    # timeout) may succeed when replayed with the same request id.
+    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Runtime:
+    """What every Session of one Versioning shares."""
+
+    versioned: bool
+    registry: RegistryAPI | None
+    chain: Dispatch
+    transport: EngineTransport
+    registry_attempts: int
+    registry_wait: wait_base
+    on_closed: Callable[[Session], Awaitable[None]]
+
+
+class Session:
+    """One agent Session (see module docstring). Create it with :meth:`Versioning.open_session`."""
+
+    def __init__(self, session_id: str, session_key: str, runtime: _Runtime) -> None:
+        self._id = session_id
+        self._key = session_key
+        self._rt = runtime
+        self._phase = SessionPhase.OPEN
+        self._binding: Binding | None = None
+        self._bind_task: asyncio.Task[Binding] | None = None
+        self._close_task: asyncio.Task[ReleaseResult | None] | None = None
+        self._release_result: ReleaseResult | None = None
+        # One idempotency key per registry verb for this lifecycle: every replay reuses it.
+        self._bind_request_id = new_request_id()
+        self._begin_close_request_id = new_request_id()
+        self._release_request_id = new_request_id()
+        self._in_flight: set[InFlight] = set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    # --- what it is ------------------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """The framework's id for this Session (reused ids are new lifecycles)."""
+        return self._id
+
+    @property
+    def key(self) -> str:
+        """The registry key: session id plus a nonce unique to this lifecycle."""
+        return self._key
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The current phase."""
+        return self._phase
+
+    @property
+    def binding(self) -> Binding | None:
+        """The version this Session is bound to (None before its first generation)."""
+        return self._binding
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this Session currently dispatched and not yet ended."""
+        return len(self._in_flight)
+
+    @property
+    def release_result(self) -> ReleaseResult | None:
+        """The registry's answer to the release, once the Session is CLOSED (versioned only)."""
+        return self._release_result
+
+    def __repr__(self) -> str:
+        version = self._binding.version_id if self._binding else None
+        return f"Session({self._key!r}, {self._phase.value}, version={version!r})"
+
+    def _advance(self, target: SessionPhase) -> None:
+        self._phase = next_phase(self._phase, target, session=self._key)
+
+    def _require_dispatchable(self) -> None:
+        if self._phase in (SessionPhase.FINALIZING, SessionPhase.CLOSED):
+            raise SessionClosedError(
+                f"session {self._key!r} is {self._phase.value}; no new dispatch",
+                session=self._key,
+                phase=self._phase.value,
+            )
+
+    # --- binding ---------------------------------------------------------------------------------
+
+    async def _bind_once(self) -> Binding:
+        registry = self._rt.registry
+        assert registry is not None
+        try:
+            binding = await registry.bind_first(
+                request_id=self._bind_request_id, session_key=self._key
+            )
+        except AgenticLoRAError:
+            raise
+        except Exception as exc:
+            raise RequestRefusedError(
+                f"session {self._key!r}: the binding was not confirmed ({exc!r}); nothing was "
+                "sent to an engine, and the next generation replays the same bind",
+                session=self._key,
+                stage="bind",
+            ) from exc
+        self._binding = binding
+        if self._phase is SessionPhase.OPEN:
+            self._advance(SessionPhase.BOUND)
+        logger.info(
+            "session bound",
+            extra={
+                "session": self._key,
+                "version": binding.version_id,
+                "lora_name": binding.lora_name,
+            },
+        )
+        return binding
+
+    async def _bound(self) -> Binding:
+        if self._binding is not None:
+            return self._binding
+        task = self._bind_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            # No await between this check and the assignment: concurrent first generations
+            # all see the same task, so there is exactly one bind in flight per Session.
+            task = asyncio.get_running_loop().create_task(
+                self._bind_once(), name=f"bind {self._key}"
+            )
+            self._bind_task = task
+        # shield: a waiter cancelled here leaves the shared bind running for the others.
+        return await asyncio.shield(task)
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    async def generate(self, request: RequestLike) -> EngineReply:
+        """SGLang ``/generate`` with this Session's version (binds on the first call)."""
+        return await self.dispatch(Route.GENERATE, request)
+
+    async def chat_completions(self, request: RequestLike) -> EngineReply:
+        """OpenAI ``/v1/chat/completions`` with this Session's version."""
+        return await self.dispatch(Route.CHAT_COMPLETIONS, request)
+
+    async def completions(self, request: RequestLike) -> EngineReply:
+        """OpenAI ``/v1/completions`` with this Session's version."""
+        return await self.dispatch(Route.COMPLETIONS, request)
+
+    async def dispatch(self, route: Route, request: RequestLike) -> EngineReply:
+        """Send one request down the chain: exactly one attempt, failures classified.
+
+        A tool turn, a retry after an error and a resume after :meth:`abort` are all just another
+        dispatch: they carry the same bound version and never read the default again.
+        """
+        self._require_dispatchable()
+        versioned = self._rt.versioned
+        body = request_body(route, request, validate=versioned)
+        binding: Binding | None = None
+        if versioned:
+            if body.get("stream"):
+                raise InvalidRequestError(
+                    "streaming is not supported on a versioned Session; send stream=false",
+                    route=route.value,
+                )
+            binding = await self._bound()
+            # Close may have started while this request waited for the bind.
+            self._require_dispatchable()
+            if body.get("rid") is None:
+                body["rid"] = uuid.uuid4().hex
+        rid = body.get("rid")
+        flight = InFlight(rid=rid if isinstance(rid, str) else None)
+        self._in_flight.add(flight)
+        self._drained.clear()
+        try:
+            return await self._rt.chain(
+                EngineCall(
+                    route=route, body=body, session_key=self._key, binding=binding, ticket=flight
+                )
+            )
+        finally:
+            self._in_flight.discard(flight)
+            if not self._in_flight:
+                self._drained.set()
+
+    async def abort(self, rid: str) -> bool:
+        """Abort this Session's in-flight request ``rid`` on its engine; the binding stays.
+
+        Returns False when no such request is in flight here (already ended, or not yet routed).
+        The aborted request ends with ``finish_reason.type == "abort"``; resume by dispatching
+        again, which carries the same ``lora_path``.
+        """
+        for flight in list(self._in_flight):
+            if flight.rid == rid and flight.engine is not None:
+                await self._rt.transport.abort(flight.engine, rid)
+                return True
+        return False
+
+    # --- close -----------------------------------------------------------------------------------
+
+    async def close(self) -> ReleaseResult | None:
+        """Finish this Session: refuse new dispatch, drain, release exactly once (see module doc).
+
+        Idempotent: a closed Session returns its first result without calling the registry, and
+        concurrent closes share one finalization. Raises SessionReleaseError if the release is not
+        confirmed; the Session then stays FINALIZING and ``close()`` may be called again.
+        """
+        if self._phase is SessionPhase.CLOSED:
+            return self._release_result
+        task = self._close_task
+        if task is None or task.done():
+            if self._phase in (SessionPhase.OPEN, SessionPhase.BOUND):
+                self._advance(SessionPhase.FINALIZING)
+            task = asyncio.get_running_loop().create_task(
+                self._finalize(), name=f"close {self._key}"
+            )
+            self._close_task = task
+        return await asyncio.shield(task)
+
+    async def _registry_call(self, stage: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(self._rt.registry_attempts),
+                wait=self._rt.registry_wait,
+                retry=retry_if_exception(_is_transient),
+                reraise=True,
+            ):
+                with attempt:
+                    n = attempt.retry_state.attempt_number
+                    if n > 1:
+                        logger.warning(
+                            "replaying registry call",
+                            extra={"session": self._key, "stage": stage, "attempt": n},
+                        )
+                    return await call()
+        except Exception as exc:
+            raise SessionReleaseError(
+                f"session {self._key!r}: {stage} was not confirmed ({exc!r}); the Session "
+                "stays FINALIZING and close() can be called again",
+                session=self._key,
+                stage=stage,
+            ) from exc
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+    async def _finalize(self) -> ReleaseResult | None:
+        registry = self._rt.registry if self._rt.versioned else None
+        if registry is not None:
+            await self._registry_call(
+                "begin_close",
+                lambda: registry.begin_close(
+                    request_id=self._begin_close_request_id, session_key=self._key
+                ),
+            )
+        bind_task = self._bind_task
+        if bind_task is not None:
+            # Never cancelled: it either bound before begin_close (release drops that ref) or
+            # is refused with SESSION_CLOSED. Its error was already handed to its waiters.
+            await asyncio.wait([bind_task])
+            if not bind_task.cancelled():
+                bind_task.exception()
+        await self._abort_in_flight()
+        await self._drained.wait()
+        result: ReleaseResult | None = None
+        if registry is not None:
+            result = await self._registry_call(
+                "release",
+                lambda: registry.release(
+                    request_id=self._release_request_id, session_key=self._key
+                ),
+            )
+        self._release_result = result
+        self._advance(SessionPhase.CLOSED)
+        logger.info(
+            "session closed",
+            extra={
+                "session": self._key,
+                "version": result.version_id if result is not None else None,
+                "released_now": result.released_now if result is not None else None,
+            },
+        )
+        await self._rt.on_closed(self)
+        return result
+
+    async def _abort_in_flight(self) -> None:
+        targets = [(f.engine, f.rid) for f in self._in_flight if f.engine and f.rid]
+        for engine, rid in targets:
+            try:
+                await self._rt.transport.abort(engine, rid)
+            except AgenticLoRAError as exc:
+                # The request still ends (answer or client timeout); draining waits for it.
+                logger.warning(
+                    "abort on close failed",
+                    extra={"session": self._key, "engine": engine, "rid": rid, "error": str(exc)},
+                )
+
+
+class Versioning:
+    """The manager a rollout worker holds: opens Sessions and owns the dispatch chain.
+
+    ``enabled=False`` (the framework flag off) makes every Session a pass-through that sends the
+    caller's body untouched; then ``registry`` is not used.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: EngineTransport,
+        registry: RegistryAPI | None = None,
+        enabled: bool = True,
+        router: Router | None = None,
+        guard: DispatchGuard | None = None,
+        base_model: str | None = None,
+        deployment_epoch: int = 0,
+        middleware: Sequence[Middleware] = (),
+        registry_attempts: int = 4,
+        registry_wait: wait_base | None = None,
+        owns_transport: bool = False,
+        owns_registry: bool = False,
+    ) -> None:
+        if registry_attempts < 1:
+            raise ConfigurationError(
+                "registry_attempts must be at least 1", check="registry_attempts"
+            )
+        self._enabled = enabled
+        self._registry = registry
+        self._transport = transport
+        self._owns_transport = owns_transport
+        self._owns_registry = owns_registry
+        self._epoch = deployment_epoch
+        engines = [e.name for e in transport.engines]
+        self._health = EngineHealth(engines)
+        self._router = router if router is not None else load_router("session-affinity")
+        chain: list[Middleware] = list(middleware)
+        if enabled:
+            if registry is None:
+                raise ConfigurationError(
+                    "versioned publication is enabled but no registry was given", check="registry"
+                )
+            if guard is None:
+                peek = getattr(registry, "peek_version", None)
+                if not callable(peek):
+                    raise ConfigurationError(
+                        f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
+                        check="dispatch_guard",
+                    )
+                guard = PeekGuard(peek)
+            chain += [
+                Middleware(AdapterPinMiddleware, base_model=base_model),
+                Middleware(DispatchGuardMiddleware, guard=guard),
+            ]
+        chain.append(Middleware(RoutingMiddleware, router=self._router, health=self._health))
+        self._runtime = _Runtime(
+            versioned=enabled,
+            registry=registry,
+            chain=build_chain(TransportEndpoint(transport), chain),
+            transport=transport,
+            registry_attempts=registry_attempts,
+            registry_wait=(
+                registry_wait
+                if registry_wait is not None
+                else wait_exponential(multiplier=0.05, max=2.0)
+            ),
+            on_closed=self._on_closed,
+        )
+        self._live: dict[str, Session] = {}
+        self._unforgotten: list[str] = []
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: AgenticLoRASettings,
+        *,
+        registry: RegistryAPI | None = None,
+        transport: EngineTransport | None = None,
+        middleware: Sequence[Middleware] = (),
+    ) -> Versioning:
+        """Build from validated settings. Without ``registry`` (flag on) a LocalRegistry is made."""
+        owns_transport = transport is None
+        owns_registry = False
+        if transport is None:
+            transport = EngineTransport(
+                settings.engines,
+                request_timeout=settings.request_timeout,
+                connect_timeout=settings.connect_timeout,
+                http_transport=settings.http_transport,
+            )
+        if settings.enable_versioned_lora_publication and registry is None:
+            from agentic_lora.registry.local import LocalRegistry
+
+            registry = LocalRegistry(
+                engines=[e.name for e in settings.engines],
+                capacity=settings.capacity,
+                deployment_epoch=settings.deployment_epoch,
+                prefix=settings.lora_name_prefix,
+                journal_path=settings.journal_path,
+            )
+            owns_registry = True
+        return cls(
+            transport=transport,
+            registry=registry,
+            enabled=settings.enable_versioned_lora_publication,
+            router=load_router(settings.router),
+            base_model=settings.base_model_name,
+            deployment_epoch=settings.deployment_epoch,
+            middleware=middleware,
+            owns_transport=owns_transport,
+            owns_registry=owns_registry,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether versioned publication is on (off: pass-through Sessions)."""
+        return self._enabled
+
+    @property
+    def registry(self) -> RegistryAPI | None:
+        """The registry Sessions bind through (None in pass-through mode)."""
+        return self._registry
+
+    @property
+    def engines(self) -> tuple[EngineRef, ...]:
+        """The fixed engine fleet."""
+        return self._transport.engines
+
+    @property
+    def router(self) -> Router:
+        """The router plugin in the chain."""
+        return self._router
+
+    @property
+    def health(self) -> EngineHealth:
+        """Engine health: mark an engine unhealthy to stop routing new dispatches to it."""
+        return self._health
+
+    def live_sessions(self) -> tuple[Session, ...]:
+        """Sessions not yet closed (including ones whose release failed)."""
+        return tuple(self._live.values())
+
+    def get(self, session_id: str) -> Session | None:
+        """The live Session with this id, if any."""
+        return self._live.get(session_id)
+
+    def open_session(self, session_id: str) -> Session:
+        """Open a Session (OPEN, bound to nothing; no I/O). One live lifecycle per id."""
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequestError(
+                "a session id is a non-empty string", session=repr(session_id)
+            )
+        existing = self._live.get(session_id)
+        if existing is not None:
+            raise SessionStateError(
+                f"session {session_id!r} is still {existing.phase.value}; close it before reusing "
+                "the id",
+                session=existing.key,
+                phase=existing.phase.value,
+            )
+        key = f"{session_id}#{self._epoch}-{uuid.uuid4().hex}"
+        s = Session(session_id, key, self._runtime)
+        self._live[session_id] = s
+        return s
+
+    @contextlib.asynccontextmanager
+    async def session(self, session_id: str) -> AsyncIterator[Session]:
+        """``async with versioning.session(id) as s``: open, then close however the block ends."""
+        s = self.open_session(session_id)
+        try:
+            yield s
+        finally:
+            await s.close()
+
+    async def close_session(self, session_id: str) -> ReleaseResult | None:
+        """Close the live Session with this id (a no-op returning None if there is none)."""
+        s = self._live.get(session_id)
+        return None if s is None else await s.close()
+
+    async def _on_closed(self, s: Session) -> None:
+        if self._live.get(s.session_id) is s:
+            del self._live[s.session_id]
+        if self._registry is None or not self._enabled:
+            return
+        # Tombstones go only after the record is gone, so nothing can bind this key again.
+        self._unforgotten.append(s.key)
+        keys = list(self._unforgotten)
+        try:
+            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=keys)
+        except Exception as exc:
+            # Not a correctness problem (a tombstone only costs memory): retried with the next.
+            logger.warning(
+                "forget_sessions failed; will retry with the next close",
+                extra={"session": s.key, "pending": len(keys), "error": repr(exc)},
+            )
+            return
+        del self._unforgotten[: len(keys)]
+
+    async def aclose(self) -> None:
+        """Close every live Session, then the transport and registry if this manager made them."""
+        errors: list[SessionReleaseError] = []
+        for s in list(self._live.values()):
+            try:
+                await s.close()
+            except SessionReleaseError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        if self._owns_transport:
+            await self._transport.aclose()
+        closer = getattr(self._registry, "aclose", None) if self._owns_registry else None
+        if closer is not None:
+            await closer()

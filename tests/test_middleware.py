@@ -1,0 +1,264 @@
+"""The dispatch chain pieces: adapter pin, dispatch guard, routing, chain order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from agentic_lora.errors import (
+    AdapterMismatchError,
+    ConfigurationError,
+    RequestRefusedError,
+    SessionStateError,
+    VersionNotDispatchableError,
+)
+from agentic_lora.middleware import (
+    AdapterPinMiddleware,
+    Dispatch,
+    DispatchGuardMiddleware,
+    EngineCall,
+    InFlight,
+    Middleware,
+    PeekGuard,
+    RoutingMiddleware,
+    build_chain,
+    pin_adapter,
+)
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import Binding, VersionState, VersionStatus, new_request_id
+from agentic_lora.requests import Route
+from agentic_lora.routing import EngineHealth, InFlightCounter
+from agentic_lora.transport import EngineReply
+from tests.test_session_support import harness, publish
+
+LORA = "policy_lora@0-v1-0123456789abcdef"
+BASE = "base-model"
+BINDING = Binding(
+    session_key="s#1", version_id="v1", lora_name=LORA, digest="d", default_revision=1
+)
+
+
+def test_generate_gets_the_bound_lora_path() -> None:
+    assert pin_adapter(Route.GENERATE, {"text": "x"}, LORA, BASE) == {
+        "text": "x",
+        "lora_path": LORA,
+    }
+    assert (
+        pin_adapter(Route.GENERATE, {"text": "x", "lora_path": LORA}, LORA, None)["lora_path"]
+        == LORA
+    )
+    with pytest.raises(AdapterMismatchError) as err:
+        pin_adapter(Route.GENERATE, {"text": "x", "lora_path": "policy_lora"}, LORA, BASE)
+    assert err.value.details == {"given": "policy_lora", "bound": LORA}
+
+
+@pytest.mark.parametrize("given", [None, BASE, f"{BASE}:{LORA}", LORA])
+def test_openai_model_is_always_the_explicit_base_colon_adapter(given: str | None) -> None:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]}
+    if given is not None:
+        body["model"] = given
+    out = pin_adapter(Route.CHAT_COMPLETIONS, body, LORA, BASE)
+    assert out["model"] == f"{BASE}:{LORA}"
+    assert body.get("model") == given  # the caller's body is not modified
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": f"{BASE}:other-adapter"},
+        {"model": "other-adapter"},
+        {"model": f"other-base:{LORA}"},
+        {"model": BASE, "lora_path": "other-adapter"},
+        {"model": 7},
+    ],
+)
+def test_openai_requests_naming_another_adapter_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(AdapterMismatchError):
+        pin_adapter(Route.COMPLETIONS, {"prompt": "x", **body}, LORA, BASE)
+
+
+def test_openai_routes_need_a_base_model_name() -> None:
+    with pytest.raises(ConfigurationError) as err:
+        pin_adapter(Route.COMPLETIONS, {"prompt": "x"}, LORA, None)
+    assert err.value.details["check"] == "base_model_name"
+
+
+class Recorder:
+    """A framework middleware that records what it saw, then passes on."""
+
+    def __init__(self, next_dispatch: Dispatch, *, name: str, log: list[str]) -> None:
+        self._next, self._name, self._log = next_dispatch, name, log
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        self._log.append(f"{self._name}:{call.body.get('lora_path')}")
+        return await self._next(call)
+
+
+async def endpoint(call: EngineCall) -> EngineReply:
+    return EngineReply(
+        engine=call.engine or "-", path=call.route.value, status_code=200, body=dict(call.body)
+    )
+
+
+@pytest.mark.asyncio
+async def test_chain_runs_in_listed_order_and_the_pin_checks_what_framework_middleware_set() -> (
+    None
+):
+    log: list[str] = []
+    chain = build_chain(
+        endpoint,
+        [
+            Middleware(Recorder, name="outer", log=log),
+            Middleware(AdapterPinMiddleware, base_model=BASE),
+            Middleware(Recorder, name="inner", log=log),
+        ],
+    )
+    reply = await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
+    assert log == ["outer:None", f"inner:{LORA}"]
+    assert reply.body["lora_path"] == LORA
+    assert "AdapterPinMiddleware" in repr(Middleware(AdapterPinMiddleware, base_model=BASE))
+
+
+@pytest.mark.asyncio
+async def test_a_versioned_dispatch_without_binding_fails_closed() -> None:
+    chain = build_chain(endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE)])
+    with pytest.raises(SessionStateError):
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", None))
+
+
+def status(state: VersionState, lora: str = LORA) -> VersionStatus:
+    return VersionStatus(
+        version_id="v1", digest="d", lora_name=lora, state=state, attempt=1, session_refs=0
+    )
+
+
+@pytest.mark.parametrize("state", list(VersionState))
+def test_peek_guard_allows_only_published_and_retired(state: VersionState) -> None:
+    guard = PeekGuard(lambda _vid: status(state))
+    if state in (VersionState.PUBLISHED, VersionState.RETIRED):
+        guard.check(BINDING)
+    else:
+        with pytest.raises(VersionNotDispatchableError) as err:
+            guard.check(BINDING)
+        assert err.value.details["state"] == state.value
+
+
+def test_peek_guard_refuses_unknown_and_renamed_versions() -> None:
+    with pytest.raises(VersionNotDispatchableError, match="unknown"):
+        PeekGuard(lambda _vid: None).check(BINDING)
+    with pytest.raises(VersionNotDispatchableError, match="not the bound"):
+        PeekGuard(lambda _vid: status(VersionState.PUBLISHED, "other")).check(BINDING)
+
+
+@pytest.mark.asyncio
+async def test_guard_over_the_real_registry_refuses_reclaimed_versions_before_the_endpoint() -> (
+    None
+):
+    registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
+    reached: list[EngineCall] = []
+
+    async def record(call: EngineCall) -> EngineReply:
+        reached.append(call)
+        return await endpoint(call)
+
+    chain = build_chain(
+        record, [Middleware(DispatchGuardMiddleware, guard=PeekGuard(registry.peek_version))]
+    )
+    a = await publish(registry, "A")
+    bound = Binding("s#1", "A", a.lora_name, a.digest, 1)
+    await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+    await publish(registry, "B")
+    claim = await registry.claim_reclaim(request_id=new_request_id(), version_id="A")
+    for engine in ("e0", "e1"):
+        with pytest.raises(VersionNotDispatchableError):
+            await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+        await registry.confirm_reclaim(
+            request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=engine
+        )
+    assert registry.peek_version("A").state is VersionState.RECLAIMED  # type: ignore[union-attr]
+    with pytest.raises(VersionNotDispatchableError, match="RECLAIMED"):
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+    assert len(reached) == 1
+    await registry.aclose()
+
+
+class ScriptedRouter(InFlightCounter):
+    def __init__(self, pick: str, *, tamper: bool = False) -> None:
+        super().__init__()
+        self.pick, self.tamper = pick, tamper
+        self.offered: list[tuple[str, ...]] = []
+
+    def choose(
+        self, session_key: str | None, engines: Sequence[str], request: Mapping[str, Any]
+    ) -> str:
+        self.offered.append(tuple(engines))
+        if self.tamper:
+            request["lora_path"] = "evil"  # type: ignore[index]
+        return self.pick
+
+
+@pytest.mark.asyncio
+async def test_routing_offers_healthy_engines_and_balances_in_flight_counts() -> None:
+    health = EngineHealth(["e0", "e1"])
+    router = ScriptedRouter("e1")
+
+    async def failing(call: EngineCall) -> EngineReply:
+        assert router.in_flight("e1") == 1
+        raise RequestRefusedError("scripted")
+
+    ticket = InFlight(rid="r1")
+    chain = build_chain(endpoint, [Middleware(RoutingMiddleware, router=router, health=health)])
+    reply = await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", ticket=ticket))
+    assert (reply.engine, ticket.engine, router.in_flight("e1")) == ("e1", "e1", 0)
+
+    failing_chain = build_chain(
+        failing, [Middleware(RoutingMiddleware, router=router, health=health)]
+    )
+    with pytest.raises(RequestRefusedError):
+        await failing_chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1"))
+    assert router.in_flight("e1") == 0
+
+    health.mark_unhealthy("e0")
+    await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1"))
+    assert router.offered[-1] == ("e1",)
+    health.mark_unhealthy("e1")
+    with pytest.raises(RequestRefusedError, match="no healthy engine"):
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1"))
+    with pytest.raises(ConfigurationError):
+        health.mark_unhealthy("e7")
+
+
+@pytest.mark.asyncio
+async def test_a_router_cannot_change_the_body_or_pick_outside_the_fleet() -> None:
+    health = EngineHealth(["e0", "e1"])
+    tamper = build_chain(
+        endpoint,
+        [Middleware(RoutingMiddleware, router=ScriptedRouter("e0", tamper=True), health=health)],
+    )
+    with pytest.raises(TypeError):
+        await tamper(EngineCall(Route.GENERATE, {"text": "x", "lora_path": LORA}, "s#1"))
+    rogue = build_chain(
+        endpoint, [Middleware(RoutingMiddleware, router=ScriptedRouter("e9"), health=health)]
+    )
+    with pytest.raises(ConfigurationError) as err:
+        await rogue(EngineCall(Route.GENERATE, {"text": "x"}, "s#1"))
+    assert err.value.details["check"] == "router"
+
+
+@pytest.mark.asyncio
+async def test_versioning_without_a_peekable_registry_needs_an_explicit_guard() -> None:
+    async with harness() as h:
+
+        class NoPeek:
+            pass
+
+        from agentic_lora.session import Versioning
+
+        with pytest.raises(ConfigurationError) as err:
+            Versioning(transport=h.transport, registry=NoPeek(), base_model=BASE)  # type: ignore[arg-type]
+        assert err.value.details["check"] == "dispatch_guard"
+        with pytest.raises(ConfigurationError) as missing:
+            Versioning(transport=h.transport, registry=None, enabled=True)
+        assert missing.value.details["check"] == "registry"
