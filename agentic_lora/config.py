@@ -1,0 +1,367 @@
+"""The framework flag and its settings, validated before anything starts.
+
+One settings model, :class:`AgenticLoRASettings` (environment prefix ``AGENTIC_LORA_``, e.g.
+``AGENTIC_LORA_ENGINES='["e0=http://127.0.0.1:30000", "e1=http://127.0.0.1:30001"]'``), and
+:func:`add_arguments`, which adds ``--enable-versioned-lora-publication`` and its
+``--versioned-lora-*`` options to a framework's argparse parser; :func:`from_args` reads them back
+(command line over environment over defaults).
+
+Validation is fail-fast and each failure is a :class:`~agentic_lora.errors.ConfigurationError`
+whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``, ``capacity``,
+``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
+``lora_name_prefix``, ``router``, ``backend``, ``journal_path``, ``settings`` (a value of the
+wrong type) and, at start-up against live engines (:func:`verify_fleet`), ``engine_lora``.
+
+Why the gateway rule is an operator assertion: an SGLang router/gateway in front of the engines
+retries failed requests by default (``--retry-max-retries``, on 408/429/5xx), which could run a
+generation twice. It exposes no endpoint that reports its retry policy (its ``/get_server_info``
+is a worker's), so start-up cannot query it. When ``gateway_url`` is set, the operator must
+assert ``gateway_retries_disabled`` (the gateway runs with ``--disable-retries``); otherwise
+start-up refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
+from agentic_lora.errors import ConfigurationError
+
+__all__ = [
+    "AgenticLoRASettings",
+    "add_arguments",
+    "check_engine_server_info",
+    "from_args",
+    "load_settings",
+    "verify_fleet",
+]
+
+
+def _parse_engine(value: Any, index: int) -> EngineRef:
+    if isinstance(value, EngineRef):
+        ref = value
+    elif isinstance(value, Mapping):
+        ref = EngineRef(name=str(value.get("name", "")), base_url=str(value.get("base_url", "")))
+    elif isinstance(value, str):
+        name, sep, url = value.partition("=")
+        ref = (
+            EngineRef(name=name.strip(), base_url=url.strip())
+            if sep
+            else EngineRef(f"e{index}", value.strip())
+        )
+    else:
+        raise ValueError(f"engine #{index}: expected 'name=url', got {value!r}")
+    if not ref.name:
+        raise ValueError(f"engine #{index}: empty name in {value!r}")
+    if not ref.base_url.startswith(("http://", "https://")):
+        raise ValueError(f"engine {ref.name!r}: base URL {ref.base_url!r} is not http(s)")
+    return EngineRef(ref.name, ref.base_url.rstrip("/"))
+
+
+class AgenticLoRASettings(BaseSettings):
+    """Everything the versioned-publication feature needs, checked at construction.
+
+    Engine slot counts are the engines' SGLang options: ``engine_max_loaded_loras`` is
+    ``--max-loaded-loras`` (must hold every managed version plus one: ``capacity + 1``) and
+    ``engine_max_loras_per_batch`` is ``--max-loras-per-batch`` (SGLang keeps one slot unpinned,
+    so ``max_loras_per_batch - 1`` must hold ``capacity`` pinned versions). Leave them unset to
+    have :func:`verify_fleet` read them from the engines at start-up.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="AGENTIC_LORA_", extra="forbid", frozen=True)
+
+    enable_versioned_lora_publication: bool = False
+    engines: tuple[EngineRef, ...] = ()
+    capacity: int = 2
+    router: str = "session-affinity"
+    backend: str = "http-push"
+    journal_path: Path | None = None
+    lora_name_prefix: str = "policy_lora"
+    base_model_name: str | None = None
+    deployment_epoch: int = 0
+    engine_max_loaded_loras: int | None = None
+    engine_max_loras_per_batch: int | None = None
+    gateway_url: str | None = None
+    gateway_retries_disabled: bool = False
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    http_transport: Literal["aiohttp", "httpx"] = "aiohttp"
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            problems = [
+                f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+                for e in exc.errors()
+            ]
+            raise ConfigurationError(
+                f"invalid settings: {'; '.join(problems)}", check="settings", problems=problems
+            ) from exc
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engines(cls, value: Any) -> tuple[EngineRef, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str | Mapping | EngineRef):
+            value = [value]
+        return tuple(_parse_engine(v, i) for i, v in enumerate(value))
+
+    @model_validator(mode="after")
+    def _fail_fast(self) -> AgenticLoRASettings:
+        _validate(self)
+        return self
+
+
+def _fail(check: str, message: str, **details: Any) -> ConfigurationError:
+    return ConfigurationError(message, check=check, **details)
+
+
+def _validate(s: AgenticLoRASettings) -> None:
+    if not s.engines:
+        raise _fail("empty_fleet", "no engines configured: give at least one engine as name=url")
+    names = [e.name for e in s.engines]
+    urls = [e.base_url for e in s.engines]
+    for label, values in (("name", names), ("URL", urls)):
+        dupes = sorted({v for v in values if values.count(v) > 1})
+        if dupes:
+            raise _fail(
+                "duplicate_engine", f"duplicate engine {label}(s): {dupes}", duplicates=dupes
+            )
+    if s.request_timeout <= 0 or s.connect_timeout <= 0:
+        raise _fail("settings", "request_timeout and connect_timeout must be positive")
+    if not s.enable_versioned_lora_publication:
+        return  # pass-through mode: nothing else is used
+    if s.capacity < 2:
+        raise _fail(
+            "capacity",
+            f"capacity {s.capacity} < 2: a retired version and the published one must coexist",
+            capacity=s.capacity,
+        )
+    _check_slots(
+        s.capacity, s.engine_max_loaded_loras, s.engine_max_loras_per_batch, source="settings"
+    )
+    if s.gateway_url is not None and not s.gateway_retries_disabled:
+        raise _fail(
+            "router_retries",
+            f"gateway {s.gateway_url} may retry failed generations (SGLang's router does by "
+            "default) and its retry policy cannot be queried: start it with --disable-retries "
+            "and set gateway_retries_disabled to assert so",
+            gateway=s.gateway_url,
+        )
+    if (
+        not s.base_model_name
+        or ":" in s.base_model_name
+        or s.base_model_name != s.base_model_name.strip()
+    ):
+        raise _fail(
+            "base_model_name",
+            f"base_model_name {s.base_model_name!r} must be the served model name, non-empty and "
+            "without ':' (OpenAI routes address an adapter as '<base>:<adapter>')",
+        )
+    prefix = s.lora_name_prefix
+    if not prefix or any(c.isspace() for c in prefix) or "@" in prefix or ":" in prefix:
+        raise _fail(
+            "lora_name_prefix",
+            f"lora_name_prefix {prefix!r} must be non-empty without whitespace, '@' or ':'",
+        )
+    for check, group, name in (
+        ("router", ROUTERS_GROUP, s.router),
+        ("backend", BACKENDS_GROUP, s.backend),
+    ):
+        installed = plugin_names(group)
+        if name not in installed:
+            raise _fail(check, f"no {check} plugin named {name!r}; installed: {list(installed)}")
+    if s.journal_path is not None and not s.journal_path.parent.is_dir():
+        raise _fail(
+            "journal_path",
+            f"journal directory {s.journal_path.parent} does not exist",
+            journal_path=str(s.journal_path),
+        )
+
+
+def _check_slots(
+    capacity: int, max_loaded: int | None, per_batch: int | None, *, source: str
+) -> None:
+    if max_loaded is not None and max_loaded < capacity + 1:
+        raise _fail(
+            "engine_lora_slots",
+            f"{source}: max_loaded_loras {max_loaded} < capacity + 1 = {capacity + 1} "
+            "(every managed version plus one free slot)",
+            max_loaded_loras=max_loaded,
+            capacity=capacity,
+        )
+    if per_batch is not None and per_batch - 1 < capacity:
+        raise _fail(
+            "pinned_slots",
+            f"{source}: max_loras_per_batch {per_batch} leaves {per_batch - 1} pinnable slots, "
+            f"fewer than capacity {capacity}",
+            max_loras_per_batch=per_batch,
+            capacity=capacity,
+        )
+
+
+def check_engine_server_info(
+    settings: AgenticLoRASettings, engine: str, info: Mapping[str, Any]
+) -> None:
+    """Check one engine's ``/get_server_info`` against the settings (LoRA on, enough slots)."""
+    if not info.get("enable_lora"):
+        raise _fail("engine_lora", f"engine {engine} runs without --enable-lora", engine=engine)
+
+    def as_int(key: str) -> int | None:
+        v = info.get(key)
+        return v if isinstance(v, int) else None
+
+    max_loaded, per_batch = as_int("max_loaded_loras"), as_int("max_loras_per_batch")
+    _check_slots(settings.capacity, max_loaded, per_batch, source=f"engine {engine}")
+    for key, declared, actual in (
+        ("max_loaded_loras", settings.engine_max_loaded_loras, max_loaded),
+        ("max_loras_per_batch", settings.engine_max_loras_per_batch, per_batch),
+    ):
+        if declared is not None and actual is not None and declared != actual:
+            raise _fail(
+                "engine_lora_slots",
+                f"engine {engine} runs with {key}={actual}, settings say {declared}",
+                engine=engine,
+            )
+
+
+async def verify_fleet(settings: AgenticLoRASettings, transport: Any) -> None:
+    """Start-up check against the live engines (versioned mode only): LoRA on, enough slots.
+
+    ``transport`` is an :class:`~agentic_lora.transport.EngineTransport` (anything with an async
+    ``server_info(engine)``).
+    """
+    if not settings.enable_versioned_lora_publication:
+        return
+    for ref in settings.engines:
+        check_engine_server_info(settings, ref.name, await transport.server_info(ref.name))
+
+
+# --- argparse -----------------------------------------------------------------------------------
+
+_PREFIX = "versioned_lora_"
+
+# (flag, settings field, argparse kwargs); every default is None so only given flags override.
+_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (
+        "--versioned-lora-engine",
+        "engines",
+        {
+            "action": "append",
+            "metavar": "NAME=URL",
+            "help": "an engine of the fixed fleet (repeat per engine)",
+        },
+    ),
+    (
+        "--versioned-lora-capacity",
+        "capacity",
+        {"type": int, "help": "managed versions held at once (>= 2)"},
+    ),
+    (
+        "--versioned-lora-router",
+        "router",
+        {"help": "router plugin name (entry point in agentic_lora.routers)"},
+    ),
+    (
+        "--versioned-lora-backend",
+        "backend",
+        {"help": "backend plugin name (entry point in agentic_lora.backends)"},
+    ),
+    ("--versioned-lora-journal-path", "journal_path", {"help": "registry journal (SQLite) path"}),
+    (
+        "--versioned-lora-name-prefix",
+        "lora_name_prefix",
+        {"help": "prefix of immutable adapter names"},
+    ),
+    (
+        "--versioned-lora-base-model",
+        "base_model_name",
+        {"help": "served base model name (OpenAI routes)"},
+    ),
+    (
+        "--versioned-lora-deployment-epoch",
+        "deployment_epoch",
+        {"type": int, "help": "deployment epoch"},
+    ),
+    (
+        "--versioned-lora-engine-max-loaded-loras",
+        "engine_max_loaded_loras",
+        {"type": int, "help": "the engines' --max-loaded-loras (>= capacity + 1)"},
+    ),
+    (
+        "--versioned-lora-engine-max-loras-per-batch",
+        "engine_max_loras_per_batch",
+        {"type": int, "help": "the engines' --max-loras-per-batch (>= capacity + 1)"},
+    ),
+    (
+        "--versioned-lora-gateway-url",
+        "gateway_url",
+        {"help": "SGLang router/gateway in front of the engines"},
+    ),
+    (
+        "--versioned-lora-gateway-retries-disabled",
+        "gateway_retries_disabled",
+        {"action": "store_true", "help": "assert that the gateway runs with --disable-retries"},
+    ),
+    (
+        "--versioned-lora-request-timeout",
+        "request_timeout",
+        {"type": float, "help": "generation timeout (s)"},
+    ),
+    (
+        "--versioned-lora-http-transport",
+        "http_transport",
+        {"choices": ["aiohttp", "httpx"], "help": "HTTP transport under httpx"},
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--enable-versioned-lora-publication`` and its ``--versioned-lora-*`` options."""
+    group = parser.add_argument_group(
+        "versioned LoRA publication",
+        "immutable adapter versions, Session binding at first generation, safe reclaim",
+    )
+    group.add_argument(
+        "--enable-versioned-lora-publication",
+        dest="enable_versioned_lora_publication",
+        action="store_true",
+        default=None,
+        help="publish every adapter update as an immutable version (off: legacy fixed name)",
+    )
+    for flag, field, kwargs in _OPTIONS:
+        opts = dict(kwargs)
+        if opts.get("action") == "store_true":
+            opts["default"] = None
+        else:
+            opts.setdefault("default", None)
+        group.add_argument(flag, dest=_PREFIX + field, **opts)
+    return parser
+
+
+def from_args(namespace: argparse.Namespace, **overrides: Any) -> AgenticLoRASettings:
+    """Settings from parsed arguments: given flags win over ``AGENTIC_LORA_*`` env, then defaults."""
+    values: dict[str, Any] = {}
+    flag = getattr(namespace, "enable_versioned_lora_publication", None)
+    if flag is not None:
+        values["enable_versioned_lora_publication"] = flag
+    for _, field, _ in _OPTIONS:
+        v = getattr(namespace, _PREFIX + field, None)
+        if v is not None:
+            values[field] = v
+    values.update(overrides)
+    return AgenticLoRASettings(**values)
+
+
+def load_settings(**values: Any) -> AgenticLoRASettings:
+    """Settings from keyword values over the environment (a typed error on any bad value)."""
+    return AgenticLoRASettings(**values)

@@ -1,0 +1,229 @@
+"""The framework flag and its fail-fast validation: one test per rule, plus argparse and env."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import respx
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.config import (
+    AgenticLoRASettings,
+    add_arguments,
+    check_engine_server_info,
+    from_args,
+    load_settings,
+    verify_fleet,
+)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.session import Versioning
+from tests.test_session_support import ENGINES, make_transport
+
+FLEET = [f"{n}={u}" for n, u in ENGINES.items()]
+
+
+def on(**values: Any) -> dict[str, Any]:
+    """A valid versioned configuration, with ``values`` changed."""
+    base: dict[str, Any] = {
+        "enable_versioned_lora_publication": True,
+        "engines": FLEET,
+        "capacity": 2,
+        "base_model_name": "Qwen/Qwen3-0.6B",
+        "engine_max_loaded_loras": 3,
+        "engine_max_loras_per_batch": 3,
+    }
+    base.update(values)
+    return base
+
+
+def check_of(**values: Any) -> str:
+    with pytest.raises(ConfigurationError) as err:
+        AgenticLoRASettings(**values)
+    assert err.value.code == "CONFIG_ERROR"
+    return str(err.value.details["check"])
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("AGENTIC_LORA_"):
+            monkeypatch.delenv(key)
+
+
+def test_a_valid_configuration_parses_engines() -> None:
+    s = AgenticLoRASettings(
+        **on(engines=[*FLEET[:1], {"name": "e1", "base_url": ENGINES["e1"] + "/"}])
+    )
+    assert s.engines == (EngineRef("e0", ENGINES["e0"]), EngineRef("e1", ENGINES["e1"]))
+    assert s.enable_versioned_lora_publication
+    assert s.capacity == 2
+    unnamed = AgenticLoRASettings(engines=[ENGINES["e0"]])
+    assert unnamed.engines == (EngineRef("e0", ENGINES["e0"]),)
+
+
+@pytest.mark.parametrize(
+    ("values", "check"),
+    [
+        (on(engines=[]), "empty_fleet"),
+        ({"engines": []}, "empty_fleet"),  # the pass-through needs engines too
+        (on(engines=[FLEET[0], FLEET[0].replace("e0", "e9")]), "duplicate_engine"),
+        (on(engines=[FLEET[0], FLEET[1].replace("e1", "e0")]), "duplicate_engine"),
+        (on(capacity=1), "capacity"),
+        (on(engine_max_loaded_loras=2), "engine_lora_slots"),
+        (on(engine_max_loras_per_batch=2), "pinned_slots"),
+        (on(capacity=3, engine_max_loaded_loras=4, engine_max_loras_per_batch=3), "pinned_slots"),
+        (on(gateway_url="http://127.0.0.1:29000"), "router_retries"),
+        (on(base_model_name=None), "base_model_name"),
+        (on(base_model_name="org/model:rev"), "base_model_name"),
+        (on(lora_name_prefix="policy lora"), "lora_name_prefix"),
+        (on(lora_name_prefix="policy@lora"), "lora_name_prefix"),
+        (on(router="round-robin"), "router"),
+        (on(backend="carrier-pigeon"), "backend"),
+        (on(journal_path="/nonexistent-dir/registry.db"), "journal_path"),
+        (on(capacity="two"), "settings"),
+        (on(engines=["e0=ftp://127.0.0.1:1"]), "settings"),
+        (on(engines=["=http://127.0.0.1:1"]), "settings"),
+        (on(unknown_option=1), "settings"),
+        (on(request_timeout=0), "settings"),
+    ],
+)
+def test_every_validation_rule_fails_fast_with_its_own_check(
+    values: dict[str, Any], check: str
+) -> None:
+    assert check_of(**values) == check
+
+
+def test_flag_off_skips_the_versioned_rules_and_an_asserted_gateway_passes() -> None:
+    off = AgenticLoRASettings(engines=FLEET, capacity=1, router="round-robin")
+    assert not off.enable_versioned_lora_publication
+    gw = AgenticLoRASettings(
+        **on(gateway_url="http://127.0.0.1:29000", gateway_retries_disabled=True)
+    )
+    assert gw.gateway_retries_disabled
+
+
+def test_environment_prefix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AGENTIC_LORA_ENABLE_VERSIONED_LORA_PUBLICATION", "true")
+    monkeypatch.setenv(
+        "AGENTIC_LORA_ENGINES", '["e0=http://127.0.0.1:30000", "e1=http://127.0.0.1:30001"]'
+    )
+    monkeypatch.setenv("AGENTIC_LORA_BASE_MODEL_NAME", "base")
+    monkeypatch.setenv("AGENTIC_LORA_CAPACITY", "3")
+    monkeypatch.setenv("AGENTIC_LORA_JOURNAL_PATH", str(tmp_path / "j.db"))
+    s = load_settings()
+    assert s.enable_versioned_lora_publication
+    assert s.capacity == 3
+    assert [e.name for e in s.engines] == ["e0", "e1"]
+    assert s.journal_path == tmp_path / "j.db"
+    monkeypatch.setenv("AGENTIC_LORA_CAPACITY", "1")
+    assert check_of() == "capacity"
+
+
+def test_argparse_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = add_arguments(argparse.ArgumentParser())
+    parser.add_argument("--framework-own-flag", default="kept")
+    monkeypatch.setenv("AGENTIC_LORA_BASE_MODEL_NAME", "from-env")
+    monkeypatch.setenv("AGENTIC_LORA_CAPACITY", "4")
+    ns = parser.parse_args(
+        [
+            "--enable-versioned-lora-publication",
+            "--versioned-lora-engine", FLEET[0],
+            "--versioned-lora-engine", FLEET[1],
+            "--versioned-lora-capacity", "2",
+            "--versioned-lora-router", "least-in-flight",
+            "--versioned-lora-engine-max-loaded-loras", "3",
+            "--versioned-lora-engine-max-loras-per-batch", "3",
+            "--versioned-lora-name-prefix", "relax_policy_lora",
+        ]
+    )  # fmt: skip
+    s = from_args(ns)
+    assert (s.capacity, s.router, s.lora_name_prefix, s.base_model_name) == (
+        2,
+        "least-in-flight",
+        "relax_policy_lora",
+        "from-env",
+    )
+    assert ns.framework_own_flag == "kept"
+    plain = from_args(parser.parse_args(["--versioned-lora-engine", FLEET[0]]))
+    assert not plain.enable_versioned_lora_publication
+    env_capacity = from_args(
+        parser.parse_args(
+            ["--enable-versioned-lora-publication", "--versioned-lora-engine", FLEET[0]]
+        )
+    )
+    assert env_capacity.capacity == 4  # not given on the command line: the environment's
+    with pytest.raises(ConfigurationError) as err:
+        from_args(
+            parser.parse_args(
+                [
+                    "--enable-versioned-lora-publication",
+                    "--versioned-lora-engine",
+                    FLEET[0],
+                    "--versioned-lora-capacity",
+                    "1",
+                ]
+            )
+        )
+    assert err.value.details["check"] == "capacity"
+
+
+def test_engine_server_info_is_checked_against_the_settings() -> None:
+    s = AgenticLoRASettings(**on())
+    check_engine_server_info(
+        s, "e0", {"enable_lora": True, "max_loaded_loras": 3, "max_loras_per_batch": 3}
+    )
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"enable_lora": False}, "engine_lora"),
+        ({"enable_lora": True, "max_loaded_loras": 2}, "engine_lora_slots"),
+        ({"enable_lora": True, "max_loras_per_batch": 2}, "pinned_slots"),
+        (
+            {"enable_lora": True, "max_loaded_loras": 4, "max_loras_per_batch": 3},
+            "engine_lora_slots",
+        ),
+    ]
+    for info, check in cases:
+        with pytest.raises(ConfigurationError) as err:
+            check_engine_server_info(s, "e0", info)
+        assert err.value.details["check"] == check
+
+
+@pytest.mark.asyncio
+async def test_verify_fleet_reads_every_engine() -> None:
+    s = AgenticLoRASettings(**on(engine_max_loaded_loras=None, engine_max_loras_per_batch=None))
+    t = make_transport()
+    try:
+        with respx.mock(using="httpx") as mock:
+            good = {"enable_lora": True, "max_loaded_loras": 3, "max_loras_per_batch": 3}
+            mock.get(ENGINES["e0"] + "/get_server_info").respond(200, json=good)
+            e1 = mock.get(ENGINES["e1"] + "/get_server_info").respond(
+                200, json={**good, "max_loaded_loras": 2}
+            )
+            with pytest.raises(ConfigurationError, match="engine e1") as err:
+                await verify_fleet(s, t)
+            assert err.value.details["check"] == "engine_lora_slots"
+            e1.respond(200, json=good)
+            await verify_fleet(s, t)
+            await verify_fleet(AgenticLoRASettings(engines=FLEET), t)  # flag off: nothing to check
+    finally:
+        await t.aclose()
+
+
+@pytest.mark.asyncio
+async def test_versioning_from_settings_with_the_flag_on_and_off(tmp_path: Path) -> None:
+    s = AgenticLoRASettings(**on(journal_path=tmp_path / "registry.db", router="least-in-flight"))
+    v = Versioning.from_settings(s)
+    assert v.enabled
+    assert isinstance(v.registry, LocalRegistry)
+    assert type(v.router).__name__ == "LeastInFlightRouter"
+    assert [e.name for e in v.engines] == ["e0", "e1"]
+    await v.aclose()
+    off = Versioning.from_settings(AgenticLoRASettings(engines=FLEET))
+    assert not off.enabled
+    assert off.registry is None
+    await off.aclose()
