@@ -79,6 +79,11 @@ class VllmEnv:
     install_seconds: float
     size_bytes: int
 
+    @property
+    def needs_cpu_shim(self) -> bool:
+        """Always False: the CPU build of vLLM runs as it is (no shim, unlike SGLang's)."""
+        return False
+
 
 def vllm_venv_dir(cache_dir: Path | None = None, version: str = VLLM_VERSION) -> Path:
     """Where the venv for vLLM ``version`` lives under the cache root."""
