@@ -41,6 +41,7 @@ __all__ = [
     "IllegalTransitionError",
     "Ledger",
     "Refused",
+    "engine_part",
 ]
 
 
@@ -68,7 +69,9 @@ TRANSITIONS: Mapping[AttemptState, frozenset[AttemptState]] = {
     ),
     AttemptState.READY: frozenset({AttemptState.CLEANED, AttemptState.RECLAIMED}),
     AttemptState.FAILED: frozenset({AttemptState.CLEANED}),
-    AttemptState.UNCERTAIN: frozenset({AttemptState.CLEANED, AttemptState.RECLAIMED}),
+    AttemptState.UNCERTAIN: frozenset(
+        {AttemptState.READY, AttemptState.CLEANED, AttemptState.RECLAIMED}
+    ),
     AttemptState.CLEANED: frozenset(),
     AttemptState.RECLAIMED: frozenset(),
 }
@@ -95,10 +98,30 @@ class AttemptIdentity:
 
     version_id: str
     digest: str
-    incarnation: str
     backend: str
     config_json: str
     plan: BucketPlan
+    incarnation: str  # sidecar id / engine fingerprint the driver read before Begin
+    driver: str  # the publisher-side driver that owns the transfer
+
+    def same_content(self, other: AttemptIdentity) -> bool:
+        """Same version, content, plan and transport (drivers and incarnations may differ)."""
+        return (self.version_id, self.digest, self.backend, self.config_json, self.plan) == (
+            other.version_id,
+            other.digest,
+            other.backend,
+            other.config_json,
+            other.plan,
+        )
+
+    @property
+    def engine_incarnation(self) -> str:
+        return engine_part(self.incarnation)
+
+
+def engine_part(incarnation: str) -> str:
+    """The engine fingerprint inside a ``<sidecar id>/<engine fingerprint>`` incarnation."""
+    return incarnation.partition("/")[2]
 
 
 @dataclass(slots=True)
@@ -113,6 +136,7 @@ class AttemptRecord:
     received: int = 0
     collectives: int = 0
     failure: Reason | None = None
+    drivers: set[str] = field(default_factory=set)  # every driver that ever began it
 
     @property
     def buckets(self) -> int:
@@ -127,8 +151,9 @@ class AttemptRecord:
 
 
 class BeginDecision(enum.Enum):
-    NEW = "NEW"
-    DUPLICATE = "DUPLICATE"
+    NEW = "NEW"  # a fresh record: join the group and receive the plan
+    DUPLICATE = "DUPLICATE"  # the same driver's Begin again: answer from the record
+    RESUME = "RESUME"  # a new driver for an attempt past its transfer: go straight to End
 
 
 class BucketDecision(enum.Enum):
@@ -140,6 +165,7 @@ class EndDecision(enum.Enum):
     START = "START"  # run verify / materialise / load
     JOIN = "JOIN"  # an End is already running: await its outcome
     DONE = "DONE"  # already READY: answer the same receipt
+    RECHECK = "RECHECK"  # UNCERTAIN: ask the engine whether the load landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +184,17 @@ class _Name:
     @property
     def newest(self) -> int:
         return max(self.attempts, default=0)
+
+
+# States a newer Begin may retire: nothing of them is held by the engine.
+_RETIRABLE = (AttemptState.PREPARED, AttemptState.FAILED)
+
+
+def _holds(record: AttemptRecord, live_engine: str) -> bool:
+    """The engine, in its current incarnation, holds or may hold this attempt's adapter."""
+    if not record.state.may_hold_engine or record.identity is None:
+        return False
+    return record.state is AttemptState.LOADING or record.identity.engine_incarnation == live_engine
 
 
 def _failed(record: AttemptRecord) -> Refused:
@@ -196,26 +233,17 @@ class Ledger:
     def begin(
         self, lora_name: str, attempt: int, identity: AttemptIdentity
     ) -> tuple[BeginDecision, AttemptRecord, list[AttemptRecord]]:
-        """Accept, repeat or refuse a Begin; returns the superseded older attempts to drop."""
+        """Accept, repeat, resume or refuse a Begin; also returns the records it retired.
+
+        ``identity.incarnation`` is the sidecar's current one (the receiver checked it), so a
+        record whose engine part differs describes a dead engine process that holds nothing.
+        """
         entry = self._names.setdefault(lora_name, _Name())
         if entry.reclaim_id is not None:
             raise Refused(Reason.RECLAIMED, f"{lora_name} was reclaimed", clean=True)
         existing = entry.attempts.get(attempt)
         if existing is not None:
-            if existing.state is AttemptState.CLEANED:
-                raise Refused(
-                    Reason.FENCED, f"attempt {attempt} of {lora_name} was cleaned up", clean=True
-                )
-            if existing.identity != identity:
-                # Not clean: the attempt that owns this key keeps whatever it holds.
-                raise Refused(
-                    Reason.ATTEMPT_CONFLICT,
-                    f"attempt {attempt} of {lora_name} was begun with another identity or plan",
-                    clean=False,
-                )
-            if existing.state is AttemptState.FAILED:
-                raise _failed(existing)
-            return BeginDecision.DUPLICATE, existing, []
+            return self._begin_again(entry, existing, identity)
         if attempt < entry.newest:
             raise Refused(
                 Reason.STALE_ATTEMPT,
@@ -223,7 +251,8 @@ class Ledger:
                 clean=True,
                 newest=entry.newest,
             )
-        holders = [r for r in entry.attempts.values() if r.state.may_hold_engine]
+        live = identity.engine_incarnation
+        holders = [r for r in entry.attempts.values() if _holds(r, live)]
         if holders:
             raise Refused(
                 Reason.ATTEMPT_ACTIVE,
@@ -231,12 +260,52 @@ class Ledger:
                 clean=True,
                 active_attempt=holders[0].attempt,
             )
-        superseded = [r for r in entry.attempts.values() if r.state is AttemptState.PREPARED]
-        for old in superseded:
+        retired = [r for r in entry.attempts.values() if r.state in _RETIRABLE]
+        for old in retired:
             old.move_to(AttemptState.CLEANED)
         record = AttemptRecord(lora_name, attempt, AttemptState.PREPARED, identity)
+        record.drivers.add(identity.driver)
         entry.attempts[attempt] = record
-        return BeginDecision.NEW, record, superseded
+        return BeginDecision.NEW, record, retired
+
+    def _begin_again(
+        self, entry: _Name, existing: AttemptRecord, identity: AttemptIdentity
+    ) -> tuple[BeginDecision, AttemptRecord, list[AttemptRecord]]:
+        name, attempt = existing.lora_name, existing.attempt
+        if existing.state is AttemptState.CLEANED:
+            raise Refused(Reason.FENCED, f"attempt {attempt} of {name} was cleaned up", clean=True)
+        assert existing.identity is not None  # only fences have none, and fences are CLEANED
+        if not existing.identity.same_content(identity):
+            # Not clean: the attempt that owns this key keeps whatever it holds.
+            raise Refused(
+                Reason.ATTEMPT_CONFLICT,
+                f"attempt {attempt} of {name} was begun with another identity or plan",
+                clean=False,
+            )
+        if identity.driver == existing.identity.driver:
+            if existing.state is AttemptState.FAILED:
+                raise _failed(existing)
+            return BeginDecision.DUPLICATE, existing, []
+        if identity.driver in existing.drivers:
+            raise Refused(
+                Reason.STALE_DRIVER,
+                f"the driver of this Begin was superseded for attempt {attempt} of {name}",
+                clean=not existing.state.may_hold_engine,
+            )
+        # A new driver takes the attempt over (the publisher retried it).
+        existing.drivers.add(identity.driver)
+        engine_gone = existing.identity.engine_incarnation != identity.engine_incarnation
+        if existing.state is AttemptState.LOADING:
+            return BeginDecision.RESUME, existing, []
+        if existing.state in (AttemptState.READY, AttemptState.UNCERTAIN) and not engine_gone:
+            return BeginDecision.RESUME, existing, []
+        # Stash only, failed cleanly, or loaded into an engine process that is gone: nothing of
+        # it is held, so the attempt starts over under a fresh record (and a fresh group).
+        existing.move_to(AttemptState.CLEANED)
+        record = AttemptRecord(name, attempt, AttemptState.PREPARED, identity)
+        record.drivers = existing.drivers
+        entry.attempts[attempt] = record
+        return BeginDecision.NEW, record, [existing]
 
     def _current(self, lora_name: str, attempt: int) -> AttemptRecord:
         entry = self._names.get(lora_name)
@@ -308,11 +377,7 @@ class Ledger:
         if record.state is AttemptState.LOADING:
             return EndDecision.JOIN, record
         if record.state is AttemptState.UNCERTAIN:
-            raise Refused(
-                Reason.ENGINE_UNCERTAIN,
-                f"attempt {attempt} of {lora_name}: the engine's load outcome is unknown",
-                clean=False,
-            )
+            return EndDecision.RECHECK, record
         if record.armed < record.buckets:
             raise Refused(
                 Reason.INCOMPLETE,

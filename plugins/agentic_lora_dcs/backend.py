@@ -26,6 +26,7 @@ import asyncio
 import datetime
 import functools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
@@ -36,6 +37,7 @@ from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
 from agentic_lora.identity import thaw_json
 from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora_dcs.attempts import AttemptState
 from agentic_lora_dcs.client import NOT_SENT, SidecarClient
 from agentic_lora_dcs.collective import (
     SUPPORTED_BACKENDS,
@@ -142,7 +144,7 @@ class DcsBackend:
         task = self._drivers.get(key)
         if task is None:
             task = asyncio.create_task(self._drive(engine, target, snapshot))
-            task.add_done_callback(_consume)
+            task.add_done_callback(functools.partial(self._driver_done, key))
             self._drivers[key] = task
         else:
             logger.info(
@@ -153,6 +155,15 @@ class DcsBackend:
             )
         # Shielded: a cancelled caller never cancels a transfer half-way.
         return await asyncio.shield(task)
+
+    def _driver_done(self, key: _DriverKey, task: asyncio.Task[ReadyReceipt]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the awaiting callers got it
+        # Only a running driver is shared. A later prepare of the same attempt starts a new
+        # driver, which the sidecar answers from its record (READY again, no second load) or
+        # lets take the attempt over when nothing of it is held.
+        if self._drivers.get(key) is task:
+            del self._drivers[key]
 
     async def cleanup(self, engine: EngineRef, target: PublicationTarget) -> None:
         """Drop everything of this attempt on the sidecar (stale attempts are fenced there)."""
@@ -169,7 +180,6 @@ class DcsBackend:
                 engine=engine.name,
                 reason=exc.details.get("reason", "UNKNOWN"),
             ) from exc
-        self._forget(engine.name, target.lora_name, target.attempt)
         logger.info(
             "cleanup %s attempt %d on %s: %s",
             target.lora_name,
@@ -190,7 +200,6 @@ class DcsBackend:
                 engine=engine.name,
                 reason=exc.details.get("reason", "UNKNOWN"),
             ) from exc
-        self._forget(engine.name, lora_name, None)
         logger.info(
             "reclaim %s on %s: %s",
             lora_name,
@@ -212,11 +221,6 @@ class DcsBackend:
 
     # --- the driver -----------------------------------------------------------------------------
 
-    def _forget(self, engine: str, lora_name: str, attempt: int | None) -> None:
-        for key in [k for k in self._drivers if k[0] == engine and k[1] == lora_name]:
-            if (attempt is None or key[2] == attempt) and self._drivers[key].done():
-                del self._drivers[key]
-
     async def _drive(
         self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
     ) -> ReadyReceipt:
@@ -225,6 +229,7 @@ class DcsBackend:
         incarnation = (await client.incarnation()).incarnation
         plan = await asyncio.to_thread(plan_for_snapshot, snapshot, self.bucket_bytes)
         begin = BeginRequest(
+            driver=uuid.uuid4().hex,
             lora_name=target.lora_name,
             attempt=target.attempt,
             version_id=target.version_id,
@@ -236,16 +241,24 @@ class DcsBackend:
             protocol=PROTOCOL_VERSION,
         )
         # Until the sidecar acknowledged Begin, a message that never left here left nothing.
-        began = await self._ask(lambda: client.begin(begin), extra, first=True)
-        group = await self._join(began, target, extra)
-        try:
-            await self._send_buckets(client, group, plan, snapshot, target, incarnation, extra)
-            end = EndRequest(
-                lora_name=target.lora_name, attempt=target.attempt, incarnation=incarnation
+        began = await self._ask(functools.partial(client.begin, begin), extra, first=True)
+        if began.state == AttemptState.PREPARED:
+            group = await self._join(began, target, extra)
+            try:
+                await self._send_buckets(client, group, plan, snapshot, target, incarnation, extra)
+            finally:
+                group.close()
+        elif began.state not in _PAST_TRANSFER:
+            raise BackendAmbiguousError(
+                f"Begin answered with state {began.state!r}",
+                reason="PROTOCOL_MISMATCH",
+                **extra,
             )
-            ready = await self._ask(lambda: client.end(end), extra, first=False)
-        finally:
-            group.close()
+        # else: an earlier driver moved the bytes; End answers for the load (no second one).
+        end = EndRequest(
+            lora_name=target.lora_name, attempt=target.attempt, incarnation=incarnation
+        )
+        ready = await self._ask(functools.partial(client.end, end), extra, first=False)
         return self._receipt(engine, target, incarnation, ready)
 
     async def _join(
@@ -369,10 +382,10 @@ _LOST_REPLY = frozenset(
 )
 
 
+_PAST_TRANSFER = frozenset(
+    {str(AttemptState.LOADING), str(AttemptState.READY), str(AttemptState.UNCERTAIN)}
+)
+
+
 def _extra(engine: EngineRef, target: PublicationTarget) -> dict[str, object]:
     return {"engine": engine.name, "version": target.lora_name, "attempt": target.attempt}
-
-
-def _consume(task: asyncio.Task[ReadyReceipt]) -> None:
-    if not task.cancelled():
-        task.exception()

@@ -76,6 +76,7 @@ class Reason(enum.StrEnum):
     RECLAIMED = "RECLAIMED"  # the name was reclaimed; it never comes back
     UNKNOWN_ATTEMPT = "UNKNOWN_ATTEMPT"  # no begin was accepted for this attempt
     ATTEMPT_CONFLICT = "ATTEMPT_CONFLICT"  # same attempt, different identity or plan
+    STALE_DRIVER = "STALE_DRIVER"  # a newer driver took this attempt over
     ATTEMPT_ACTIVE = "ATTEMPT_ACTIVE"  # an older attempt still holds the engine; clean it first
     ATTEMPT_FAILED = "ATTEMPT_FAILED"  # this attempt already failed (root cause unrecorded)
     BAD_PLAN = "BAD_PLAN"  # the plan is not the canonical packing of its manifest
@@ -126,6 +127,13 @@ class IncarnationReply(_Msg):
 
 
 class BeginRequest(_AttemptMsg):
+    """Fixes the attempt: identity, incarnation, config, plan, and the driver that owns it.
+
+    ``driver`` is minted once per publisher-side driver run. The same driver repeating its
+    Begin gets the same answer; a new driver takes the attempt over (see the ledger).
+    """
+
+    driver: str = Field(pattern=r"^[0-9a-f]{8,64}$")
     version_id: str = Field(min_length=1)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     incarnation: str
@@ -136,6 +144,9 @@ class BeginRequest(_AttemptMsg):
 
 
 class BeginReply(_AttemptMsg):
+    """``state`` PREPARED: join ``rendezvous`` and send the buckets; LOADING, READY or
+    UNCERTAIN: the transfer is over, go straight to End."""
+
     state: str
     duplicate: bool
     rendezvous: Rendezvous
@@ -223,7 +234,7 @@ class AttemptView(_Msg):
 class StatusReply(_Msg):
     """Introspection: every attempt record and the collective count per attempt."""
 
-    incarnation: str
+    sidecar_id: str
     collectives_total: int
     attempts: tuple[AttemptView, ...]
     reclaimed: tuple[str, ...]

@@ -103,6 +103,8 @@ class AdapterDirectories(Protocol):
 
     async def remove(self, lora_name: str) -> bool: ...
 
+    def path_for(self, lora_name: str) -> Path: ...
+
 
 @dataclass
 class _Runtime:
@@ -141,7 +143,7 @@ class Receiver:
         self._probe = probe
         self._backends = backends
         self._ledger = Ledger()
-        self._runtimes: dict[tuple[str, int], _Runtime] = {}
+        self._runtimes: dict[tuple[str, int, str], _Runtime] = {}
         self._cleanups: dict[tuple[str, int], asyncio.Task[CleanupReply]] = {}
         self._reclaims: dict[str, asyncio.Task[ReclaimReply]] = {}
 
@@ -217,15 +219,16 @@ class Receiver:
         identity = AttemptIdentity(
             version_id=req.version_id,
             digest=req.digest,
-            incarnation=req.incarnation,
             backend=req.backend,
             config_json=json.dumps(req.config, sort_keys=True, separators=(",", ":")),
             plan=req.plan,
+            incarnation=req.incarnation,
+            driver=req.driver,
         )
         # Decided after the awaits above: nothing can interleave between decision and effect.
         decision, record, superseded = self._ledger.begin(req.lora_name, req.attempt, identity)
         for old in superseded:
-            self._drop(old, why="superseded")
+            self._drop(old, why="retired by a newer Begin")
         if decision is BeginDecision.NEW:
             self._start_runtime(record, req.backend)
             logger.info(
@@ -241,7 +244,7 @@ class Receiver:
             attempt=req.attempt,
             state=str(record.state),
             duplicate=decision is BeginDecision.DUPLICATE,
-            rendezvous=self._rendezvous_for(req.lora_name, req.attempt),
+            rendezvous=self._rendezvous_for(record),
         )
 
     def _check_identity(self, req: BeginRequest) -> None:
@@ -267,35 +270,34 @@ class Receiver:
                 declared=declared,
             )
 
-    def _rendezvous_for(self, lora_name: str, attempt: int) -> Rendezvous:
+    def _rendezvous_for(self, record: AttemptRecord) -> Rendezvous:
         return Rendezvous(
             host=self._rendezvous.host,
             port=self._rendezvous.port,
-            prefix=f"{lora_name}/{attempt}",
+            prefix=_group_prefix(record),
             timeout_s=self._timeout.total_seconds(),
         )
 
     def _start_runtime(self, record: AttemptRecord, backend: str) -> None:
-        key = (record.lora_name, record.attempt)
         executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"dcs-{record.attempt}"
         )
         join = executor.submit(
             lambda: AttemptGroup.join(
                 store=self._rendezvous.store,
-                prefix=f"{record.lora_name}/{record.attempt}",
+                prefix=_group_prefix(record),
                 rank=1,
                 backend=backend,
                 local_host=self._rendezvous.host,
                 timeout=self._timeout,
-                label=key,
+                label=(record.lora_name, record.attempt),
                 counter=self.counter,
             ),
         )
         runtime = _Runtime(executor=executor, group=join)
         # A join that fails is reported by the first bucket that needs the group.
         join.add_done_callback(_consume_exception)
-        self._runtimes[key] = runtime
+        self._runtimes[_key(record)] = runtime
 
     # --- bucket ---------------------------------------------------------------------------------
 
@@ -309,7 +311,11 @@ class Receiver:
             # Bucket i+1 starts only after bucket i arrived and matched its checksums, so a bad
             # bucket fails the attempt before the publisher sends another byte.
             await self._settle_receive(record, req.index - 1)
-        decision, record, state = self._ledger.bucket(req.lora_name, req.attempt, req.index)
+        try:
+            decision, record, state = self._ledger.bucket(req.lora_name, req.attempt, req.index)
+        except Refused as refused:
+            self._fail_on_violation(record, refused)
+            raise
         if decision is BucketDecision.ARM:
             self._arm(record, req.index)
         return BucketReply(
@@ -320,10 +326,20 @@ class Receiver:
             duplicate=decision is BucketDecision.DUPLICATE,
         )
 
+    def _fail_on_violation(self, record: AttemptRecord | None, refused: Refused) -> None:
+        # A clean refusal of the current attempt's own message (out of order, outside the plan,
+        # End too early) promises the attempt holds nothing: drop its stash to keep that true.
+        if (
+            refused.clean
+            and refused.reason in _VIOLATIONS
+            and record is not None
+            and record.state is AttemptState.PREPARED
+        ):
+            self._fail(record, refused.reason)
+
     def _arm(self, record: AttemptRecord, index: int) -> None:
         assert record.identity is not None
-        key = (record.lora_name, record.attempt)
-        runtime = self._runtimes[key]
+        runtime = self._runtimes[_key(record)]
         nbytes = record.identity.plan.buckets[index].nbytes
         loop = asyncio.get_running_loop()
         group = runtime.group
@@ -335,16 +351,21 @@ class Receiver:
         raw = loop.run_in_executor(runtime.executor, receive)
         done: asyncio.Future[None] = loop.create_future()
         runtime.receives[index] = done
-        raw.add_done_callback(lambda fut: self._on_received(record, index, fut, done))
+        raw.add_done_callback(lambda fut: self._on_received(record, runtime, index, fut, done))
 
     def _on_received(
         self,
         record: AttemptRecord,
+        runtime: _Runtime,
         index: int,
         fut: asyncio.Future[bytes],
         done: asyncio.Future[None],
     ) -> None:
-        runtime = self._runtimes.get((record.lora_name, record.attempt))
+        if runtime.dropped or record.state not in _RECEIVING:
+            # The attempt was cleaned up, failed or retired while the bytes were in flight.
+            _consume_exception(fut)
+            _settle(done, Refused(Reason.FENCED, "attempt dropped during receive", clean=True))
+            return
         if fut.cancelled() or fut.exception() is not None:
             exc = fut.exception() if not fut.cancelled() else None
             logger.warning(
@@ -359,10 +380,6 @@ class Receiver:
             _settle(
                 done, Refused(Reason.TRANSPORT_FAILED, f"collective failed: {exc!r}", clean=True)
             )
-            return
-        if runtime is None or runtime.dropped or record.state not in _RECEIVING:
-            # The attempt was cleaned up or superseded while the bytes were in flight.
-            _settle(done, Refused(Reason.FENCED, "attempt dropped during receive", clean=True))
             return
         assert record.identity is not None
         tensors, mismatches = record.identity.plan.unpack(index, fut.result())
@@ -385,7 +402,7 @@ class Receiver:
         _settle(done, None)
 
     async def _settle_receive(self, record: AttemptRecord, index: int) -> None:
-        runtime = self._runtimes.get((record.lora_name, record.attempt))
+        runtime = self._runtimes.get(_key(record))
         pending = None if runtime is None else runtime.receives.get(index)
         if pending is None:
             return
@@ -405,13 +422,20 @@ class Receiver:
         self._check_sidecar(req.incarnation, clean=False)
         record = self._ledger.get(req.lora_name, req.attempt)
         self._check_attempt_incarnation(req.incarnation, record)
-        decision, record = self._ledger.end(req.lora_name, req.attempt)
-        runtime = self._runtimes[(record.lora_name, record.attempt)]
+        try:
+            decision, record = self._ledger.end(req.lora_name, req.attempt)
+        except Refused as refused:
+            self._fail_on_violation(record, refused)
+            raise
+        runtime = self._runtimes[_key(record)]
         if decision is EndDecision.DONE:
             assert runtime.ready is not None
             return runtime.ready.model_copy(update={"duplicate": True})
-        if decision is EndDecision.START:
-            runtime.end_task = asyncio.create_task(self._run_end(record, runtime))
+        if runtime.end_task is None or runtime.end_task.done():
+            if decision is EndDecision.START:
+                runtime.end_task = asyncio.create_task(self._run_end(record, runtime))
+            elif decision is EndDecision.RECHECK:
+                runtime.end_task = asyncio.create_task(self._recheck(record, runtime))
         assert runtime.end_task is not None
         # Shielded: a caller that disconnects never cancels a load half-way.
         reply = await asyncio.shield(runtime.end_task)
@@ -419,10 +443,26 @@ class Receiver:
             reply if decision is EndDecision.START else reply.model_copy(update={"duplicate": True})
         )
 
+    async def _recheck(self, record: AttemptRecord, runtime: _Runtime) -> ReadyReply:
+        """An UNCERTAIN load settles READY only if the engine lists it at our directory."""
+        assert record.identity is not None
+        path = self._store.path_for(record.lora_name)
+        try:
+            current = f"{self.sidecar_id}/{await self.engine_incarnation()}"
+            listed = await self._engine.list_lora_adapters()
+        except (BackendRefusedError, BackendAmbiguousError) as exc:
+            raise Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=False) from exc
+        if current != record.identity.incarnation or listed.get(record.lora_name) != str(path):
+            raise Refused(
+                Reason.ENGINE_UNCERTAIN,
+                f"{record.lora_name} attempt {record.attempt}: the load is still unconfirmed",
+                clean=False,
+            )
+        return await self._confirm(record, runtime, path)
+
     async def _run_end(self, record: AttemptRecord, runtime: _Runtime) -> ReadyReply:
         assert record.identity is not None
         identity = record.identity
-        extra = {"version": record.lora_name, "attempt": record.attempt}
         try:
             for index in range(record.buckets):
                 await self._settle_receive(record, index)
@@ -447,7 +487,7 @@ class Receiver:
             # Only the incarnation read can fail this way here; nothing was loaded yet.
             self._fail(record, Reason.ENGINE_REFUSED)
             raise Refused(Reason.ENGINE_REFUSED, exc.message, clean=True) from exc
-        return await self._load(record, runtime, path, extra)
+        return await self._load(record, runtime, path)
 
     def _verified_snapshot(self, record: AttemptRecord, runtime: _Runtime) -> AdapterSnapshot:
         assert record.identity is not None
@@ -468,11 +508,7 @@ class Receiver:
             )
         return snapshot
 
-    async def _load(
-        self, record: AttemptRecord, runtime: _Runtime, path: Path, extra: dict[str, object]
-    ) -> ReadyReply:
-        assert record.identity is not None
-        identity = record.identity
+    async def _load(self, record: AttemptRecord, runtime: _Runtime, path: Path) -> ReadyReply:
         try:
             await self._engine.load_lora_adapter(record.lora_name, str(path), pinned=True)
         except BackendRefusedError as exc:
@@ -482,6 +518,12 @@ class Receiver:
         except BackendAmbiguousError as exc:
             self._uncertain(record)
             raise Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=False) from exc
+        return await self._confirm(record, runtime, path)
+
+    async def _confirm(self, record: AttemptRecord, runtime: _Runtime, path: Path) -> ReadyReply:
+        """After a load: the engine is still the same process and serves the exact name."""
+        assert record.identity is not None
+        identity = record.identity
         try:
             after = f"{self.sidecar_id}/{await self.engine_incarnation()}"
             if self._probe:
@@ -508,7 +550,12 @@ class Receiver:
             duplicate=False,
         )
         self._release_threads(runtime)
-        logger.info("READY %s attempt %d", record.lora_name, record.attempt, extra=extra)
+        logger.info(
+            "READY %s attempt %d",
+            record.lora_name,
+            record.attempt,
+            extra={"version": record.lora_name, "attempt": record.attempt},
+        )
         return runtime.ready
 
     # --- cleanup --------------------------------------------------------------------------------
@@ -520,7 +567,7 @@ class Receiver:
 
     async def _run_cleanup(self, req: CleanupRequest) -> CleanupReply:
         record = self._ledger.get(req.lora_name, req.attempt)
-        runtime = self._runtimes.get((req.lora_name, req.attempt))
+        runtime = None if record is None else self._runtimes.get(_key(record))
         if record is not None and record.state is AttemptState.LOADING and runtime is not None:
             assert runtime.end_task is not None
             # Let the load settle first: cleaning up under a running load would race it.
@@ -586,7 +633,7 @@ class Receiver:
 
     async def _run_reclaim(self, req: ReclaimRequest) -> ReclaimReply:
         for record in self._ledger.holders(req.lora_name):
-            runtime = self._runtimes.get((record.lora_name, record.attempt))
+            runtime = self._runtimes.get(_key(record))
             if record.state is AttemptState.LOADING and runtime and runtime.end_task:
                 await asyncio.wait([runtime.end_task])
         outcome = await self._unload(req.lora_name, None)
@@ -627,7 +674,7 @@ class Receiver:
             for r in self._ledger
         )
         return StatusReply(
-            incarnation=self.sidecar_id,
+            sidecar_id=self.sidecar_id,
             collectives_total=self.counter.total,
             attempts=views,
             reclaimed=self._ledger.reclaimed_names(),
@@ -655,21 +702,22 @@ class Receiver:
             self._drop(record, why=str(reason))
 
     def _uncertain(self, record: AttemptRecord) -> None:
-        record.move_to(AttemptState.UNCERTAIN)
-        runtime = self._runtimes.get((record.lora_name, record.attempt))
+        if record.state is not AttemptState.UNCERTAIN:
+            record.move_to(AttemptState.UNCERTAIN)
+        runtime = self._runtimes.get(_key(record))
         if runtime is not None:
             runtime.stash.clear()
             self._release_threads(runtime)
 
     def _drop(self, record: AttemptRecord, *, why: str) -> None:
-        runtime = self._runtimes.get((record.lora_name, record.attempt))
+        runtime = self._runtimes.get(_key(record))
         if runtime is None or runtime.dropped:
             return
         runtime.dropped = True
         runtime.stash.clear()
         self._release_threads(runtime)
         if runtime.end_task is None or runtime.end_task.done():
-            self._runtimes.pop((record.lora_name, record.attempt), None)
+            self._runtimes.pop(_key(record), None)
         logger.info(
             "dropped %s attempt %d (%s)",
             record.lora_name,
@@ -698,8 +746,25 @@ class Receiver:
         return await asyncio.shield(task)
 
 
+# Clean refusals of an attempt's own malformed sequence: the attempt is failed and dropped.
+_VIOLATIONS = (Reason.OUT_OF_ORDER, Reason.BAD_BUCKET, Reason.INCOMPLETE)
+
 # End moves an attempt to LOADING while its last bucket may still be arriving.
 _RECEIVING = (AttemptState.PREPARED, AttemptState.LOADING)
+
+
+def _key(record: AttemptRecord) -> tuple[str, int, str]:
+    # Runtimes belong to one driver's run of an attempt; a takeover gets fresh ones.
+    return (
+        record.lora_name,
+        record.attempt,
+        "" if record.identity is None else record.identity.driver,
+    )
+
+
+def _group_prefix(record: AttemptRecord) -> str:
+    assert record.identity is not None
+    return f"{record.lora_name}/{record.attempt}/{record.identity.driver}"
 
 
 def _wait_group(group: concurrent.futures.Future[AttemptGroup]) -> AttemptGroup:

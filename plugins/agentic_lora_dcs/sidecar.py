@@ -32,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp
 
 from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
@@ -199,9 +200,12 @@ def build_receiver(
     return receiver, engine
 
 
-async def serve(config: SidecarConfig, app: Starlette, *, on_ready: Callable[[int], None]) -> None:
+async def serve(config: SidecarConfig, app: ASGIApp, *, on_ready: Callable[[int], None]) -> None:
     """Serve ``app`` on ``config.host:config.port`` (0: any free port, reported to on_ready)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
+    # listening socket says TCP, and without it every keep-alive reply waits ~40 ms (Nagle
+    # against the client's delayed ACK).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))
     # Listening before uvicorn starts: early connections wait in the backlog, none is refused.

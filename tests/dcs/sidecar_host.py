@@ -2,8 +2,9 @@
 
 The sidecar is built exactly as ``python -m agentic_lora_dcs.sidecar`` builds it; only the
 engine's HTTP surface is replaced, by :class:`agentic_lora.testing.sglang_engine.ScriptedSGLangEngine`
-mounted with respx inside this process (the outer edge). A few ``/_test`` routes let the test
-process read and steer that engine. Prints one JSON line with the ports once listening.
+mounted with respx inside this process (the outer edge). ``/_test`` routes let the test process
+read and steer that engine, and ``/_test/reset`` swaps in a brand-new sidecar and engine (as a
+restart of both would, without paying for a new process). Prints one JSON line once listening.
 
     python -m tests.dcs.sidecar_host --name E0 --store-dir DIR
 """
@@ -14,28 +15,126 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import respx
+from agentic_lora_dcs.receiver import Receiver
 from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, serve
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from agentic_lora.engine_admin import EngineAdminClient
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
 
 
-def _engine_state(engine: ScriptedSGLangEngine) -> dict[str, Any]:
-    return {
-        "adapters": {name: a.digest for name, a in engine.adapters.items()},
-        "pinned": {name: a.pinned for name, a in engine.adapters.items()},
-        "physical_loads": dict(engine.physical_loads),
-        "physical_unloads": dict(engine.physical_unloads),
-        "calls": [[str(op), body] for op, body in engine.calls],
-        "restarts": engine.restarts,
-    }
+@dataclass
+class _Generation:
+    engine: ScriptedSGLangEngine
+    admin: EngineAdminClient
+    receiver: Receiver
+    app: Starlette
+
+
+class Host:
+    """The current sidecar + engine pair, and the ASGI entry that forwards to it."""
+
+    def __init__(self, name: str, store_root: Path, timeout: float, router: respx.Router) -> None:
+        self.name = name
+        self.store_root = store_root
+        self.timeout = timeout
+        self.router = router
+        self.generation = 0
+        self.current = self._build()
+        self.test_app = Starlette(
+            routes=[
+                Route("/_test/engine", self._state, methods=["GET"]),
+                Route("/_test/engine/restart", self._restart, methods=["POST"]),
+                Route("/_test/engine/script", self._script, methods=["POST"]),
+                Route("/_test/engine/clear", self._clear, methods=["POST"]),
+                Route("/_test/receiver", self._receiver, methods=["GET"]),
+                Route("/_test/reset", self._reset, methods=["POST"]),
+            ]
+        )
+
+    def _build(self) -> _Generation:
+        engine = ScriptedSGLangEngine(
+            name=self.name,
+            base_url=f"http://127.0.0.1:9/{self.name}/{self.generation}",
+            # The fleet here holds many test versions at once; pinning limits are not under test.
+            max_loras_per_batch=1000,
+        )
+        engine.mount(self.router)
+        store = (
+            self.store_root if self.generation == 0 else self.store_root / f"gen{self.generation}"
+        )
+        config = SidecarConfig(
+            engine_url=engine.base_url,
+            engine_name=self.name,
+            store_dir=store,
+            collective_timeout_s=self.timeout,
+        )
+        admin = EngineAdminClient(engine.base_url, engine=self.name)
+        receiver, _ = build_receiver(config, engine_client=admin)
+        return _Generation(engine, admin, receiver, create_app(receiver))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/_test/"):
+            await self.test_app(scope, receive, send)
+        else:
+            await self.current.app(scope, receive, send)
+
+    async def aclose(self) -> None:
+        await self.current.receiver.aclose()
+        await self.current.admin.aclose()
+
+    def _engine_state(self) -> dict[str, Any]:
+        engine = self.current.engine
+        return {
+            "adapters": {name: a.digest for name, a in engine.adapters.items()},
+            "pinned": {name: a.pinned for name, a in engine.adapters.items()},
+            "physical_loads": dict(engine.physical_loads),
+            "physical_unloads": dict(engine.physical_unloads),
+            "calls": [[str(op), body] for op, body in engine.calls],
+            "restarts": engine.restarts,
+        }
+
+    async def _state(self, _: Request) -> Response:
+        return JSONResponse(self._engine_state())
+
+    async def _restart(self, _: Request) -> Response:
+        self.current.engine.restart()
+        return JSONResponse(self._engine_state())
+
+    async def _script(self, request: Request) -> Response:
+        body = await request.json()
+        faults = [Fault(FaultKind(k)) for k in body["faults"]]
+        self.current.engine.script(EngineOp(body["op"]), *faults)
+        return JSONResponse({"queued": len(faults)})
+
+    async def _clear(self, _: Request) -> Response:
+        self.current.engine.clear_script()
+        return JSONResponse({"cleared": True})
+
+    async def _receiver(self, _: Request) -> Response:
+        return JSONResponse({"stash_bytes": self.current.receiver.stash_bytes()})
+
+    async def _reset(self, _: Request) -> Response:
+        await self.aclose()
+        self.generation += 1
+        self.current = self._build()
+        return JSONResponse(
+            {"sidecar_id": self.current.receiver.sidecar_id, "store_dir": str(self._store())}
+        )
+
+    def _store(self) -> Path:
+        return (
+            self.store_root if self.generation == 0 else self.store_root / f"gen{self.generation}"
+        )
 
 
 def main() -> int:
@@ -45,62 +144,23 @@ def main() -> int:
     parser.add_argument("--collective-timeout", type=float, default=20.0)
     args = parser.parse_args()
 
-    engine = ScriptedSGLangEngine(
-        name=args.name,
-        base_url=f"http://127.0.0.1:9/{args.name}",
-        # The fleet here holds many test versions at once; pinning limits are not under test.
-        max_loras_per_batch=1000,
-    )
-    config = SidecarConfig(
-        engine_url=engine.base_url,
-        engine_name=args.name,
-        store_dir=args.store_dir,
-        collective_timeout_s=args.collective_timeout,
-    )
-    admin = EngineAdminClient(engine.base_url, engine=args.name)
-    receiver, _ = build_receiver(config, engine_client=admin)
-
-    async def state(_: Request) -> Response:
-        return JSONResponse(_engine_state(engine))
-
-    async def restart(_: Request) -> Response:
-        engine.restart()
-        return JSONResponse(_engine_state(engine))
-
-    async def script(request: Request) -> Response:
-        body = await request.json()
-        engine.script(EngineOp(body["op"]), *(Fault(FaultKind(k)) for k in body["faults"]))
-        return JSONResponse({"queued": len(body["faults"])})
-
-    async def receiver_state(_: Request) -> Response:
-        return JSONResponse({"stash_bytes": receiver.stash_bytes()})
-
-    app = create_app(
-        receiver,
-        extra_routes=[
-            Route("/_test/engine", state, methods=["GET"]),
-            Route("/_test/engine/restart", restart, methods=["POST"]),
-            Route("/_test/engine/script", script, methods=["POST"]),
-            Route("/_test/receiver", receiver_state, methods=["GET"]),
-        ],
-    )
-
-    def ready(port: int) -> None:
-        line = {
-            "url": f"http://127.0.0.1:{port}",
-            "sidecar_id": receiver.sidecar_id,
-            "rendezvous_port": receiver.rendezvous_port,
-        }
-        print(json.dumps(line), flush=True)
-
     async def run() -> None:
-        # Only the engine's base URL is mocked; anything else would be a test bug.
+        # Only the scripted engines' URLs are mocked; any other request would be a test bug.
         with respx.mock(assert_all_called=False, assert_all_mocked=True) as router:
-            engine.mount(router)
+            host = Host(args.name, args.store_dir, args.collective_timeout, router)
+            config = SidecarConfig(engine_url="http://127.0.0.1:9/", store_dir=args.store_dir)
+
+            def ready(port: int) -> None:
+                line = {
+                    "url": f"http://127.0.0.1:{port}",
+                    "sidecar_id": host.current.receiver.sidecar_id,
+                }
+                print(json.dumps(line), flush=True)
+
             try:
-                await serve(config, app, on_ready=ready)
+                await serve(config, host, on_ready=ready)
             finally:
-                await admin.aclose()
+                await host.aclose()
 
     asyncio.run(run())
     return 0

@@ -8,8 +8,9 @@ import httpx
 import pytest
 from agentic_lora_dcs.plan import plan_for_snapshot
 
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, state_of, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -110,3 +111,58 @@ async def test_reentrant_prepare_of_one_attempt_shares_one_driver(
     assert len(publisher.edge.bodies("/bucket")) == buckets
     assert await _collectives(e1, http, target.lora_name) == buckets
     assert (await e1.engine_state(http))["physical_loads"][target.lora_name] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_new_driver_confirms_a_load_whose_reply_was_lost_without_loading_again(
+    sidecars: dict[str, SidecarProcess], http: httpx.AsyncClient, publisher: Publisher
+) -> None:
+    e0 = sidecars["E0"]
+    snapshot = make_snapshot(seed=15)
+    target = target_for(snapshot, "load-reply-lost")
+    # The engine loads, but its answer to the sidecar is lost: the sidecar cannot know.
+    await e0.script(http, "load", "lose_reply")
+
+    with pytest.raises(BackendAmbiguousError) as ambiguous:
+        await publisher.backend.prepare(e0.engine, target, snapshot)
+    assert ambiguous.value.details["reason"] == "ENGINE_UNCERTAIN"
+    assert await state_of(e0, http, target.lora_name, 1) == "UNCERTAIN"
+
+    # The publisher prepares the same attempt again: a new driver, no new transfer; the sidecar
+    # finds the adapter listed at its directory and confirms it.
+    receipt = await publisher.backend.prepare(e0.engine, target, snapshot)
+
+    assert receipt.digest == snapshot.digest
+    assert await state_of(e0, http, target.lora_name, 1) == "READY"
+    assert (await e0.engine_state(http))["physical_loads"][target.lora_name] == 1
+    assert len(publisher.edge.bodies("/begin")) == 2
+    assert publisher.backend.collectives.of(target.lora_name, 1) == len(
+        plan_for_snapshot(snapshot, BUCKET_BYTES).buckets
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_new_driver_restarts_an_attempt_that_failed_cleanly(
+    sidecars: dict[str, SidecarProcess], http: httpx.AsyncClient, publisher: Publisher
+) -> None:
+    e1 = sidecars["E1"]
+    snapshot = make_snapshot(seed=16)
+    target = target_for(snapshot, "retry-after-refusal")
+    buckets = len(plan_for_snapshot(snapshot, BUCKET_BYTES).buckets)
+    await e1.script(http, "load", "refuse")
+
+    with pytest.raises(BackendRefusedError):
+        await publisher.backend.prepare(e1.engine, target, snapshot)
+    # The refused driver's own Begin, repeated, still gets the root cause...
+    repeat = await http.post(
+        e1.url + "/begin",
+        content=publisher.edge.bodies("/begin")[0],
+        headers={"content-type": "application/json"},
+    )
+    assert repeat.json()["reason"] == "ENGINE_REFUSED"
+    # ...while a new driver starts the attempt over: nothing of it was held.
+    receipt = await publisher.backend.prepare(e1.engine, target, snapshot)
+
+    assert receipt.attempt == 1
+    assert (await e1.engine_state(http))["physical_loads"][target.lora_name] == 1
+    assert publisher.backend.collectives.of(target.lora_name, 1) == 2 * buckets

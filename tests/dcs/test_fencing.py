@@ -116,6 +116,7 @@ async def test_messages_of_an_older_attempt_never_seen_here_are_refused_as_stale
     client = SidecarClient(e1.url, engine="E1", client=http, end_timeout=30.0)
     plan = plan_for_snapshot(snapshot, BUCKET_BYTES)
     begin = BeginRequest(
+        driver="1a7e0001",
         lora_name=newer.lora_name,
         attempt=1,
         version_id=newer.version_id,

@@ -32,6 +32,7 @@ def _begin(
     target_name: str, version_id: str, digest: str, incarnation: str, config: dict, plan: BucketPlan
 ) -> BeginRequest:  # type: ignore[type-arg]
     return BeginRequest(
+        driver="d0d0d0d0",
         lora_name=target_name,
         attempt=1,
         version_id=version_id,

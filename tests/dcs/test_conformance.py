@@ -1,0 +1,150 @@
+"""The DCS backend passes the backend conformance suite, over real gloo process groups.
+
+The engines are scripted SGLang doubles living inside two real sidecar processes; the suite
+steers them through the sidecar hosts' ``/_test`` routes, and every prepare moves its bytes
+through a real two-rank gloo group. Each example starts from a fresh sidecar and engine pair.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import pytest
+from agentic_lora_dcs import DcsBackend
+from hypothesis import HealthCheck, settings
+
+from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.testing.backend_conformance import (
+    BackendConformance,
+    EngineDouble,
+    Failure,
+    Operation,
+)
+from tests.dcs.util import SidecarProcess
+
+pytestmark = [pytest.mark.dcs, pytest.mark.timeout(120)]
+
+_ENGINE_OP = {
+    Operation.PREPARE: "load",
+    Operation.CLEANUP: "unload",
+    Operation.RECLAIM: "unload",
+}
+_FAULT = {Failure.REFUSE: "refuse", Failure.LOSE_REPLY: "lose_reply"}
+
+
+class SidecarEngineDouble:
+    """One scripted engine behind a real sidecar, seen through the suite's EngineDouble."""
+
+    def __init__(self, name: str, host: SidecarProcess, http: httpx.Client) -> None:
+        self._name = name
+        self._host = host
+        self._http = http
+        self._loads_at_boot: Counter[str] = Counter()
+        self._unloads_at_boot: Counter[str] = Counter()
+
+    @property
+    def ref(self) -> EngineRef:
+        return EngineRef(self._name, self._host.url)
+
+    def _state(self) -> dict[str, dict[str, int | str]]:
+        reply = self._http.get(f"{self._host.url}/_test/engine").raise_for_status()
+        return reply.json()  # type: ignore[no-any-return]
+
+    def held_digest(self, lora_name: str) -> str | None:
+        digest = self._state()["adapters"].get(lora_name)
+        return None if digest is None else str(digest)
+
+    def loads(self, lora_name: str) -> int:
+        return (
+            int(self._state()["physical_loads"].get(lora_name, 0)) - self._loads_at_boot[lora_name]
+        )
+
+    def unloads(self, lora_name: str) -> int:
+        done = int(self._state()["physical_unloads"].get(lora_name, 0))
+        return done - self._unloads_at_boot[lora_name]
+
+    def restart(self) -> None:
+        state = self._http.post(f"{self._host.url}/_test/engine/restart").raise_for_status().json()
+        self._loads_at_boot = Counter(state["physical_loads"])
+        self._unloads_at_boot = Counter(state["physical_unloads"])
+
+    def fail_next(self, operation: Operation, failure: Failure) -> None:
+        body = {"op": _ENGINE_OP[operation], "faults": [_FAULT[failure]]}
+        self._http.post(f"{self._host.url}/_test/engine/script", json=body).raise_for_status()
+
+    def clear_failures(self) -> None:
+        self._http.post(f"{self._host.url}/_test/engine/clear").raise_for_status()
+
+
+class DcsHarness:
+    """A DcsBackend over two freshly reset sidecar hosts."""
+
+    def __init__(self, hosts: dict[str, SidecarProcess]) -> None:
+        self._http = httpx.Client(timeout=30.0)
+        for host in hosts.values():
+            self._http.post(f"{host.url}/_test/reset").raise_for_status()
+        self._doubles = [
+            SidecarEngineDouble(name, host, self._http) for name, host in hosts.items()
+        ]
+        self._backend = DcsBackend(
+            {name: host.url for name, host in hosts.items()},
+            bucket_bytes=32,  # the suite's tiny adapters still move in two buckets
+            collective_backend="gloo",
+        )
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def engines(self) -> Sequence[EngineDouble]:
+        return self._doubles
+
+    async def aclose(self) -> None:
+        try:
+            await self._backend.aclose()
+        finally:
+            self._http.close()
+
+
+class DcsConformance(BackendConformance):
+    #: Bound by the module's autouse fixture (the TestCase cannot take fixtures itself).
+    hosts: ClassVar[dict[str, SidecarProcess]] = {}
+
+    async def make_harness(self) -> DcsHarness:
+        return DcsHarness(self.hosts)
+
+
+@pytest.fixture(scope="module")
+def conformance_hosts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, SidecarProcess]]:
+    root = tmp_path_factory.mktemp("dcs-conformance")
+    started: dict[str, SidecarProcess] = {}
+    try:
+        for name in ("e0", "e1"):
+            started[name] = SidecarProcess.start(name, Path(root / name))
+        yield started
+    finally:
+        for host in started.values():
+            host.stop()
+
+
+@pytest.fixture(autouse=True)
+def _bind_hosts(conformance_hosts: dict[str, SidecarProcess]) -> Iterator[None]:
+    DcsConformance.hosts = conformance_hosts
+    yield
+    DcsConformance.hosts = {}
+
+
+DcsConformance.TestCase.settings = settings(
+    max_examples=12,
+    stateful_step_count=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestDcsConformance = DcsConformance.TestCase
