@@ -78,6 +78,7 @@ def lora_flags(
 
 
 _POLL_SECONDS = 0.25
+_KILL_WAIT_SECONDS = 10.0
 _LOG_TAIL_LINES = 40
 
 
@@ -419,14 +420,28 @@ def _killpg(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in group ``pgid``.
+
+    ``killpg(pgid, 0)`` is not enough: it also succeeds for zombies nobody has reaped yet, and a
+    process that was just sent SIGKILL stays visible, not yet a zombie, until it is scheduled.
+    """
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid pgrp ..."; comm may contain spaces.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return bool(_group_members(pgid))
 
 
 def _signal_server(engine: _Engine, sig: signal.Signals) -> None:
@@ -455,6 +470,10 @@ def _stop_engine(engine: _Engine) -> None:
             )
             _killpg(pgid, signal.SIGKILL)
             process.wait()
+            # SIGKILL is delivered asynchronously: wait (bounded) until every member is gone.
+            deadline = time.monotonic() + _KILL_WAIT_SECONDS
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
         engine.process = None
         logger.info("engine stopped", extra={"engine": engine.name})
     if engine.log_handle is not None:
@@ -474,15 +493,11 @@ def _kill_all(engines: list[_Engine]) -> None:
 
 def _group_memory(pgid: int) -> EngineMemory:
     rss = peak = pss = count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _group_members(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            status = _proc_fields(entry / "status")
-            rollup = _proc_fields(entry / "smaps_rollup")
-        except (OSError, ProcessLookupError):
+            status = _proc_fields(Path(f"/proc/{pid}/status"))
+            rollup = _proc_fields(Path(f"/proc/{pid}/smaps_rollup"))
+        except OSError:
             continue
         count += 1
         rss += status.get("VmRSS", 0)
