@@ -228,7 +228,8 @@ def build_fixture(cache_dir: Path | None = None, spec: FixtureSpec | None = None
     staging = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=fixtures))
     try:
         build_fixture_into(staging, spec)
-        _fsync_dir(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the entry is shared by every run
+        _fsync_tree(staging)
         try:
             staging.rename(final)
         except OSError:
@@ -237,7 +238,7 @@ def build_fixture(cache_dir: Path | None = None, spec: FixtureSpec | None = None
                 raise
             logger.info("fixture already built concurrently", extra={"fixture": key})
         else:
-            _fsync_dir(fixtures)
+            _fsync_entry(fixtures)
             logger.info("fixture built", extra={"fixture": key, "path": str(final)})
     finally:
         if staging.exists():
@@ -419,10 +420,14 @@ def _write_manifest(fixture: Fixture) -> None:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        with file.open("rb") as handle:
-            os.fsync(handle.fileno())
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root``, so the rename publishes complete data."""
+    for path in sorted(root.rglob("*")):
+        _fsync_entry(path)
+    _fsync_entry(root)
+
+
+def _fsync_entry(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

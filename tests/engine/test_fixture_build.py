@@ -155,3 +155,25 @@ def test_chat_template_expresses_tool_calls(built: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n")
     ids = tokenizer(text).input_ids
     assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids  # a single special token
+
+
+def test_a_builder_that_loses_the_rename_race_keeps_the_winners_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from agentic_lora_harness import fixture as fixture_module
+
+    real_build = fixture_module.build_fixture_into
+
+    def build_then_lose_the_race(dest: Path, spec: FixtureSpec | None = None) -> Any:
+        built = real_build(dest, spec)
+        # Another process finishes first and renames its complete copy into place.
+        shutil.copytree(dest, dest.parent / built.key)
+        (dest.parent / built.key / "winner").write_text("theirs")
+        return built
+
+    monkeypatch.setattr(fixture_module, "build_fixture_into", build_then_lose_the_race)
+    result = build_fixture(tmp_path)
+    assert (result.root / "winner").read_text() == "theirs"
+    assert [p.name for p in (tmp_path / "fixtures").iterdir()] == [result.key]
