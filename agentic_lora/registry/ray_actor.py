@@ -109,6 +109,7 @@ class RayRegistryClient:
         self._coalesce = coalesce
         self._pending: list[tuple[str, str, Any, asyncio.Future[dict[str, Any]]]] = []
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._versions: dict[str, VersionStatus] = {}
 
     @property
     def actor(self) -> Any:
@@ -116,13 +117,17 @@ class RayRegistryClient:
 
     async def _call(self, verb: str, request_id: str, args: dict[str, Any]) -> Any:
         if not self._coalesce:
-            return _unwrap(await self._actor.call.remote(verb, request_id, to_wire(args)))
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)
-        self._pending.append((verb, request_id, to_wire(args), fut))
-        return _unwrap(await fut)
+            result = _unwrap(await self._actor.call.remote(verb, request_id, to_wire(args)))
+        else:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            if not self._pending:
+                loop.call_soon(self._flush)
+            self._pending.append((verb, request_id, to_wire(args), fut))
+            result = _unwrap(await fut)
+        if isinstance(result, VersionStatus):
+            self._versions[result.version_id] = result
+        return result
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -197,6 +202,8 @@ class RayRegistryClient:
 
     async def bind_first(self, *, request_id: str, session_key: str) -> Binding:
         r: Binding = await self._call("bind_first", request_id, {"session_key": session_key})
+        if r.version_id not in self._versions:
+            await self.fetch_version(r.version_id)
         return r
 
     async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
@@ -229,16 +236,30 @@ class RayRegistryClient:
 
     async def status(self) -> RegistryStatus:
         r: RegistryStatus = await self._read("status")
+        self._versions = {v.version_id: v for v in r.versions}
         return r
 
     async def version(self, version_id: str) -> VersionStatus:
         r: VersionStatus = await self._read("version", version_id)
+        self._versions[version_id] = r
         return r
 
     async def fetch_version(self, version_id: str) -> VersionStatus | None:
-        """Like ``peek_version`` of the local registry, but one round trip to the actor."""
+        """One version's status from the actor (None if unknown); refreshes the local cache."""
         r: VersionStatus | None = await self._read("peek_version", version_id)
+        if r is None:
+            self._versions.pop(version_id, None)
+        else:
+            self._versions[version_id] = r
         return r
+
+    async def refresh(self) -> None:
+        """Refresh the local version cache behind :meth:`peek_version`."""
+        await self.status()
+
+    def peek_version(self, version_id: str) -> VersionStatus | None:
+        """The cached status of a version (no I/O; see the class docstring for its freshness)."""
+        return self._versions.get(version_id)
 
 
 def _unwrap(reply: dict[str, Any]) -> Any:

@@ -80,7 +80,15 @@ async def test_every_verb_round_trips_through_the_wire_form(tmp_path: Path, coal
         await reg.confirm_reclaim(
             request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e
         )
+    # This client saw A's status in the verbs' answers; another one lags until it refreshes.
+    assert reg.peek_version("A").state is VersionState.RECLAIMED  # type: ignore[union-attr]
+    watcher = RayRegistryClient(_Handle(actor, []))
+    assert watcher.peek_version("A") is None
+    await watcher.refresh()
+    assert watcher.peek_version("A").state is VersionState.RECLAIMED  # type: ignore[union-attr]
     assert (await reg.fetch_version("A")).state is VersionState.RECLAIMED  # type: ignore[union-attr]
+    assert await reg.fetch_version("nope") is None
+    assert reg.peek_version("nope") is None
     with pytest.raises(UnknownVersionError):
         await reg.version("nope")
     await actor.flush()
