@@ -6,6 +6,18 @@ fleet are marked ``pytest.mark.engine``. They never skip: a missing engine venv 
 
 from __future__ import annotations
 
+import pytest
 from agentic_lora_harness.pytest_fixtures import engine_env, engine_fleet, model_fixture
 
 __all__ = ["engine_env", "engine_fleet", "model_fixture"]
+
+# The first test to use these fixtures pays for creating the engine venv on a fresh machine
+# (minutes) plus starting the fleet; the per-test timeout covers fixture set-up too.
+_SETUP_HEAVY_FIXTURES = frozenset({"engine_env", "engine_fleet"})
+_SETUP_HEAVY_TIMEOUT_SECONDS = 1800
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _SETUP_HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.timeout(_SETUP_HEAVY_TIMEOUT_SECONDS))
