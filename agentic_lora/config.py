@@ -15,8 +15,9 @@ wrong type) and, at start-up against live engines (:func:`verify_fleet`), ``engi
 Why the gateway rule is an operator assertion: an SGLang router/gateway in front of the engines
 retries failed requests by default (``--retry-max-retries``, on 408/429/5xx), which could run a
 generation twice. It exposes no endpoint that reports its retry policy (its ``/get_server_info``
-is a worker's), so start-up cannot query it. When ``gateway_url`` is set, the operator must
-assert ``gateway_retries_disabled`` (the gateway runs with ``--disable-retries``); otherwise
+is a worker's), so start-up cannot query it. Set ``gateway_url`` whenever requests pass through
+such a gateway (for instance when an entry of ``engines`` points at it); the operator must then
+assert ``gateway_retries_disabled`` (the gateway runs with ``--disable-retries``), otherwise
 start-up refuses.
 """
 

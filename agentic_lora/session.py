@@ -533,6 +533,11 @@ class Versioning:
         return self._transport.engines
 
     @property
+    def transport(self) -> EngineTransport:
+        """The engine transport (e.g. for :func:`agentic_lora.config.verify_fleet` at start-up)."""
+        return self._transport
+
+    @property
     def router(self) -> Router:
         """The router plugin in the chain."""
         return self._router
