@@ -177,3 +177,16 @@ def test_a_builder_that_loses_the_rename_race_keeps_the_winners_copy(
     result = build_fixture(tmp_path)
     assert (result.root / "winner").read_text() == "theirs"
     assert [p.name for p in (tmp_path / "fixtures").iterdir()] == [result.key]
+
+
+def test_module_entry_prints_the_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentic_lora_harness.fixture import main
+
+    assert main(["--cache-dir", str(tmp_path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert Path(printed["model_dir"], "config.json").is_file()
+    assert sorted(printed["adapters"]) == list(ADAPTER_NAMES)
+    for path in printed["adapters"].values():
+        assert Path(path).is_absolute()
+        assert Path(path, "adapter_config.json").is_file()
+    assert printed["served_model_name"] == "tiny-qwen3"
