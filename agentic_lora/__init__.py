@@ -1,0 +1,121 @@
+"""agentic-lora: immutable LoRA version publication, Session binding at first generation, and safe
+reclaim for agentic RL rollouts.
+
+The names here are the public API; everything else is reachable from its module. Importing this
+package needs only pydantic, httpx and tenacity (no torch, no Ray).
+"""
+
+from agentic_lora.adapter import AdapterSnapshot, TensorBlob
+from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.config import AgenticLoRASettings, add_arguments, from_args, load_settings
+from agentic_lora.deployment import Deployment
+from agentic_lora.errors import (
+    AdapterMismatchError,
+    AgenticLoRAError,
+    BackendAmbiguousError,
+    BackendError,
+    BackendRefusedError,
+    CapacityError,
+    ConfigurationError,
+    DispatchError,
+    EngineRestartedError,
+    InvalidAdapterError,
+    InvalidIdentityError,
+    InvalidRequestError,
+    InvalidStateError,
+    JournalCorruptError,
+    JournalError,
+    JournalForeignError,
+    NoPublishedVersionError,
+    NotReadyError,
+    PublicationBlockedError,
+    ReadyMismatchError,
+    RegistryError,
+    RequestIndeterminateError,
+    RequestRefusedError,
+    RevisionConflictError,
+    SessionClosedError,
+    SessionReleaseError,
+    SessionStateError,
+    SessionStillBoundError,
+    StaleAttemptError,
+    UnknownEngineError,
+    UnknownVersionError,
+    VersionConflictError,
+    VersionNotDispatchableError,
+)
+from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
+from agentic_lora.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.registry import (
+    Binding,
+    LocalRegistry,
+    ReadyReceipt,
+    RegistryAPI,
+    VersionState,
+    new_request_id,
+)
+from agentic_lora.routing import Router
+from agentic_lora.session import Session, Versioning
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdapterMismatchError",
+    "AdapterSnapshot",
+    "AgenticLoRAError",
+    "AgenticLoRASettings",
+    "Backend",
+    "BackendAmbiguousError",
+    "BackendError",
+    "BackendRefusedError",
+    "Binding",
+    "CapacityError",
+    "ConfigurationError",
+    "Deployment",
+    "DispatchError",
+    "EngineRef",
+    "EngineRestartedError",
+    "InvalidAdapterError",
+    "InvalidIdentityError",
+    "InvalidRequestError",
+    "InvalidStateError",
+    "JournalCorruptError",
+    "JournalError",
+    "JournalForeignError",
+    "LocalRegistry",
+    "NoPublishedVersionError",
+    "NotReadyError",
+    "PublicationBlockedError",
+    "PublicationOutcome",
+    "PublicationResult",
+    "PublicationTarget",
+    "Publisher",
+    "ReadyMismatchError",
+    "ReadyReceipt",
+    "ReclaimOutcome",
+    "Reclaimer",
+    "RegistryAPI",
+    "RegistryError",
+    "RequestIndeterminateError",
+    "RequestRefusedError",
+    "RevisionConflictError",
+    "Router",
+    "Session",
+    "SessionClosedError",
+    "SessionReleaseError",
+    "SessionStateError",
+    "SessionStillBoundError",
+    "StaleAttemptError",
+    "TensorBlob",
+    "UnknownEngineError",
+    "UnknownVersionError",
+    "VersionConflictError",
+    "VersionNotDispatchableError",
+    "VersionState",
+    "Versioning",
+    "__version__",
+    "add_arguments",
+    "from_args",
+    "load_settings",
+    "new_request_id",
+]
