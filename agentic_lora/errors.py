@@ -33,6 +33,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
     │   └── RequestIndeterminateError  REQUEST_INDETERMINATE engine may have accepted the request
     ├── SessionReleaseError            SESSION_RELEASE_FAILED release not confirmed; record kept for retry
+    ├── AccessDeniedError              ACCESS_DENIED         missing or wrong token on a gateway route
     └── BackendError                   (publication and reclaim on engines)
         ├── BackendRefusedError        BACKEND_REFUSED       engine cleanly refused; nothing left behind
         └── BackendAmbiguousError      BACKEND_AMBIGUOUS     outcome unknown; resources may exist
@@ -46,6 +47,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "AccessDeniedError",
     "AdapterMismatchError",
     "AgenticLoRAError",
     "BackendAmbiguousError",
@@ -235,6 +237,12 @@ class RequestIndeterminateError(DispatchError):
 
 class SessionReleaseError(AgenticLoRAError):
     code = "SESSION_RELEASE_FAILED"
+
+
+class AccessDeniedError(AgenticLoRAError):
+    """A gateway route was called without its token, or with a wrong one; nothing was done."""
+
+    code = "ACCESS_DENIED"
 
 
 class BackendError(AgenticLoRAError):
