@@ -16,15 +16,13 @@ crossed a restart is refused instead of acting on state it never saw.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import datetime
 import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.engine_admin import LoadResult, ProbeResult, ServerInfo, UnloadOutcome
@@ -71,6 +69,7 @@ from agentic_lora_dcs.protocol import (
     Rendezvous,
     StatusReply,
 )
+from agentic_lora_dcs.staging import Staging, consume_exception
 
 __all__ = ["AdapterDirectories", "EngineControl", "Receiver"]
 
@@ -106,20 +105,6 @@ class AdapterDirectories(Protocol):
     def path_for(self, lora_name: str) -> Path: ...
 
 
-@dataclass
-class _Runtime:
-    """Resources of one attempt; dropped as a whole when the attempt leaves PREPARED/LOADING."""
-
-    executor: concurrent.futures.ThreadPoolExecutor
-    # A thread future, settled on the attempt's own thread before any receive runs there.
-    group: concurrent.futures.Future[AttemptGroup]
-    receives: dict[int, asyncio.Future[None]] = field(default_factory=dict)
-    stash: dict[str, bytes] = field(default_factory=dict)
-    end_task: asyncio.Task[ReadyReply] | None = None
-    ready: ReadyReply | None = None
-    dropped: bool = False
-
-
 class Receiver:
     """One sidecar's state and verbs (the HTTP layer in :mod:`agentic_lora_dcs.sidecar` is thin)."""
 
@@ -143,7 +128,7 @@ class Receiver:
         self._probe = probe
         self._backends = backends
         self._ledger = Ledger()
-        self._runtimes: dict[tuple[str, int, str], _Runtime] = {}
+        self._runtimes: dict[tuple[str, int, str], Staging] = {}
         self._cleanups: dict[tuple[str, int], asyncio.Task[CleanupReply]] = {}
         self._reclaims: dict[str, asyncio.Task[ReclaimReply]] = {}
 
@@ -279,11 +264,8 @@ class Receiver:
         )
 
     def _start_runtime(self, record: AttemptRecord, backend: str) -> None:
-        executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"dcs-{record.attempt}"
-        )
-        join = executor.submit(
-            lambda: AttemptGroup.join(
+        def join() -> AttemptGroup:
+            return AttemptGroup.join(
                 store=self._rendezvous.store,
                 prefix=_group_prefix(record),
                 rank=1,
@@ -292,12 +274,9 @@ class Receiver:
                 timeout=self._timeout,
                 label=(record.lora_name, record.attempt),
                 counter=self.counter,
-            ),
-        )
-        runtime = _Runtime(executor=executor, group=join)
-        # A join that fails is reported by the first bucket that needs the group.
-        join.add_done_callback(_consume_exception)
-        self._runtimes[_key(record)] = runtime
+            )
+
+        self._runtimes[_key(record)] = Staging(join, label=str(record.attempt))
 
     # --- bucket ---------------------------------------------------------------------------------
 
@@ -340,30 +319,22 @@ class Receiver:
     def _arm(self, record: AttemptRecord, index: int) -> None:
         assert record.identity is not None
         runtime = self._runtimes[_key(record)]
-        nbytes = record.identity.plan.buckets[index].nbytes
-        loop = asyncio.get_running_loop()
-        group = runtime.group
-
-        def receive() -> bytes:
-            # Runs on the attempt's own thread, after the join and every earlier receive.
-            return _wait_group(group).receive(nbytes)
-
-        raw = loop.run_in_executor(runtime.executor, receive)
-        done: asyncio.Future[None] = loop.create_future()
+        raw = runtime.receive(record.identity.plan.buckets[index].nbytes)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         runtime.receives[index] = done
         raw.add_done_callback(lambda fut: self._on_received(record, runtime, index, fut, done))
 
     def _on_received(
         self,
         record: AttemptRecord,
-        runtime: _Runtime,
+        runtime: Staging,
         index: int,
         fut: asyncio.Future[bytes],
         done: asyncio.Future[None],
     ) -> None:
         if runtime.dropped or record.state not in _RECEIVING:
             # The attempt was cleaned up, failed or retired while the bytes were in flight.
-            _consume_exception(fut)
+            consume_exception(fut)
             _settle(done, Refused(Reason.FENCED, "attempt dropped during receive", clean=True))
             return
         if fut.cancelled() or fut.exception() is not None:
@@ -436,6 +407,9 @@ class Receiver:
                 runtime.end_task = asyncio.create_task(self._run_end(record, runtime))
             elif decision is EndDecision.RECHECK:
                 runtime.end_task = asyncio.create_task(self._recheck(record, runtime))
+            assert runtime.end_task is not None
+            runtime.end_task.add_done_callback(consume_exception)
+            runtime.end_task.add_done_callback(lambda _: self._forget_if_dropped(record))
         assert runtime.end_task is not None
         # Shielded: a caller that disconnects never cancels a load half-way.
         reply = await asyncio.shield(runtime.end_task)
@@ -443,7 +417,7 @@ class Receiver:
             reply if decision is EndDecision.START else reply.model_copy(update={"duplicate": True})
         )
 
-    async def _recheck(self, record: AttemptRecord, runtime: _Runtime) -> ReadyReply:
+    async def _recheck(self, record: AttemptRecord, runtime: Staging) -> ReadyReply:
         """An UNCERTAIN load settles READY only if the engine lists it at our directory."""
         assert record.identity is not None
         path = self._store.path_for(record.lora_name)
@@ -460,7 +434,7 @@ class Receiver:
             )
         return await self._confirm(record, runtime, path)
 
-    async def _run_end(self, record: AttemptRecord, runtime: _Runtime) -> ReadyReply:
+    async def _run_end(self, record: AttemptRecord, runtime: Staging) -> ReadyReply:
         assert record.identity is not None
         identity = record.identity
         try:
@@ -489,7 +463,7 @@ class Receiver:
             raise Refused(Reason.ENGINE_REFUSED, exc.message, clean=True) from exc
         return await self._load(record, runtime, path)
 
-    def _verified_snapshot(self, record: AttemptRecord, runtime: _Runtime) -> AdapterSnapshot:
+    def _verified_snapshot(self, record: AttemptRecord, runtime: Staging) -> AdapterSnapshot:
         assert record.identity is not None
         identity = record.identity
         try:
@@ -508,7 +482,7 @@ class Receiver:
             )
         return snapshot
 
-    async def _load(self, record: AttemptRecord, runtime: _Runtime, path: Path) -> ReadyReply:
+    async def _load(self, record: AttemptRecord, runtime: Staging, path: Path) -> ReadyReply:
         try:
             await self._engine.load_lora_adapter(record.lora_name, str(path), pinned=True)
         except BackendRefusedError as exc:
@@ -520,7 +494,7 @@ class Receiver:
             raise Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=False) from exc
         return await self._confirm(record, runtime, path)
 
-    async def _confirm(self, record: AttemptRecord, runtime: _Runtime, path: Path) -> ReadyReply:
+    async def _confirm(self, record: AttemptRecord, runtime: Staging, path: Path) -> ReadyReply:
         """After a load: the engine is still the same process and serves the exact name."""
         assert record.identity is not None
         identity = record.identity
@@ -549,7 +523,7 @@ class Receiver:
             lora_path=str(path),
             duplicate=False,
         )
-        self._release_threads(runtime)
+        runtime.release()
         logger.info(
             "READY %s attempt %d",
             record.lora_name,
@@ -682,7 +656,7 @@ class Receiver:
 
     def stash_bytes(self) -> int:
         """Bytes held in stashes right now (0 once every attempt ended or was dropped)."""
-        return sum(len(v) for rt in self._runtimes.values() for v in rt.stash.values())
+        return sum(runtime.stash_bytes() for runtime in self._runtimes.values())
 
     async def aclose(self) -> None:
         for task in [*self._cleanups.values(), *self._reclaims.values()]:
@@ -690,7 +664,7 @@ class Receiver:
         for runtime in self._runtimes.values():
             if runtime.end_task is not None and not runtime.end_task.done():
                 runtime.end_task.cancel()
-            self._release_threads(runtime)
+            runtime.release()
         self._runtimes.clear()
 
     # --- helpers --------------------------------------------------------------------------------
@@ -707,15 +681,13 @@ class Receiver:
         runtime = self._runtimes.get(_key(record))
         if runtime is not None:
             runtime.stash.clear()
-            self._release_threads(runtime)
+            runtime.release()
 
     def _drop(self, record: AttemptRecord, *, why: str) -> None:
         runtime = self._runtimes.get(_key(record))
         if runtime is None or runtime.dropped:
             return
-        runtime.dropped = True
-        runtime.stash.clear()
-        self._release_threads(runtime)
+        runtime.drop()
         if runtime.end_task is None or runtime.end_task.done():
             self._runtimes.pop(_key(record), None)
         logger.info(
@@ -726,12 +698,11 @@ class Receiver:
             extra={"version": record.lora_name, "attempt": record.attempt},
         )
 
-    @staticmethod
-    def _release_threads(runtime: _Runtime) -> None:
-        # A receive still blocked in a collective ends at the group timeout; nothing waits for it.
-        runtime.executor.shutdown(wait=False, cancel_futures=True)
-        if runtime.group.done() and not runtime.group.cancelled() and not runtime.group.exception():
-            runtime.group.result().close()
+    def _forget_if_dropped(self, record: AttemptRecord) -> None:
+        # An attempt that failed inside its own End keeps its runtime until the End settles.
+        runtime = self._runtimes.get(_key(record))
+        if runtime is not None and runtime.dropped:
+            del self._runtimes[_key(record)]
 
     @staticmethod
     async def _coalesce(
@@ -741,6 +712,7 @@ class Receiver:
         if task is None:
             task = asyncio.ensure_future(run())
             table[key] = task
+            task.add_done_callback(consume_exception)
             task.add_done_callback(lambda _t: table.pop(key, None))
         # Shielded: one caller going away never cancels the engine call others wait on.
         return await asyncio.shield(task)
@@ -767,11 +739,6 @@ def _group_prefix(record: AttemptRecord) -> str:
     return f"{record.lora_name}/{record.attempt}/{record.identity.driver}"
 
 
-def _wait_group(group: concurrent.futures.Future[AttemptGroup]) -> AttemptGroup:
-    # Called on the attempt's thread after the join ran on the same thread, so it is settled.
-    return group.result(timeout=0)
-
-
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
     if fut.done():
         return
@@ -779,9 +746,4 @@ def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
-        fut.add_done_callback(_consume_exception)
-
-
-def _consume_exception(fut: asyncio.Future[Any] | concurrent.futures.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
+        fut.add_done_callback(consume_exception)
