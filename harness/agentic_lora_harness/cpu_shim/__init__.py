@@ -20,7 +20,7 @@ from pathlib import Path
 
 __all__ = ["SHIM_ENV_FLAG", "SITE_DIR"]
 
-SITE_DIR: Path = Path(__file__).resolve().parent / "site"
+SITE_DIR: Path = Path(__file__).resolve().parent / "pythonpath"
 """Directory to prepend to the engine's ``PYTHONPATH`` to load the shim."""
 
 SHIM_ENV_FLAG = "AGENTIC_LORA_CPU_SHIM"
