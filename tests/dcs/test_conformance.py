@@ -1,15 +1,14 @@
 """The DCS backend passes the backend conformance suite, over real gloo process groups.
 
-The engines are scripted SGLang doubles living inside two real sidecar processes; the suite
-steers them through the sidecar hosts' ``/_test`` routes, and every prepare moves its bytes
-through a real two-rank gloo group. Each example starts from a fresh sidecar and engine pair.
+The engines are scripted SGLang doubles living inside the suite's two real sidecar processes; the
+suite steers them through the hosts' ``/_test`` routes, and every prepare moves its bytes through
+a real two-rank gloo group. Each example starts from a fresh sidecar and engine in each process.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import ClassVar
 
 import httpx
@@ -86,7 +85,7 @@ class DcsHarness:
     def __init__(self, hosts: dict[str, SidecarProcess]) -> None:
         self._http = httpx.Client(timeout=30.0)
         for host in hosts.values():
-            self._http.post(f"{host.url}/_test/reset").raise_for_status()
+            host.reset(self._http)
         self._doubles = [
             SidecarEngineDouble(name, host, self._http) for name, host in hosts.items()
         ]
@@ -119,30 +118,16 @@ class DcsConformance(BackendConformance):
         return DcsHarness(self.hosts)
 
 
-@pytest.fixture(scope="module")
-def conformance_hosts(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, SidecarProcess]]:
-    root = tmp_path_factory.mktemp("dcs-conformance")
-    started: dict[str, SidecarProcess] = {}
-    try:
-        for name in ("e0", "e1"):
-            started[name] = SidecarProcess.start(name, Path(root / name))
-        yield started
-    finally:
-        for host in started.values():
-            host.stop()
-
-
 @pytest.fixture(autouse=True)
-def _bind_hosts(conformance_hosts: dict[str, SidecarProcess]) -> Iterator[None]:
-    DcsConformance.hosts = conformance_hosts
+def _bind_hosts(sidecars: dict[str, SidecarProcess]) -> Iterator[None]:
+    # The suite's engines are e0/e1; the shared sidecar pair is reset before every example.
+    DcsConformance.hosts = {"e0": sidecars["E0"], "e1": sidecars["E1"]}
     yield
     DcsConformance.hosts = {}
 
 
 DcsConformance.TestCase.settings = settings(
-    max_examples=12,
+    max_examples=10,
     stateful_step_count=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -110,6 +110,12 @@ class SidecarProcess:
 
     # --- test controls (the scripted engine and the receiver's internals) ----------------------
 
+    def reset(self, http: httpx.Client) -> None:
+        """Swap in a brand-new sidecar and engine inside the same process (fresh ledger)."""
+        reply = http.post(f"{self.url}/_test/reset").raise_for_status().json()
+        self.sidecar_id = reply["sidecar_id"]
+        self.store_dir = Path(reply["store_dir"])
+
     async def engine_state(self, http: httpx.AsyncClient) -> dict[str, Any]:
         return (await http.get(f"{self.url}/_test/engine")).raise_for_status().json()  # type: ignore[no-any-return]
 
