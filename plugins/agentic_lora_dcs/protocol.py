@@ -88,6 +88,7 @@ class Reason(enum.StrEnum):
     INCARNATION_MISMATCH = "INCARNATION_MISMATCH"  # message meant for another incarnation
     ENGINE_RESTARTED = "ENGINE_RESTARTED"  # engine restarted before anything was loaded
     ENGINE_REFUSED = "ENGINE_REFUSED"  # the engine refused the load; nothing loaded
+    ENGINE_UNAVAILABLE = "ENGINE_UNAVAILABLE"  # its incarnation could not be read; nothing done
     PROTOCOL_MISMATCH = "PROTOCOL_MISMATCH"
     BAD_REQUEST = "BAD_REQUEST"
     UNSUPPORTED_BACKEND = "UNSUPPORTED_BACKEND"

@@ -191,7 +191,10 @@ class Receiver:
                 f"collective backend {req.backend!r} not available here ({self._backends})",
                 clean=True,
             )
-        current = (await self.incarnation()).incarnation
+        try:
+            current = (await self.incarnation()).incarnation
+        except (BackendRefusedError, BackendAmbiguousError) as exc:
+            raise Refused(Reason.ENGINE_UNAVAILABLE, exc.message, clean=True) from exc
         if req.incarnation != current:
             # Nothing of an attempt exists before its Begin is accepted: always clean.
             raise Refused(
@@ -459,8 +462,8 @@ class Receiver:
             raise
         except (BackendRefusedError, BackendAmbiguousError) as exc:
             # Only the incarnation read can fail this way here; nothing was loaded yet.
-            self._fail(record, Reason.ENGINE_REFUSED)
-            raise Refused(Reason.ENGINE_REFUSED, exc.message, clean=True) from exc
+            self._fail(record, Reason.ENGINE_UNAVAILABLE)
+            raise Refused(Reason.ENGINE_UNAVAILABLE, exc.message, clean=True) from exc
         return await self._load(record, runtime, path)
 
     def _verified_snapshot(self, record: AttemptRecord, runtime: Staging) -> AdapterSnapshot:

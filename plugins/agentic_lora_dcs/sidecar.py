@@ -131,7 +131,8 @@ def create_app(receiver: Receiver, *, extra_routes: Sequence[BaseRoute] = ()) ->
         try:
             reply = await receiver.incarnation()
         except (BackendRefusedError, BackendAmbiguousError) as exc:
-            return _refusal(Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=True))
+            # A read that failed changed nothing: a clean answer, whatever the engine's state.
+            return _refusal(Refused(Reason.ENGINE_UNAVAILABLE, exc.message, clean=True))
         return JSONResponse(reply.model_dump(mode="json"))
 
     async def status(_: Request) -> Response:

@@ -129,3 +129,19 @@ async def test_sidecar_restart_changes_the_incarnation_and_refuses_the_old_attem
     assert end.status_code == 503
     assert end.json()["reason"] == "INCARNATION_MISMATCH"
     assert end.json()["clean"] is False
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_cannot_be_reached_at_begin_is_a_clean_refusal(
+    sidecars: dict[str, SidecarProcess], http: httpx.AsyncClient, publisher: Publisher
+) -> None:
+    e0 = sidecars["E0"]
+    snapshot = make_snapshot(seed=45)
+    target = target_for(snapshot, "engine-unreachable")
+    publisher.edge.before("/begin", lambda: e0.script(http, "server_info", "unreachable"))
+
+    with pytest.raises(BackendRefusedError) as refused:
+        await publisher.backend.prepare(e0.engine, target, snapshot)
+
+    assert refused.value.details["reason"] == "ENGINE_UNAVAILABLE"
+    assert await state_of(e0, http, target.lora_name, 1) is None
