@@ -1,0 +1,336 @@
+"""A small typed async client for vLLM's runtime LoRA endpoints (one HTTP attempt per call).
+
+Shapes follow vLLM 0.32.0 (``vllm/entrypoints/serve/lora/api_router.py`` and
+``vllm/entrypoints/openai/models/serving.py``), with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``:
+
+* ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` answers HTTP 200 with the plain text
+  ``Success: LoRA adapter '<name>' added successfully.``; a refusal is a JSON error object
+  ``{"error": {message, type, param, code}}`` whose ``code`` is the HTTP status: 400
+  ``InvalidUserInput`` (name already loaded, missing field, clashes with the base model), 404
+  ``NotFoundError`` (nothing loadable at ``lora_path``), 500 (the engine failed to add it).
+  ``load_inplace`` is never sent: it swaps weights under a live name, which is exactly what
+  immutable versions exist to prevent.
+* ``POST /v1/unload_lora_adapter`` ``{lora_name}`` forgets the name in the API server and answers
+  at once (200, ``Success: ... removed successfully.``). It does **not** wait for in-flight
+  requests: those keep their adapter and finish on the old weights. An unknown name answers 404
+  ``NotFoundError`` "The lora adapter '<name>' cannot be found."
+* ``GET /v1/models`` lists the base model and one card per adapter (``id`` = name, ``root`` =
+  path, ``parent`` = base model).
+* ``POST /v1/completions`` with ``model=<lora name>`` generates through that adapter; a name the
+  server does not know answers 404 "The model `<name>` does not exist."
+* ``GET /metrics`` (Prometheus text) carries ``process_start_time_seconds`` of the API server
+  process, and ``vllm:lora_requests_info`` (see :mod:`agentic_lora_vllm.metrics`).
+
+When runtime LoRA updating is off, the two adapter routes do not exist: FastAPI answers 404
+``{"detail": "Not Found"}``, which is a refusal, never "adapter absent".
+
+Failures are classified like :mod:`agentic_lora.engine_admin` does for SGLang:
+:class:`~agentic_lora.errors.BackendRefusedError` when the engine provably did not act (never
+connected, or it answered with an error), :class:`~agentic_lora.errors.BackendAmbiguousError`
+when it may have (reply lost, 5xx, an answer that does not parse). A 200 whose body is an error
+object is an error: bodies are checked, not only status codes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from agentic_lora.engine_admin import AdminTimeouts
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora_vllm.metrics import EngineMetrics, parse_metrics
+
+__all__ = ["ProbeResult", "UnloadOutcome", "VllmAdminClient"]
+
+logger = logging.getLogger(__name__)
+
+#: The start of vLLM's plain-text success answers to load and unload.
+SUCCESS_PREFIX = "Success:"
+#: What vLLM's unload says about a name it does not hold (with error type ``NotFoundError``).
+ABSENT_MARKER = "cannot be found"
+
+# Failures that happen before a request leaves this process: the engine never saw it.
+_NOT_SENT: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.UnsupportedProtocol,
+)
+
+
+class UnloadOutcome(enum.StrEnum):
+    """What an unload found: it removed the name, or there was nothing under it."""
+
+    UNLOADED = "UNLOADED"
+    ABSENT = "ABSENT"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """A one-token completion the engine answered under exactly ``lora_name``."""
+
+    lora_name: str
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    status: int
+    text: str
+    json: Any
+
+
+class VllmAdminClient:
+    """Typed access to one vLLM engine's LoRA control surface (one attempt per call).
+
+    Pass ``client`` to share an :class:`httpx.AsyncClient` (its lifetime stays yours); without
+    it the client owns one and :meth:`aclose` closes it.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        engine: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        timeouts: AdminTimeouts | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine base URL must be http(s): {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.engine = engine or self.base_url
+        self.timeouts = timeouts or AdminTimeouts()
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect)
+        )
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    # --- adapters --------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Register ``lora_path`` under ``lora_name``; returns only on vLLM's success answer.
+
+        The caller still confirms with :meth:`list_lora_adapters`: a success message proves the
+        engine read the adapter, the listing proves under which name and path it serves it.
+        """
+        op = "load_lora_adapter"
+        answer = await self._post(
+            op,
+            "/v1/load_lora_adapter",
+            {"lora_name": lora_name, "lora_path": lora_path},
+            limit=self.timeouts.load,
+            lora_name=lora_name,
+        )
+        if answer.status == 200 and answer.text.startswith(SUCCESS_PREFIX):
+            return
+        raise self._not_a_success(op, answer, lora_name)
+
+    async def unload_lora_adapter(self, lora_name: str) -> UnloadOutcome:
+        """Forget ``lora_name`` (returns at once; in-flight requests keep running on it)."""
+        op = "unload_lora_adapter"
+        answer = await self._post(
+            op,
+            "/v1/unload_lora_adapter",
+            {"lora_name": lora_name},
+            limit=self.timeouts.unload,
+            lora_name=lora_name,
+        )
+        if answer.status == 200 and answer.text.startswith(SUCCESS_PREFIX):
+            return UnloadOutcome.UNLOADED
+        error = _error_object(answer.json)
+        if (
+            answer.status == 404
+            and error is not None
+            and error.get("type") == "NotFoundError"
+            and ABSENT_MARKER in str(error.get("message"))
+        ):
+            return UnloadOutcome.ABSENT
+        raise self._not_a_success(op, answer, lora_name)
+
+    async def list_lora_adapters(self) -> dict[str, str]:
+        """Registered adapters as ``{name: path}`` (from ``GET /v1/models``)."""
+        op = "list_models"
+        answer = await self._get(op, "/v1/models")
+        body = answer.json
+        data = body.get("data") if isinstance(body, dict) else None
+        if answer.status != 200 or not isinstance(data, list):
+            raise self._not_a_success(op, answer, None)
+        adapters: dict[str, str] = {}
+        for card in data:
+            if isinstance(card, dict) and card.get("parent") is not None:
+                adapters[str(card.get("id"))] = str(card.get("root"))
+        return adapters
+
+    async def probe_completion(
+        self, lora_name: str, *, prompt_ids: Sequence[int] = (0,)
+    ) -> ProbeResult:
+        """Complete one token (greedy) through exactly ``lora_name``, proving it serves."""
+        op = "probe_completion"
+        answer = await self._post(
+            op,
+            "/v1/completions",
+            {
+                "model": lora_name,
+                "prompt": list(prompt_ids),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "stream": False,
+            },
+            limit=self.timeouts.probe,
+            lora_name=lora_name,
+        )
+        body = answer.json
+        if answer.status != 200 or not isinstance(body, dict) or "error" in body:
+            raise self._not_a_success(op, answer, lora_name)
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._ambiguous(op, "completion has no choices", lora_name=lora_name)
+        if body.get("model") != lora_name:
+            raise self._ambiguous(
+                op,
+                f"completion answered as model {body.get('model')!r}, not {lora_name!r}",
+                lora_name=lora_name,
+            )
+        finish = choices[0].get("finish_reason")
+        return ProbeResult(
+            lora_name, str(choices[0].get("text") or ""), None if finish is None else str(finish)
+        )
+
+    # --- process -----------------------------------------------------------------------------
+
+    async def metrics(self) -> EngineMetrics:
+        """The parts of ``GET /metrics`` this project reads."""
+        op = "metrics"
+        answer = await self._get(op, "/metrics")
+        if answer.status != 200:
+            raise self._not_a_success(op, answer, None)
+        try:
+            return parse_metrics(answer.text)
+        except ValueError as exc:
+            raise self._ambiguous(op, f"unreadable metrics: {exc}") from exc
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    async def _post(
+        self,
+        op: str,
+        path: str,
+        payload: Mapping[str, Any],
+        *,
+        limit: float | None,
+        lora_name: str | None,
+    ) -> _Answer:
+        request_timeout = httpx.Timeout(limit, connect=self.timeouts.connect)
+        try:
+            response = await self._client.post(
+                self.base_url + path, json=dict(payload), timeout=request_timeout
+            )
+        except httpx.TransportError as exc:
+            raise self._transport_failure(op, exc, lora_name) from exc
+        return self._answer(op, response, lora_name)
+
+    async def _get(self, op: str, path: str) -> _Answer:
+        try:
+            response = await self._client.get(self.base_url + path)
+        except httpx.TransportError as exc:
+            raise self._transport_failure(op, exc, None) from exc
+        return self._answer(op, response, None)
+
+    def _answer(self, op: str, response: httpx.Response, lora_name: str | None) -> _Answer:
+        if response.status_code >= 500:
+            raise self._ambiguous(
+                op,
+                f"HTTP {response.status_code}: {_error_message(_json_or_none(response))}",
+                lora_name=lora_name,
+                status=response.status_code,
+            )
+        return _Answer(response.status_code, response.text, _json_or_none(response))
+
+    def _not_a_success(self, op: str, answer: _Answer, lora_name: str | None) -> Exception:
+        """A 2xx-4xx answer that is not the success the call needs, classified."""
+        if answer.status >= 400 or _error_object(answer.json) is not None:
+            # The engine answered with an error: it did not act on the request.
+            return self._refused(
+                op,
+                f"HTTP {answer.status}: {_error_message(answer.json)}",
+                lora_name=lora_name,
+                status=answer.status,
+            )
+        return self._ambiguous(
+            op,
+            f"HTTP {answer.status} with an answer that is neither success nor error: "
+            f"{answer.text[:200]!r}",
+            lora_name=lora_name,
+            status=answer.status,
+        )
+
+    def _transport_failure(
+        self, op: str, exc: httpx.TransportError, lora_name: str | None
+    ) -> Exception:
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, _NOT_SENT):
+            return self._refused(op, reason, lora_name=lora_name)
+        return self._ambiguous(op, reason, lora_name=lora_name)
+
+    def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
+        logger.info(
+            "engine %s refused %s: %s",
+            self.engine,
+            op,
+            message,
+            extra={"engine": self.engine, "version": details.get("lora_name")},
+        )
+        return BackendRefusedError(
+            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
+        )
+
+    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendAmbiguousError:
+        logger.warning(
+            "engine %s %s outcome unknown: %s",
+            self.engine,
+            op,
+            message,
+            extra={"engine": self.engine, "version": details.get("lora_name")},
+        )
+        return BackendAmbiguousError(
+            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
+        )
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _error_object(body: Any) -> dict[str, Any] | None:
+    """vLLM's ``{"error": {...}}`` or FastAPI's ``{"detail": ...}``, as one dict; else None."""
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict):
+        return error
+    if isinstance(error, str):
+        return {"message": error}
+    if "detail" in body:
+        return {"message": body["detail"], "type": "detail"}
+    return None
+
+
+def _error_message(body: Any) -> str:
+    error = _error_object(body)
+    if error is not None and error.get("message"):
+        return str(error["message"])
+    return "no detail"

@@ -1,0 +1,573 @@
+"""The vLLM backend against a scripted vLLM 0.32.0 engine (respx): every outcome class."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+import respx
+from agentic_lora_vllm import VllmBackend
+from agentic_lora_vllm.metrics import parse_metrics
+from hypothesis import HealthCheck, settings
+
+from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.identity import make_lora_name
+from agentic_lora.testing.adapters import tiny_snapshot
+from agentic_lora.testing.backend_conformance import (
+    BackendConformance,
+    EngineDouble,
+    Failure,
+    Operation,
+)
+from agentic_lora.testing.sglang_engine import Fault, FaultKind
+from tests.vllm.scripted_engine import ScriptedVllmEngine, VllmOp
+
+A = tiny_snapshot(1)
+B = tiny_snapshot(2)
+NAME_A = make_lora_name("policy_lora", 0, "v1", A.digest)
+TARGET_A = PublicationTarget("v1", A.digest, NAME_A, 1)
+
+
+@dataclass
+class DrainGate:
+    """A drain hook the test opens by hand; records every name it was asked about."""
+
+    asked: list[str] = field(default_factory=list)
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, lora_name: str) -> None:
+        self.asked.append(lora_name)
+        self.entered.set()
+        await self.release.wait()
+
+
+async def drained_at_once(lora_name: str) -> None:
+    """A drain hook for tests where nothing is in flight."""
+
+
+@dataclass
+class Fleet:
+    backend: VllmBackend
+    e0: ScriptedVllmEngine
+    ref0: EngineRef
+    store: Path
+    drain: DrainGate
+    router: respx.MockRouter
+
+
+@pytest_asyncio.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000")
+    drain = DrainGate()
+    drain.release.set()
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = VllmBackend(tmp_path / "store", wait_drained=drain)
+        ref = EngineRef("e0", engine.base_url)
+        yield Fleet(backend, engine, ref, tmp_path / "store", drain, router)
+        await backend.aclose()
+
+
+# --- construction ---------------------------------------------------------------------------
+
+
+def test_it_is_a_backend(tmp_path: Path) -> None:
+    assert isinstance(VllmBackend(tmp_path, wait_drained=drained_at_once), Backend)
+
+
+def test_a_relative_store_root_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="absolute"):
+        VllmBackend("relative/store", wait_drained=drained_at_once)
+
+
+def test_a_drain_hook_that_is_not_callable_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        VllmBackend(tmp_path, wait_drained=None)  # type: ignore[arg-type]
+    assert info.value.details["check"] == "vllm_drain_hook"
+
+
+# --- prepare: success -----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_prepare_stores_registers_and_probes_the_exact_name(fleet: Fleet) -> None:
+    receipt = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    stored = fleet.store / "e0" / NAME_A
+    # Exactly name and path: never load_inplace, and vLLM has no pinned flag.
+    assert fleet.e0.bodies(VllmOp.LOAD) == [{"lora_name": NAME_A, "lora_path": str(stored)}]
+    probes = fleet.e0.bodies(VllmOp.COMPLETION)
+    assert [(p["model"], p["max_tokens"], p["temperature"]) for p in probes] == [(NAME_A, 1, 0.0)]
+    assert fleet.e0.held_digest(NAME_A) == A.digest  # the engine read our bytes
+    assert (receipt.engine, receipt.version_id, receipt.digest, receipt.lora_name) == (
+        "e0",
+        "v1",
+        A.digest,
+        NAME_A,
+    )
+    assert receipt.attempt == 1
+    assert receipt.incarnation == await fleet.backend.incarnation(fleet.ref0)
+
+
+@pytest.mark.asyncio
+async def test_a_repeated_prepare_never_loads_twice(fleet: Fleet) -> None:
+    first = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    second = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert first == second
+    assert fleet.e0.physical_loads[NAME_A] == 1
+    assert fleet.e0.count(VllmOp.LOAD) == 1
+
+
+# --- prepare: clean refusals ----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_refused_load_is_refused_and_nothing_is_held(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.REFUSE, "rank too large"))
+    with pytest.raises(BackendRefusedError, match="rank too large"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.held_digest(NAME_A) is None
+
+
+@pytest.mark.asyncio
+async def test_http_200_with_an_error_body_is_a_refusal_not_a_success(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.OK_BUT_FAILED, "worker could not add it"))
+    with pytest.raises(BackendRefusedError, match="worker could not add it") as info:
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert info.value.details["status"] == 200
+    assert fleet.e0.held_digest(NAME_A) is None
+    assert fleet.e0.count(VllmOp.COMPLETION) == 0  # never probed, never reported READY
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_engine_refuses_before_anything_is_loaded(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.METRICS, Fault(FaultKind.UNREACHABLE))
+    with pytest.raises(BackendRefusedError, match="unreadable"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.count(VllmOp.LOAD) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_load_that_never_connected_is_refused(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.UNREACHABLE))
+    with pytest.raises(BackendRefusedError, match="ConnectError"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.held_digest(NAME_A) is None
+
+
+@pytest.mark.asyncio
+async def test_a_snapshot_that_is_not_the_target_is_refused_without_io(fleet: Fleet) -> None:
+    with pytest.raises(BackendRefusedError, match="digest"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, B)
+    assert fleet.e0.calls == []
+
+
+@pytest.mark.asyncio
+async def test_a_stored_copy_with_other_content_is_refused_before_loading(fleet: Fleet) -> None:
+    B.write_peft_dir(fleet.store / "e0" / NAME_A)  # wrong bytes under A's name
+    with pytest.raises(BackendRefusedError) as info:
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert info.value.details["reason"] == "manifest_mismatch"
+    assert fleet.e0.calls == []
+
+
+@pytest.mark.asyncio
+async def test_runtime_lora_updating_off_is_a_refusal_naming_the_route(tmp_path: Path) -> None:
+    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000", runtime_lora_updating=False)
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = VllmBackend(tmp_path, wait_drained=drained_at_once)
+        try:
+            with pytest.raises(BackendRefusedError, match="Not Found") as info:
+                await backend.prepare(EngineRef("e0", engine.base_url), TARGET_A, A)
+        finally:
+            await backend.aclose()
+    assert info.value.details["status"] == 404
+
+
+# --- prepare: ambiguous outcomes ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_lost_load_reply_is_ambiguous_and_cleanup_resolves_it(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    with pytest.raises(BackendAmbiguousError):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.held_digest(NAME_A) == A.digest  # it did load: the reply was lost
+    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
+    assert fleet.e0.held_digest(NAME_A) is None
+    assert fleet.e0.physical_unloads[NAME_A] == 1
+    assert not (fleet.store / "e0" / NAME_A).exists()
+
+
+@pytest.mark.asyncio
+async def test_a_server_error_on_load_is_ambiguous(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.SERVER_ERROR, "add_lora raised"))
+    with pytest.raises(BackendAmbiguousError, match="add_lora raised") as info:
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert info.value.details["status"] == 500
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_while_the_engine_lists_the_name_is_ambiguous(fleet: Fleet) -> None:
+    gate, reached = asyncio.Event(), asyncio.Event()
+    fleet.e0.script(VllmOp.LOAD, Fault.waiting_for(gate, reached))
+    prepare = asyncio.create_task(fleet.backend.prepare(fleet.ref0, TARGET_A, A))
+    await reached.wait()
+    # Another client registers the same name at the same path while our load is in transit:
+    # the engine answers "already loaded", yet it does hold the name.
+    fleet.e0.register(NAME_A, str(fleet.store / "e0" / NAME_A))
+    gate.set()
+    with pytest.raises(BackendAmbiguousError, match="refused to load") as info:
+        await prepare
+    assert info.value.details["reason"] == "refused_but_held"
+
+
+@pytest.mark.asyncio
+async def test_a_200_that_is_neither_success_nor_error_is_ambiguous(fleet: Fleet) -> None:
+    # Same method and URL as the engine's own route: respx replaces it.
+    fleet.router.post(f"{fleet.e0.base_url}/v1/load_lora_adapter").respond(200, text="maybe")
+    with pytest.raises(BackendAmbiguousError, match="neither success nor error"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+
+
+@pytest.mark.asyncio
+async def test_a_success_the_listing_does_not_confirm_is_ambiguous(fleet: Fleet) -> None:
+    # Same method and URL as the engine's own route: respx replaces it.
+    fleet.router.post(f"{fleet.e0.base_url}/v1/load_lora_adapter").respond(
+        200, text=f"Success: LoRA adapter '{NAME_A}' added successfully."
+    )
+    with pytest.raises(BackendAmbiguousError) as info:
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert info.value.details["reason"] == "load_unconfirmed"
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_fails_after_the_load_is_ambiguous(fleet: Fleet) -> None:
+    fleet.e0.script(VllmOp.COMPLETION, Fault(FaultKind.SERVER_ERROR))
+    with pytest.raises(BackendAmbiguousError, match="does not serve"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.held_digest(NAME_A) == A.digest
+
+
+@pytest.mark.asyncio
+async def test_a_probe_answered_by_another_model_is_ambiguous(fleet: Fleet) -> None:
+    # Same method and URL as the engine's own route: respx replaces it.
+    fleet.router.post(f"{fleet.e0.base_url}/v1/completions").respond(
+        200, json={"model": "base-model", "choices": [{"text": "x", "finish_reason": "length"}]}
+    )
+    with pytest.raises(BackendAmbiguousError, match="base-model"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+
+
+@pytest.mark.asyncio
+async def test_a_name_held_at_another_path_is_ambiguous_and_not_reloaded(fleet: Fleet) -> None:
+    elsewhere = fleet.store / "elsewhere"
+    A.write_peft_dir(elsewhere)
+    fleet.e0.register(NAME_A, str(elsewhere))
+    with pytest.raises(BackendAmbiguousError, match="already holds"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.count(VllmOp.LOAD) == 0
+
+
+# --- cleanup --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_cleanup_unloads_and_removes_the_directory_without_a_drain(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
+    assert fleet.e0.held_digest(NAME_A) is None
+    assert not (fleet.store / "e0" / NAME_A).exists()
+    assert fleet.drain.asked == []  # a failed publication had no Sessions to drain
+
+
+@pytest.mark.asyncio
+async def test_cleanup_of_an_absent_adapter_is_confirmed(fleet: Fleet) -> None:
+    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
+    assert fleet.e0.count(VllmOp.UNLOAD) == 1
+    assert fleet.e0.physical_unloads[NAME_A] == 0
+
+
+@pytest.mark.asyncio
+async def test_an_unload_refusal_leaves_cleanup_unconfirmed(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    fleet.e0.script(VllmOp.UNLOAD, Fault(FaultKind.OK_BUT_FAILED, "busy"))
+    with pytest.raises(BackendAmbiguousError, match="not confirmed"):
+        await fleet.backend.cleanup(fleet.ref0, TARGET_A)
+    assert fleet.e0.held_digest(NAME_A) == A.digest
+    assert (fleet.store / "e0" / NAME_A).is_dir()
+
+
+@pytest.mark.asyncio
+async def test_a_missing_unload_route_is_never_taken_for_an_absent_adapter(tmp_path: Path) -> None:
+    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000", runtime_lora_updating=False)
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = VllmBackend(tmp_path, wait_drained=drained_at_once)
+        try:
+            with pytest.raises(BackendAmbiguousError, match="not confirmed"):
+                await backend.cleanup(EngineRef("e0", engine.base_url), TARGET_A)
+        finally:
+            await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cleanup_that_overtook_its_prepare_fences_it(fleet: Fleet) -> None:
+    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
+    with pytest.raises(BackendRefusedError, match="fenced"):
+        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    assert fleet.e0.count(VllmOp.LOAD) == 0
+    retry = PublicationTarget("v1", A.digest, NAME_A, 2)
+    assert (await fleet.backend.prepare(fleet.ref0, retry, A)).attempt == 2
+
+
+# --- reclaim --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_reclaim_waits_for_the_drain_hook_before_unloading(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    fleet.drain.release.clear()
+    reclaim = asyncio.create_task(
+        fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    )
+    entered = asyncio.create_task(fleet.drain.entered.wait())
+    done, _ = await asyncio.wait({reclaim, entered}, return_when=asyncio.FIRST_COMPLETED)
+    assert reclaim not in done, "reclaim finished without waiting for the drain"
+    assert entered in done
+    # Requests may still be running on A: vLLM would forget the name at once and a later reload
+    # of an evicted adapter would need the directory, so nothing is touched yet.
+    assert fleet.drain.asked == [NAME_A]
+    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert fleet.e0.held_digest(NAME_A) == A.digest
+    assert (fleet.store / "e0" / NAME_A).is_dir()
+    fleet.drain.release.set()
+    await reclaim
+    assert fleet.e0.physical_unloads[NAME_A] == 1
+    assert not (fleet.store / "e0" / NAME_A).exists()
+
+
+@pytest.mark.asyncio
+async def test_reclaim_is_not_confirmed_while_the_engine_reports_requests(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    fleet.e0.start_request(NAME_A)  # e.g. a request whose client gave up, still running
+    with pytest.raises(BackendAmbiguousError, match="still reports requests") as info:
+        await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    assert info.value.details["reason"] == "engine_busy"
+    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert (fleet.store / "e0" / NAME_A).is_dir()
+    fleet.e0.finish_request(NAME_A)
+    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    assert fleet.e0.physical_unloads[NAME_A] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_failing_drain_hook_leaves_reclaim_unconfirmed(fleet: Fleet) -> None:
+    async def broken(lora_name: str) -> None:
+        raise TimeoutError(f"{lora_name} still has requests")
+
+    backend = VllmBackend(fleet.store, wait_drained=broken)
+    try:
+        await backend.prepare(fleet.ref0, TARGET_A, A)
+        with pytest.raises(BackendAmbiguousError, match="still has requests") as info:
+            await backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    finally:
+        await backend.aclose()
+    assert info.value.details["reason"] == "drain_failed"
+    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert fleet.e0.held_digest(NAME_A) == A.digest
+
+
+@pytest.mark.asyncio
+async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    fleet.e0.script(VllmOp.UNLOAD, Fault(FaultKind.LOSE_REPLY))
+    with pytest.raises(BackendAmbiguousError):
+        await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    assert fleet.e0.physical_unloads[NAME_A] == 1
+    # Lost one, retried once (found absent); the third call was answered from memory.
+    assert fleet.e0.count(VllmOp.UNLOAD) == 2
+    assert fleet.drain.asked == [NAME_A, NAME_A]
+
+
+@pytest.mark.asyncio
+async def test_a_reclaimed_name_is_never_loaded_again(fleet: Fleet) -> None:
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
+    async with httpx.AsyncClient() as client:
+        late = await client.post(
+            f"{fleet.e0.base_url}/v1/completions", json={"model": NAME_A, "prompt": [0]}
+        )
+    assert late.status_code == 404  # vLLM refuses a name it no longer knows
+    with pytest.raises(BackendRefusedError, match="fenced"):
+        await fleet.backend.prepare(fleet.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
+    assert fleet.e0.physical_loads[NAME_A] == 1
+
+
+# --- incarnation ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_incarnation_is_stable_and_changes_on_restart(fleet: Fleet) -> None:
+    first = await fleet.backend.incarnation(fleet.ref0)
+    assert await fleet.backend.incarnation(fleet.ref0) == first
+    fleet.e0.restart()
+    assert await fleet.backend.incarnation(fleet.ref0) != first
+
+
+@pytest.mark.asyncio
+async def test_a_loaded_adapter_that_vanished_counts_as_a_restart(fleet: Fleet) -> None:
+    receipt = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+    fleet.e0.forget(NAME_A)  # same process start time, but the adapter is gone
+    after = await fleet.backend.incarnation(fleet.ref0)
+    assert after != receipt.incarnation
+    assert await fleet.backend.incarnation(fleet.ref0) == after
+
+
+@pytest.mark.asyncio
+async def test_unreadable_metrics_make_the_incarnation_ambiguous(fleet: Fleet) -> None:
+    # Same method and URL as the engine's own route: respx replaces it.
+    fleet.router.get(f"{fleet.e0.base_url}/metrics").respond(200, text="not { prometheus")
+    with pytest.raises(BackendAmbiguousError, match="unreadable metrics"):
+        await fleet.backend.incarnation(fleet.ref0)
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+# Trimmed from a real vLLM 0.32.0 /metrics page after requests on adapters A2 and B.
+REAL_METRICS = """\
+# HELP python_info Python platform information
+# TYPE python_info gauge
+python_info{implementation="CPython",major="3",minor="11",patchlevel="7",version="3.11.7"} 1.0
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.79599545475e+09
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7959956558650708e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="A2",waiting_lora_adapters="A2"} 1.7959957237706897e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="B",waiting_lora_adapters="B,C"} 1.795995655218605e+09
+"""
+
+
+def test_metrics_read_the_start_time_and_only_the_newest_lora_report() -> None:
+    metrics = parse_metrics(REAL_METRICS)
+    assert metrics.process_start_time == 1795995454.75
+    activity = metrics.lora_activity
+    assert activity is not None
+    assert activity.running == frozenset({"A2"})
+    assert activity.busy("A2")
+    assert not activity.busy("B")  # B's label set is an older report
+    assert not activity.busy("C")
+
+
+def test_metrics_without_lora_reports_have_no_activity() -> None:
+    metrics = parse_metrics("process_start_time_seconds 12.5\n")
+    assert metrics == type(metrics)(process_start_time=12.5, lora_activity=None)
+
+
+@pytest.mark.asyncio
+async def test_a_shared_client_is_not_closed_by_the_backend(tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as client:
+        backend = VllmBackend(tmp_path, wait_drained=drained_at_once, client=client)
+        await backend.aclose()
+        assert not client.is_closed
+
+
+# --- conformance ----------------------------------------------------------------------------
+
+_ENGINE_OP = {
+    Operation.PREPARE: VllmOp.LOAD,
+    Operation.CLEANUP: VllmOp.UNLOAD,
+    Operation.RECLAIM: VllmOp.UNLOAD,
+}
+_FAULT = {Failure.REFUSE: FaultKind.REFUSE, Failure.LOSE_REPLY: FaultKind.LOSE_REPLY}
+
+
+class VllmDouble:
+    """A scripted vLLM engine seen through the conformance suite's EngineDouble protocol."""
+
+    def __init__(self, engine: ScriptedVllmEngine) -> None:
+        self.engine = engine
+        self._loads_at_boot: Counter[str] = Counter()
+        self._unloads_at_boot: Counter[str] = Counter()
+
+    @property
+    def ref(self) -> EngineRef:
+        return EngineRef(self.engine.name, self.engine.base_url)
+
+    def held_digest(self, lora_name: str) -> str | None:
+        return self.engine.held_digest(lora_name)
+
+    def loads(self, lora_name: str) -> int:
+        return self.engine.physical_loads[lora_name] - self._loads_at_boot[lora_name]
+
+    def unloads(self, lora_name: str) -> int:
+        return self.engine.physical_unloads[lora_name] - self._unloads_at_boot[lora_name]
+
+    def restart(self) -> None:
+        self.engine.restart()
+        self._loads_at_boot = Counter(self.engine.physical_loads)
+        self._unloads_at_boot = Counter(self.engine.physical_unloads)
+
+    def fail_next(self, operation: Operation, failure: Failure) -> None:
+        self.engine.script(_ENGINE_OP[operation], Fault(_FAULT[failure]))
+
+    def clear_failures(self) -> None:
+        self.engine.clear_script()
+
+
+class VllmHarness:
+    def __init__(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="conformance-vllm-"))
+        self._router = respx.mock(assert_all_called=False, assert_all_mocked=True)
+        engines = [
+            ScriptedVllmEngine(name, f"http://127.0.0.1:{32000 + i}")
+            for i, name in enumerate(("e0", "e1"))
+        ]
+        for engine in engines:
+            engine.mount(self._router)
+        self._router.__enter__()
+        self._backend = VllmBackend(self._dir / "store", wait_drained=drained_at_once)
+        self._doubles = [VllmDouble(e) for e in engines]
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def engines(self) -> Sequence[EngineDouble]:
+        return self._doubles
+
+    async def aclose(self) -> None:
+        try:
+            await self._backend.aclose()
+        finally:
+            self._router.__exit__(None, None, None)
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class VllmConformance(BackendConformance):
+    async def make_harness(self) -> VllmHarness:
+        return VllmHarness()
+
+
+VllmConformance.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestVllmConformance = VllmConformance.TestCase

@@ -1,0 +1,324 @@
+"""A scripted stand-in for one vLLM 0.32.0 engine's HTTP surface, served through respx.
+
+It models what the vLLM backend depends on, as pinned by ``tests/vllm/test_vllm_behaviour.py``
+against the real engine:
+
+* ``/v1/load_lora_adapter`` answers 200 with plain text ``Success: ...``; a name already loaded
+  is 400 ``InvalidUserInput``; a path without an adapter is 404 ``NotFoundError``;
+* ``/v1/unload_lora_adapter`` forgets the name at once (requests already running on it keep
+  running) and answers 200 ``Success: ...``; an unknown name is 404 ``NotFoundError`` "... cannot
+  be found."; with ``runtime_lora_updating=False`` neither route exists (404 ``{"detail": ...}``);
+* ``/v1/completions`` with ``model=<name>`` needs the name registered (else 404 "The model ...
+  does not exist.") and echoes the name as ``model``;
+* ``/metrics`` has ``process_start_time_seconds`` (new on every :meth:`restart`) and
+  ``vllm:lora_requests_info`` samples, one label set per distinct report, newest value last;
+* ``/v1/models`` lists the base model and one card per registered adapter.
+
+Faults are the generic :class:`~agentic_lora.testing.sglang_engine.Fault` kinds, scripted per
+operation, one per future call. Deterministic: no clocks, no randomness, no sleeps.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.testing.sglang_engine import Fault, FaultKind
+
+__all__ = ["Registered", "ScriptedVllmEngine", "VllmOp"]
+
+
+class VllmOp(enum.StrEnum):
+    """The engine calls a fault can be scripted for."""
+
+    LOAD = "load"
+    UNLOAD = "unload"
+    COMPLETION = "completion"
+    MODELS = "models"
+    METRICS = "metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """One adapter name the API server knows: where it was read from and what it holds."""
+
+    lora_name: str
+    lora_path: str
+    digest: str
+
+
+def _error(status: int, message: str, err_type: str) -> httpx.Response:
+    return httpx.Response(
+        status,
+        json={"error": {"message": message, "type": err_type, "param": None, "code": status}},
+    )
+
+
+def _digest_of_dir(path: str) -> str | None:
+    if not os.path.isabs(path) or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return None
+    return AdapterSnapshot.from_peft_dir(path).digest
+
+
+@dataclass
+class ScriptedVllmEngine:
+    """One fake vLLM engine at ``base_url`` (mount it on a respx router)."""
+
+    name: str
+    base_url: str
+    served_model_name: str = "base-model"
+    runtime_lora_updating: bool = True
+    read_digest: Callable[[str], str | None] = _digest_of_dir
+
+    adapters: dict[str, Registered] = field(default_factory=dict)
+    physical_loads: Counter[str] = field(default_factory=Counter)
+    physical_unloads: Counter[str] = field(default_factory=Counter)
+    calls: list[tuple[VllmOp, dict[str, Any]]] = field(default_factory=list)
+    restarts: int = 0
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        self._faults: dict[VllmOp, deque[Fault]] = {op: deque() for op in VllmOp}
+        self._running: Counter[str] = Counter()
+        self._reports: list[tuple[frozenset[str], float]] = []
+        self._clock = 0.0
+
+    # --- test controls ------------------------------------------------------------------------
+
+    def mount(self, router: Any) -> None:
+        """Route this engine's endpoints on a ``respx`` router."""
+        routes: list[tuple[str, str, Callable[[httpx.Request], Any]]] = [
+            ("POST", "/v1/load_lora_adapter", self._load),
+            ("POST", "/v1/unload_lora_adapter", self._unload),
+            ("POST", "/v1/completions", self._completion),
+            ("GET", "/v1/models", self._models),
+            ("GET", "/metrics", self._metrics),
+        ]
+        for method, path, handler in routes:
+            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
+
+    def script(self, op: VllmOp, *faults: Fault) -> None:
+        """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
+        self._faults[op].extend(faults)
+
+    def clear_script(self) -> None:
+        """Drop every scripted fault not consumed yet."""
+        for queue in self._faults.values():
+            queue.clear()
+
+    def restart(self) -> None:
+        """The engine process restarts: it forgets every adapter and every request."""
+        self.restarts += 1
+        self.adapters.clear()
+        self._running.clear()
+        self._reports.clear()
+
+    def register(self, lora_name: str, lora_path: str) -> None:
+        """Register an adapter behind the backend's back (as another client would)."""
+        digest = self.read_digest(lora_path)
+        assert digest is not None, lora_path
+        self.adapters[lora_name] = Registered(lora_name, lora_path, digest)
+        self.physical_loads[lora_name] += 1
+
+    def forget(self, lora_name: str) -> None:
+        """Lose an adapter without a restart (as an operator's manual unload would)."""
+        self.adapters.pop(lora_name)
+
+    def start_request(self, lora_name: str) -> None:
+        """A long request on ``lora_name`` is accepted and runs until :meth:`finish_request`."""
+        assert lora_name in self.adapters, lora_name
+        self._running[lora_name] += 1
+        self._report()
+
+    def finish_request(self, lora_name: str) -> None:
+        """One request on ``lora_name`` finishes (whether or not the name is still registered)."""
+        assert self._running[lora_name] > 0, lora_name
+        self._running[lora_name] -= 1
+        self._report()
+
+    def held_digest(self, lora_name: str) -> str | None:
+        """Digest of what the engine serves under ``lora_name`` (None: not registered)."""
+        adapter = self.adapters.get(lora_name)
+        return None if adapter is None else adapter.digest
+
+    def count(self, op: VllmOp) -> int:
+        """How many calls of ``op`` reached this engine (unreachable ones excluded)."""
+        return sum(1 for o, _ in self.calls if o is op)
+
+    def bodies(self, op: VllmOp) -> list[dict[str, Any]]:
+        """The JSON bodies of the calls of ``op`` that reached the engine, in order."""
+        return [body for o, body in self.calls if o is op]
+
+    @property
+    def process_start_time(self) -> float:
+        """This boot's ``process_start_time_seconds``."""
+        return 1_700_000_000.25 + 60.0 * self.restarts
+
+    # --- handlers -----------------------------------------------------------------------------
+
+    async def _enter(
+        self, op: VllmOp, request: httpx.Request
+    ) -> tuple[dict[str, Any], Fault | None]:
+        fault = self._faults[op].popleft() if self._faults[op] else None
+        if fault is not None and fault.kind is FaultKind.UNREACHABLE:
+            raise httpx.ConnectError("connection refused (scripted)", request=request)
+        body: dict[str, Any] = json.loads(request.content) if request.content else {}
+        self.calls.append((op, body))
+        if fault is not None and fault.kind is FaultKind.GATE:
+            assert fault.gate is not None
+            if fault.reached is not None:
+                fault.reached.set()
+            await fault.gate.wait()
+            fault = None
+        return body, fault
+
+    @staticmethod
+    def _short_circuit(fault: Fault | None) -> httpx.Response | None:
+        if fault is None:
+            return None
+        if fault.kind is FaultKind.REFUSE:
+            return _error(400, fault.message, "InvalidUserInput")
+        if fault.kind is FaultKind.OK_BUT_FAILED:
+            return httpx.Response(
+                200, json={"error": {"message": fault.message, "type": "InternalServerError"}}
+            )
+        if fault.kind is FaultKind.SERVER_ERROR:
+            return _error(500, fault.message, "InternalServerError")
+        return None
+
+    def _finish(
+        self, fault: Fault | None, request: httpx.Request, response: httpx.Response
+    ) -> httpx.Response:
+        if fault is not None and fault.kind is FaultKind.LOSE_REPLY:
+            raise httpx.ReadError("connection dropped before the reply (scripted)", request=request)
+        if fault is not None and fault.kind is FaultKind.RESTART_AFTER:
+            self.restart()
+        return response
+
+    async def _load(self, request: httpx.Request) -> httpx.Response:
+        if not self.runtime_lora_updating:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body, fault = await self._enter(VllmOp.LOAD, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
+        if not name or not path:
+            return _error(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        if name in self.adapters and not body.get("load_inplace"):
+            return _error(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        digest = self.read_digest(path)
+        if digest is None:
+            return _error(
+                404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError"
+            )
+        self.adapters[name] = Registered(name, path, digest)
+        self.physical_loads[name] += 1
+        reply = httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+        return self._finish(fault, request, reply)
+
+    async def _unload(self, request: httpx.Request) -> httpx.Response:
+        if not self.runtime_lora_updating:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body, fault = await self._enter(VllmOp.UNLOAD, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        name = str(body.get("lora_name") or "")
+        if name not in self.adapters:
+            return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        # Forgotten at once; requests already running on it keep running (no refcount wait).
+        del self.adapters[name]
+        self.physical_unloads[name] += 1
+        reply = httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return self._finish(fault, request, reply)
+
+    async def _completion(self, request: httpx.Request) -> httpx.Response:
+        body, fault = await self._enter(VllmOp.COMPLETION, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        model = str(body.get("model"))
+        if model != self.served_model_name and model not in self.adapters:
+            return _error(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.",
+                "NotFoundError",
+            )
+        reply = httpx.Response(
+            200,
+            json={
+                "object": "text_completion",
+                "model": model,
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            },
+        )
+        return self._finish(fault, request, reply)
+
+    async def _models(self, request: httpx.Request) -> httpx.Response:
+        _, fault = await self._enter(VllmOp.MODELS, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        cards: list[dict[str, Any]] = [
+            {
+                "id": self.served_model_name,
+                "object": "model",
+                "root": "/models/base",
+                "parent": None,
+            }
+        ]
+        cards.extend(
+            {
+                "id": a.lora_name,
+                "object": "model",
+                "root": a.lora_path,
+                "parent": self.served_model_name,
+            }
+            for a in self.adapters.values()
+        )
+        return self._finish(
+            fault, request, httpx.Response(200, json={"object": "list", "data": cards})
+        )
+
+    async def _metrics(self, request: httpx.Request) -> httpx.Response:
+        _, fault = await self._enter(VllmOp.METRICS, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        lines = [
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {self.process_start_time!r}",
+        ]
+        if self._reports:
+            lines += [
+                "# HELP vllm:lora_requests_info Running stats on lora requests.",
+                "# TYPE vllm:lora_requests_info gauge",
+            ]
+            for running, at in self._reports:
+                names = ",".join(sorted(running))
+                lines.append(
+                    f'vllm:lora_requests_info{{max_lora="3",running_lora_adapters="{names}",'
+                    f'waiting_lora_adapters=""}} {at!r}'
+                )
+        text = "\n".join(lines) + "\n"
+        return self._finish(fault, request, httpx.Response(200, text=text))
+
+    def _report(self) -> None:
+        # Like vLLM: one sample per distinct label set, stamped with the time of its last report.
+        self._clock += 1.0
+        running = frozenset(n for n, c in self._running.items() if c > 0)
+        self._reports = [(r, t) for r, t in self._reports if r != running]
+        self._reports.append((running, 1_700_000_000.0 + self._clock))
