@@ -312,7 +312,8 @@ class DcsBackend:
             )
             reply = await self._ask(functools.partial(client.bucket, message), extra, first=False)
             if reply.state is BucketState.RECEIVED:
-                # Only possible for a replayed message whose original was armed and completed.
+                # The sidecar says it already holds these bytes: there is no receiver waiting,
+                # so a broadcast now could only hang. Nothing to send.
                 continue
             data = plan.pack(bucket.index, tensors)
             try:
@@ -335,15 +336,19 @@ class DcsBackend:
             except BackendRefusedError as exc:
                 if exc.details.get("reason") == NOT_SENT and not first:
                     # This message did nothing, but earlier ones of the attempt did.
-                    raise BackendAmbiguousError(exc.message, **exc.details) from exc
+                    raise BackendAmbiguousError(
+                        exc.message, **{**exc.details, "reason": "UNREACHABLE_MID_ATTEMPT"}
+                    ) from exc
                 raise
             except BackendAmbiguousError as exc:
                 if exc.details.get("reason") not in _LOST_REPLY or replay == self.control_replays:
                     raise
                 logger.warning(
-                    "control reply lost (%s); asking again",
+                    "control reply lost (%s); asking again (%d of %d)",
                     exc.message,
-                    extra={**extra, "attempt_replay": replay + 1},
+                    replay + 1,
+                    self.control_replays,
+                    extra=extra,
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
