@@ -230,6 +230,7 @@ class AttemptView(_Msg):
     buckets_armed: int
     buckets_received: int
     collectives: int
+    drivers: int
 
 
 class StatusReply(_Msg):

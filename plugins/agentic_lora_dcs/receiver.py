@@ -647,6 +647,7 @@ class Receiver:
                 buckets_armed=r.armed,
                 buckets_received=r.received,
                 collectives=self.counter.of(r.lora_name, r.attempt),
+                drivers=len(r.drivers),
             )
             for r in self._ledger
         )

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,18 @@ from starlette.types import Receive, Scope, Send
 
 from agentic_lora.engine_admin import EngineAdminClient
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+
+
+class _ObservedCalls(list[tuple[EngineOp, dict[str, Any]]]):
+    """The engine's call log, announcing each call as it is recorded (before any gate)."""
+
+    def __init__(self, on_append: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_append = on_append
+
+    def append(self, item: tuple[EngineOp, dict[str, Any]]) -> None:
+        super().append(item)
+        self._on_append()
 
 
 @dataclass
@@ -49,6 +62,8 @@ class Host:
         self.timeout = timeout
         self.router = router
         self.generation = 0
+        self.gates: dict[str, asyncio.Event] = {}
+        self.called = asyncio.Event()
         self.current = self._build()
         self.test_app = Starlette(
             routes=[
@@ -56,6 +71,9 @@ class Host:
                 Route("/_test/engine/restart", self._restart, methods=["POST"]),
                 Route("/_test/engine/script", self._script, methods=["POST"]),
                 Route("/_test/engine/clear", self._clear, methods=["POST"]),
+                Route("/_test/engine/gate", self._gate, methods=["POST"]),
+                Route("/_test/engine/open", self._open, methods=["POST"]),
+                Route("/_test/engine/wait", self._wait, methods=["POST"]),
                 Route("/_test/receiver", self._receiver, methods=["GET"]),
                 Route("/_test/reset", self._reset, methods=["POST"]),
             ]
@@ -68,6 +86,7 @@ class Host:
             # The fleet here holds many test versions at once; pinning limits are not under test.
             max_loras_per_batch=1000,
         )
+        engine.calls = _ObservedCalls(self._announce)
         engine.mount(self.router)
         store = (
             self.store_root if self.generation == 0 else self.store_root / f"gen{self.generation}"
@@ -119,6 +138,37 @@ class Host:
     async def _clear(self, _: Request) -> Response:
         self.current.engine.clear_script()
         return JSONResponse({"cleared": True})
+
+    def _announce(self) -> None:
+        self.called.set()
+
+    async def _gate(self, request: Request) -> Response:
+        """Make the next call of ``op`` wait until ``/_test/engine/open`` names its gate."""
+        body = await request.json()
+        gate = self.gates.setdefault(body["gate"], asyncio.Event())
+        self.current.engine.script(EngineOp(body["op"]), Fault.waiting_for(gate))
+        return JSONResponse({"gate": body["gate"]})
+
+    async def _open(self, request: Request) -> Response:
+        self.gates[(await request.json())["gate"]].set()
+        return JSONResponse({"opened": True})
+
+    async def _wait(self, request: Request) -> Response:
+        """Answer once the engine has recorded ``count`` calls of ``op`` (bounded)."""
+        body = await request.json()
+        op, count = EngineOp(body["op"]), int(body["count"])
+
+        def reached() -> bool:
+            return sum(1 for o, _ in self.current.engine.calls if o is op) >= count
+
+        async def until_reached() -> None:
+            # Calls are recorded on this event loop, so check-then-wait cannot miss one.
+            while not reached():
+                self.called.clear()
+                await self.called.wait()
+
+        await asyncio.wait_for(until_reached(), timeout=20.0)
+        return JSONResponse({"reached": True})
 
     async def _receiver(self, _: Request) -> Response:
         return JSONResponse({"stash_bytes": self.current.receiver.stash_bytes()})

@@ -49,6 +49,7 @@ async def test_cleanup_before_begin_leaves_a_fence_that_refuses_the_late_begin(
         "buckets_armed": 0,
         "buckets_received": 0,
         "collectives": 0,
+        "drivers": 0,
     }
     engine = await e0.engine_state(http)
     assert target.lora_name not in engine["physical_loads"]

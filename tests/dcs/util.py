@@ -222,3 +222,21 @@ class EdgeTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+async def gate(sidecar: SidecarProcess, http: httpx.AsyncClient, op: str, name: str) -> None:
+    """The next ``op`` call of the sidecar's engine waits until :func:`open_gate` opens ``name``."""
+    body = {"op": op, "gate": name}
+    (await http.post(f"{sidecar.url}/_test/engine/gate", json=body)).raise_for_status()
+
+
+async def open_gate(sidecar: SidecarProcess, http: httpx.AsyncClient, name: str) -> None:
+    (await http.post(f"{sidecar.url}/_test/engine/open", json={"gate": name})).raise_for_status()
+
+
+async def wait_for_calls(
+    sidecar: SidecarProcess, http: httpx.AsyncClient, op: str, count: int
+) -> None:
+    """Return once the sidecar's engine has received ``count`` calls of ``op``."""
+    body = {"op": op, "count": count}
+    (await http.post(f"{sidecar.url}/_test/engine/wait", json=body)).raise_for_status()
