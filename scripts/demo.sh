@@ -10,15 +10,16 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 SECONDS=0
 setup_log=$(mktemp)
-trap 'rm -f "$setup_log"' EXIT
+fixture_json=$(mktemp)
+trap 'rm -f "$setup_log" "$fixture_json"' EXIT
 echo "== dev venv"
 bash scripts/dev-env.sh >"$setup_log" 2>&1 || { cat "$setup_log"; exit 1; }
 echo "== SGLang engine venv (created on first use; several minutes)"
 bash scripts/engine-env.sh >"$setup_log" 2>&1 || { cat "$setup_log"; exit 1; }
 echo "== model fixture"
-.venv/bin/python -m agentic_lora_harness.fixture >"$setup_log" 2>&1 || { cat "$setup_log"; exit 1; }
+.venv/bin/python -m agentic_lora_harness.fixture >"$fixture_json" 2>"$setup_log" || { cat "$setup_log"; exit 1; }
 echo "== setup took ${SECONDS} s; running the demo"
 status=0
-PYTHONPATH="$root/examples/agents${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python examples/demo.py "$@" || status=$?
+PYTHONPATH="$root/examples/agents${PYTHONPATH:+:$PYTHONPATH}" .venv/bin/python examples/demo.py --fixture-json "$fixture_json" "$@" || status=$?
 echo "== make demo wall time: ${SECONDS} s (exit status ${status})"
 exit "$status"
