@@ -1,0 +1,198 @@
+"""What the gateway puts on the wire: JSON forms of registry and publication values, and the HTTP
+answer for every typed error. Nothing here imports the ASGI stack, so the CLI can use it too.
+
+Every error answer has one shape, ``{"error": {"code", "message", "details"}}``, where ``code`` is
+the stable code of :mod:`agentic_lora.errors`. On the generation routes the header
+``X-Agentic-Outcome`` also says whether the engine may have accepted the request:
+
+* ``refused``: provably not accepted (``REQUEST_REFUSED``, and every error raised before a
+  request left the gateway: a malformed body, a closed Session, a version no longer dispatchable);
+* ``indeterminate``: it may have run (``REQUEST_INDETERMINATE``, or an unexpected failure).
+
+Answers that must not be resent carry ``x-should-retry: false``, which the official OpenAI SDKs
+obey, so a client's built-in retry never runs an indeterminate generation twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from agentic_lora.errors import (
+    AgenticLoRAError,
+    NoPublishedVersionError,
+    RequestIndeterminateError,
+    RequestRefusedError,
+)
+from agentic_lora.publisher import PhaseEvent, PublicationResult
+from agentic_lora.reclaimer import ReclaimReport
+from agentic_lora.registry.types import RegistryStatus
+
+__all__ = [
+    "NDJSON",
+    "OUTCOME_HEADER",
+    "SHOULD_RETRY_HEADER",
+    "DispatchOutcome",
+    "classify_failure",
+    "error_payload",
+    "http_status",
+    "jsonable",
+    "phase_event_json",
+    "publication_json",
+    "reclaim_report_json",
+    "should_retry",
+    "status_json",
+]
+
+#: Media type of a streamed publication: one JSON object per line.
+NDJSON = "application/x-ndjson"
+#: Response header naming the :class:`DispatchOutcome` of a generation.
+OUTCOME_HEADER = "x-agentic-outcome"
+#: Response header the OpenAI SDKs read before retrying on their own.
+SHOULD_RETRY_HEADER = "x-should-retry"
+
+#: HTTP status per error code; a code missing here takes the entry of its nearest base class.
+_STATUS_BY_CODE: Mapping[str, int] = {
+    "INVALID_REQUEST": 400,
+    "ADAPTER_MISMATCH": 400,
+    "INVALID_ADAPTER": 400,
+    "INVALID_IDENTITY": 400,
+    "ACCESS_DENIED": 401,
+    "UNKNOWN_VERSION": 404,
+    "UNKNOWN_ENGINE": 404,
+    "REGISTRY_ERROR": 409,
+    "SESSION_STATE": 409,
+    "SESSION_CLOSED": 409,
+    "VERSION_NOT_DISPATCHABLE": 410,
+    "DISPATCH_ERROR": 400,
+    "REQUEST_REFUSED": 503,
+    "REQUEST_INDETERMINATE": 502,
+    "NO_PUBLISHED_VERSION": 503,
+    "SESSION_RELEASE_FAILED": 503,
+    "BACKEND_ERROR": 502,
+    "CONFIG_ERROR": 500,
+    "JOURNAL_ERROR": 500,
+    "AGENTIC_LORA_ERROR": 500,
+}
+
+
+class DispatchOutcome(enum.StrEnum):
+    """How one generation ended, as far as "may the engine have run it?" goes."""
+
+    OK = "ok"
+    REFUSED = "refused"  # provably not accepted: safe to send again
+    INDETERMINATE = "indeterminate"  # may have run: sending again may run it twice
+
+
+def classify_failure(exc: BaseException, *, sent: bool) -> DispatchOutcome:
+    """The outcome of a failed generation.
+
+    Every typed error except ``REQUEST_INDETERMINATE`` is raised before anything reached an
+    engine (or is the engine's own refusal). Anything else (a cancellation, a bug) is judged by
+    ``sent``: whether the request may already have left for an engine.
+    """
+    if isinstance(exc, RequestIndeterminateError):
+        return DispatchOutcome.INDETERMINATE
+    if isinstance(exc, AgenticLoRAError):
+        return DispatchOutcome.REFUSED
+    return DispatchOutcome.INDETERMINATE if sent else DispatchOutcome.REFUSED
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status for ``exc`` (500 for anything that is not a typed error).
+
+    ``REQUEST_REFUSED`` passes an engine's own 4xx through (the engine judged the request); a
+    refusal without one (engine unreachable, no healthy engine) is 503.
+    """
+    if not isinstance(exc, AgenticLoRAError):
+        return 500
+    if isinstance(exc, RequestRefusedError):
+        status = exc.details.get("status")
+        if isinstance(status, int) and 400 <= status < 500:
+            return status
+    for cls in type(exc).__mro__:
+        code = getattr(cls, "code", None)
+        if isinstance(code, str) and code in _STATUS_BY_CODE:
+            return _STATUS_BY_CODE[code]
+    return 500
+
+
+def should_retry(exc: BaseException) -> bool:
+    """Whether a client may resend on its own: only when nothing ran and a retry can help."""
+    if isinstance(exc, NoPublishedVersionError):
+        return True
+    if not isinstance(exc, RequestRefusedError):
+        return False
+    # An unreachable or busy engine may take it next time; any other 4xx would be refused again.
+    return exc.details.get("status") in (None, 408, 429)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """``{"error": {"code", "message", "details"}}`` for ``exc``."""
+    if isinstance(exc, AgenticLoRAError):
+        return {
+            "error": {
+                "code": exc.code,
+                "message": exc.message,
+                "details": jsonable(exc.details),
+            }
+        }
+    return {
+        "error": {
+            "code": AgenticLoRAError.code,
+            "message": f"unexpected {type(exc).__name__}: {exc}",
+            "details": {},
+        }
+    }
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON-able copy of ``value``: dataclasses as plain dicts, enums as their values.
+
+    Anything else that JSON cannot carry becomes its ``repr``, so an error detail can never
+    break the error answer that carries it.
+    """
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return repr(value)
+
+
+def status_json(status: RegistryStatus) -> dict[str, Any]:
+    """The registry status as JSON (what ``GET /admin/status`` answers under ``registry``)."""
+    out: dict[str, Any] = jsonable(status)
+    return out
+
+
+def publication_json(result: PublicationResult) -> dict[str, Any]:
+    """A publication result as JSON, with ``ok`` spelled out."""
+    out: dict[str, Any] = jsonable(result)
+    out["ok"] = result.ok
+    return out
+
+
+def reclaim_report_json(report: ReclaimReport) -> dict[str, Any]:
+    """One reclaim round as JSON."""
+    return {
+        "results": jsonable(report.results),
+        "reclaimed": list(report.reclaimed),
+        "pending": list(report.pending),
+    }
+
+
+def phase_event_json(event: PhaseEvent) -> dict[str, Any]:
+    """A publication or reclaim progress event as JSON."""
+    out: dict[str, Any] = jsonable(event)
+    return out
