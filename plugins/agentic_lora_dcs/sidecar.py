@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,7 +35,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
 from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
 from agentic_lora.store import AdapterStore
 from agentic_lora_dcs.attempts import Refused
 from agentic_lora_dcs.collective import RendezvousServer
@@ -59,17 +59,32 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 class SidecarConfig(BaseModel):
-    """Everything a sidecar needs to start."""
+    """Everything a sidecar needs to start.
+
+    ``host`` is the address the publisher reaches for control, rendezvous and data alike, so it
+    must be a concrete interface address, never a wildcard.
+    """
 
     engine_url: str
     store_dir: Path
     host: str = "127.0.0.1"
+
+    @field_validator("host")
+    @classmethod
+    def _concrete_host(cls, host: str) -> str:
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError(
+                f"--host {host!r} is a wildcard; give the address the publisher connects to"
+            )
+        return host
+
     port: int = 0
     rendezvous_port: int = 0
     collective_timeout_s: float = 300.0
     probe: bool = True
     ready_file: Path | None = None
     engine_name: str | None = None
+    log_level: str = "INFO"
 
 
 def _refusal(refused: Refused) -> JSONResponse:
@@ -226,6 +241,7 @@ def write_ready_file(path: Path, payload: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
+    """The sidecar's settings from its command line (CONFIG_ERROR when they cannot work)."""
     parser = argparse.ArgumentParser(
         prog="python -m agentic_lora_dcs.sidecar",
         description="DCS receiver sidecar: staged LoRA publication into one engine.",
@@ -241,7 +257,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
     parser.add_argument("--ready-file", type=Path, default=None, help="write the port here")
     parser.add_argument("--log-level", default="INFO")
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return _config(ns)
+    except ValidationError as exc:
+        raise ConfigurationError(f"invalid sidecar settings: {exc}") from exc
+
+
+def _config(ns: argparse.Namespace) -> SidecarConfig:
     return SidecarConfig(
         engine_url=ns.engine_url,
         engine_name=ns.engine_name,
@@ -252,12 +274,16 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
         collective_timeout_s=ns.collective_timeout,
         probe=not ns.no_probe,
         ready_file=ns.ready_file,
+        log_level=ns.log_level,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m agentic_lora_dcs.sidecar``."""
     config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     receiver, engine = build_receiver(config)
     app = create_app(receiver)
 
