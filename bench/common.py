@@ -1,0 +1,295 @@
+"""What every benchmark script shares: percentiles, the machine description, output, the engines.
+
+* :func:`summarize` gives count / p50 / p95 / p99 / mean / max of a sample list (linear
+  interpolation, the same method as ``statistics.quantiles(method="inclusive")``).
+* :func:`machine` describes where a run happened, including the load average before it started
+  (the machine is shared: read ratios from one run, not absolute numbers across runs).
+* :func:`write_result` writes ``bench/out/<name>.json``; :func:`print_table` prints aligned rows.
+* :class:`InstantEngine` runs ``bench/instant_engine.py`` in its own process on a free loopback
+  port: an engine that answers ``/generate`` at once, for pure-overhead measurements.
+* :func:`publish_in_registry` commits a version by registry verbs alone, for engines that
+  load nothing (the instant engine, respx).
+* :func:`interleaved_order` gives the ABBA block order the scripts use so that slow drifts of a
+  noisy machine (another job starting, thermal changes) hit every variant alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+import numpy as np
+
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import ReadyReceipt, new_request_id
+
+__all__ = [
+    "BENCH_DIR",
+    "OUT_DIR",
+    "REPO_ROOT",
+    "InstantEngine",
+    "Summary",
+    "add_example_agents_to_path",
+    "free_port",
+    "interleaved_order",
+    "machine",
+    "max_gap",
+    "print_table",
+    "publish_in_registry",
+    "rss_mb",
+    "summarize",
+    "write_result",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+OUT_DIR = BENCH_DIR / "out"
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Distribution of one sample list, in the samples' unit."""
+
+    count: int
+    p50: float
+    p95: float
+    p99: float
+    mean: float
+    maximum: float
+
+    def scaled(self, factor: float) -> Summary:
+        """The same summary in another unit (e.g. ``1e6`` for seconds to microseconds)."""
+        return Summary(
+            self.count,
+            self.p50 * factor,
+            self.p95 * factor,
+            self.p99 * factor,
+            self.mean * factor,
+            self.maximum * factor,
+        )
+
+    def as_dict(self) -> dict[str, float | int]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def summarize(samples: Iterable[float]) -> Summary:
+    """The summary of ``samples``; an empty list gives NaN percentiles and count 0."""
+    data = np.fromiter(samples, dtype=float)
+    if data.size == 0:
+        nan = float("nan")
+        return Summary(0, nan, nan, nan, nan, nan)
+    p50, p95, p99 = np.percentile(data, [50, 95, 99])
+    return Summary(
+        int(data.size), float(p50), float(p95), float(p99), float(data.mean()), float(data.max())
+    )
+
+
+def max_gap(completions: Sequence[float], start: float, end: float) -> float:
+    """Longest interval in ``[start, end]`` in which no request completed.
+
+    The window's edges count: a window whose first completion comes 2 s after it opened has a
+    2 s gap even if completions are dense afterwards.
+    """
+    inside = sorted(t for t in completions if start <= t <= end)
+    edges = [start, *inside, end]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
+def interleaved_order(variants: Sequence[str], blocks: int) -> list[str]:
+    """``blocks`` rounds of every variant, odd rounds reversed (A B C, C B A, A B C, ...)."""
+    order: list[str] = []
+    for block in range(blocks):
+        order.extend(variants if block % 2 == 0 else list(reversed(variants)))
+    return order
+
+
+def rss_mb() -> float:
+    """Resident set size of this process in MiB (``VmRSS``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 1024 / 1024, 1)
+    return float("nan")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """Where this run happens: CPU, cores, RAM, kernel, Python, key libraries, current load."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "ram_gb": _mem_total_gb(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "libraries": {
+            name: _version(name)
+            for name in ("httpx", "aiohttp", "httpx-aiohttp", "pydantic", "tenacity", "respx")
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` to ``bench/out/<name>.json`` and return the path."""
+    OUT_DIR.mkdir(exist_ok=True)
+    path = OUT_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """Print ``rows`` under ``headers``, first column left-aligned, the rest right-aligned."""
+    cells = [[str(h) for h in headers], *([_cell(v) for v in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.0f}"
+    return str(value)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def add_example_agents_to_path() -> None:
+    """Make ``examples/agents`` importable (``agentic_lora_agent`` is an example, not installed)."""
+    agents = str(REPO_ROOT / "examples" / "agents")
+    if agents not in sys.path:
+        sys.path.insert(0, agents)
+
+
+class InstantEngine:
+    """``bench/instant_engine.py`` in a child process on a free loopback port (see module doc)."""
+
+    def __init__(self, *, startup_timeout: float = 30.0) -> None:
+        self.port = free_port()
+        self._startup_timeout = startup_timeout
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Launch the server and wait (bounded) until ``/health`` answers."""
+        self._process = subprocess.Popen(
+            [sys.executable, str(BENCH_DIR / "instant_engine.py"), "--port", str(self.port)],
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + self._startup_timeout
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"instant engine exited with {self._process.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("instant engine did not become healthy")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Terminate the server (and kill it if it does not exit in a few seconds)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+async def publish_in_registry(
+    registry: LocalRegistry, engine: str, version_id: str = "bench"
+) -> str:
+    """Commit one version by registry verbs alone (for engines that load nothing); its lora_name."""
+    digest = "cd" * 32
+    r = await registry.reserve(request_id=new_request_id(), version_id=version_id, digest=digest)
+    await registry.record_ready(
+        request_id=new_request_id(),
+        receipt=ReadyReceipt(engine, version_id, r.digest, r.lora_name, r.attempt, "bench"),
+    )
+    status = await registry.status()
+    await registry.commit(
+        request_id=new_request_id(),
+        version_id=version_id,
+        attempt=r.attempt,
+        expected_default_revision=status.default_revision,
+    )
+    return r.lora_name

@@ -1,0 +1,617 @@
+"""Dispatch overhead: a versioned Session's full path vs a direct httpx call to the same engine.
+
+Four ways to send the same ``/generate`` body, run in one process, interleaved block by block
+(ABBA order, so a noisy neighbour or a slow drift hits every variant alike):
+
+* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
+  product uses), ``client.post(url, json=body)``; the body already names the adapter. No
+  versioning at all: the baseline.
+* ``transport``: :meth:`EngineTransport.send` alone (one classified attempt, no Session).
+* ``passthrough``: a Session with the feature flag off (no registry, body sent as given).
+* ``full``: a versioned Session: lookup by id, bind at its first dispatch (registry
+  ``bind_first``), request validation, ``lora_path`` injection, dispatch guard, router, one send.
+
+Each concurrent worker runs Sessions of ``--turns`` dispatches; every dispatch is timed from the
+Session lookup to the decoded reply (the ``first`` dispatch of a Session includes its bind).
+Session open+close is timed on its own (it is not on a request's path).
+
+Engines: ``instant`` is ``bench/instant_engine.py`` in its own process (answers at once: the
+difference between variants is pure client overhead); ``sglang`` is one real SGLang engine from
+the test harness with the fixture adapter A published through HTTP push (end to end).
+
+Prints one table per engine and writes ``bench/out/dispatch_<engine>.json``.
+
+Usage: python bench/dispatch.py [--engine instant|sglang|both] [--concurrency 1,64,256]
+       [--profile]   (pyinstrument profile of the full path at concurrency 1, instant engine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import httpx
+from common import (
+    OUT_DIR,
+    InstantEngine,
+    interleaved_order,
+    machine,
+    print_table,
+    publish_in_registry,
+    summarize,
+    write_result,
+)
+from httpx_aiohttp import AiohttpTransport
+from tenacity import AsyncRetrying
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.middleware import (
+    AdapterPinMiddleware,
+    Dispatch,
+    DispatchGuardMiddleware,
+    EngineCall,
+    Middleware,
+    PeekGuard,
+    RoutingMiddleware,
+    build_chain,
+    pin_adapter,
+)
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.requests import Route, request_body
+from agentic_lora.routing import EngineHealth, load_router
+from agentic_lora.session import Versioning
+from agentic_lora.transport import GENERATION_STOP, EngineReply, EngineTransport
+
+logger = logging.getLogger(__name__)
+
+VARIANTS: tuple[str, ...] = ("direct", "transport", "passthrough", "full")
+INSTANT_BODY: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
+SGLANG_BODY: dict[str, Any] = {
+    "text": "The engine serves the adapter version the session was bound to",
+    # ignore_eos: every request decodes exactly max_new_tokens, so variants do equal work.
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+}
+US = 1e6
+
+
+@dataclass
+class Target:
+    """One engine set-up every variant sends to."""
+
+    name: str
+    engine: EngineRef
+    lora_name: str
+    body: dict[str, Any]
+    versioning: Versioning
+    passthrough: Versioning
+    direct: httpx.AsyncClient
+
+    @property
+    def legacy_body(self) -> dict[str, Any]:
+        """What a caller without versioning sends: the body with the adapter named by hand."""
+        return {**self.body, "lora_path": self.lora_name}
+
+
+@dataclass
+class Samples:
+    """Everything measured for one (engine, concurrency, variant)."""
+
+    latencies: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)  # first dispatch of a Session (binds)
+    later: list[float] = field(default_factory=list)
+    lifecycle: list[float] = field(default_factory=list)  # Session open + close
+    block_p50: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    cpu: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+# --- one worker per variant -------------------------------------------------------------------
+
+
+async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
+    url = t.engine.base_url + "/generate"
+    body = t.legacy_body
+    for _ in range(sessions * turns):
+        start = time.perf_counter()
+        response = await t.direct.post(url, json=body)
+        response.json()
+        out.latencies.append(time.perf_counter() - start)
+        if response.status_code != 200:
+            out.failures.append(f"HTTP {response.status_code}")
+
+
+async def _transport(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
+    body = t.legacy_body
+    transport = t.passthrough.transport
+    for _ in range(sessions * turns):
+        start = time.perf_counter()
+        await transport.send(t.engine.name, "/generate", body)
+        out.latencies.append(time.perf_counter() - start)
+
+
+async def _sessions(
+    versioning: Versioning, body: dict[str, Any], sessions: int, turns: int, out: Samples, tag: str
+) -> None:
+    for k in range(sessions):
+        session_id = f"{tag}-{k}-{uuid.uuid4().hex[:8]}"
+        opened = time.perf_counter()
+        versioning.open_session(session_id)
+        lifecycle = time.perf_counter() - opened
+        for turn in range(turns):
+            start = time.perf_counter()
+            session = versioning.get(session_id)
+            assert session is not None
+            await session.generate(body)
+            elapsed = time.perf_counter() - start
+            out.latencies.append(elapsed)
+            (out.first if turn == 0 else out.later).append(elapsed)
+        closing = time.perf_counter()
+        await versioning.close_session(session_id)
+        out.lifecycle.append(lifecycle + time.perf_counter() - closing)
+
+
+async def _passthrough(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
+    await _sessions(t.passthrough, t.legacy_body, sessions, turns, out, tag)
+
+
+async def _full(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
+    await _sessions(t.versioning, t.body, sessions, turns, out, tag)
+
+
+Worker = Callable[[Target, int, int, Samples, str], Awaitable[None]]
+WORKERS: dict[str, Worker] = {
+    "direct": _direct,
+    "transport": _transport,
+    "passthrough": _passthrough,
+    "full": _full,
+}
+
+
+async def _block(
+    t: Target, variant: str, concurrency: int, sessions: int, turns: int, out: Samples, tag: str
+) -> None:
+    """All ``concurrency`` workers run ``variant`` at once; nothing else runs meanwhile."""
+    block = Samples()
+    worker = WORKERS[variant]
+
+    async def guarded(w: int) -> None:
+        try:
+            await worker(t, sessions, turns, block, f"{tag}-w{w}")
+        except Exception as exc:  # counted and reported, never hidden
+            block.failures.append(f"{type(exc).__name__}: {exc}")
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(guarded(w) for w in range(concurrency)))
+    out.wall += time.perf_counter() - wall
+    out.cpu += time.process_time() - cpu
+    out.latencies += block.latencies
+    out.first += block.first
+    out.later += block.later
+    out.lifecycle += block.lifecycle
+    out.failures += block.failures
+    out.block_p50.append(summarize(block.latencies).p50)
+
+
+async def measure(
+    t: Target,
+    concurrency: int,
+    variants: Sequence[str],
+    *,
+    blocks: int,
+    sessions: int,
+    turns: int,
+) -> dict[str, Samples]:
+    """Warm up one round, then ``blocks`` interleaved rounds of every variant."""
+    results = {v: Samples() for v in variants}
+    for v in variants:
+        await _block(t, v, concurrency, 1, turns, Samples(), f"warm-{v}")
+    for n, v in enumerate(interleaved_order(variants, blocks)):
+        await _block(t, v, concurrency, sessions, turns, results[v], f"c{concurrency}-b{n}-{v}")
+    return results
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+
+def _report(samples: dict[str, Samples]) -> dict[str, Any]:
+    direct = samples["direct"]
+    d = summarize(direct.latencies).scaled(US)
+    d_cpu = direct.cpu / max(len(direct.latencies), 1) * US
+    out: dict[str, Any] = {}
+    for variant, s in samples.items():
+        lat = summarize(s.latencies).scaled(US)
+        cpu_us = s.cpu / max(len(s.latencies), 1) * US
+        paired = [
+            b / a for a, b in zip(direct.block_p50, s.block_p50, strict=False) if a > 0 and b == b
+        ]
+        out[variant] = {
+            "dispatches": len(s.latencies),
+            "latency_us": lat.as_dict(),
+            "first_dispatch_us": summarize(s.first).scaled(US).as_dict() if s.first else None,
+            "later_dispatch_us": summarize(s.later).scaled(US).as_dict() if s.later else None,
+            "session_open_close_us": (
+                summarize(s.lifecycle).scaled(US).as_dict() if s.lifecycle else None
+            ),
+            "throughput_per_s": len(s.latencies) / s.wall if s.wall else float("nan"),
+            "client_cpu_us_per_dispatch": cpu_us,
+            "added_p50_us": lat.p50 - d.p50,
+            "added_p99_us": lat.p99 - d.p99,
+            "added_cpu_us_per_dispatch": cpu_us - d_cpu,
+            "ratio_of_medians": lat.p50 / d.p50 if d.p50 else float("nan"),
+            "median_block_ratio": summarize(paired).p50,
+            "failures": len(s.failures),
+            "failure_examples": s.failures[:3],
+        }
+    return out
+
+
+def _print(engine: str, report: dict[int, dict[str, Any]]) -> None:
+    print(f"\n== {engine}: latency per dispatch (us), interleaved in one run ==")
+    rows = []
+    for conc, level in report.items():
+        for v, r in level["variants"].items():
+            lat = r["latency_us"]
+            rows.append(
+                [
+                    f"{conc} x {v}",
+                    lat["p50"],
+                    lat["p99"],
+                    r["added_p50_us"],
+                    r["added_p99_us"],
+                    r["ratio_of_medians"],
+                    r["client_cpu_us_per_dispatch"],
+                    r["throughput_per_s"],
+                    r["failures"],
+                ]
+            )
+    print_table(
+        [
+            "sessions x variant",
+            "p50",
+            "p99",
+            "+p50",
+            "+p99",
+            "p50 ratio",
+            "cpu/dispatch",
+            "req/s",
+            "fail",
+        ],
+        rows,
+    )
+
+
+def check_targets(report: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The issue's targets, per concurrency: held or missed, with the numbers."""
+    checks: dict[str, Any] = {}
+    for conc, level in report.get("instant", {}).items():
+        full = level["variants"]["full"]
+        checks[f"instant c={conc}: added p50 <= 150 us"] = {
+            "value": full["added_p50_us"],
+            "holds": full["added_p50_us"] <= 150,
+        }
+        checks[f"instant c={conc}: added p99 <= 1000 us"] = {
+            "value": full["added_p99_us"],
+            "holds": full["added_p99_us"] <= 1000,
+        }
+        checks[f"instant c={conc}: added client CPU per dispatch <= 150 us"] = {
+            "value": full["added_cpu_us_per_dispatch"],
+            "holds": full["added_cpu_us_per_dispatch"] <= 150,
+        }
+    for conc, level in report.get("sglang", {}).items():
+        full = level["variants"]["full"]
+        checks[f"sglang c={conc}: full/direct p50 ratio <= 1.05"] = {
+            "value": full["ratio_of_medians"],
+            "holds": full["ratio_of_medians"] <= 1.05,
+        }
+    return checks
+
+
+# --- where our time goes ------------------------------------------------------------------------
+
+
+class _ShortCircuit:
+    """A framework middleware that answers at once: the Session's own cost, without the chain."""
+
+    def __init__(self, next_dispatch: Dispatch) -> None:
+        self._next = next_dispatch
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        return EngineReply(engine="e0", path=call.route.value, status_code=200, body=None)
+
+
+async def _null_endpoint(call: EngineCall) -> EngineReply:
+    return EngineReply(engine=call.engine or "-", path=call.route.value, status_code=200, body=None)
+
+
+async def _per_call_us(fn: Callable[[], Awaitable[object]], n: int) -> float:
+    await fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        await fn()
+    return (time.perf_counter() - start) / n * US
+
+
+def _per_call_sync_us(fn: Callable[[], object], n: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * US
+
+
+async def breakdown(n: int = 20_000) -> dict[str, float]:
+    """Microseconds per dispatch of each step of ours, timed in isolation without HTTP.
+
+    The steps are the product's own objects (Session, middlewares, router, registry peek); the
+    tenacity line is the exact single-attempt loop ``EngineTransport.send`` wraps every
+    generation in, around a no-op.
+    """
+    registry = LocalRegistry(engines=("e0",), capacity=2)
+    lora_name = await publish_in_registry(registry, "e0")
+    transport = EngineTransport([EngineRef("e0", "http://127.0.0.1:9")])
+    try:
+        short = Versioning(
+            transport=transport, registry=registry, middleware=[Middleware(_ShortCircuit)]
+        )
+        session = short.open_session("breakdown")
+        binding = await registry.bind_first(request_id=new_request_id(), session_key="bd")
+        body = INSTANT_BODY
+        pinned = {**body, "lora_path": lora_name, "rid": uuid.uuid4().hex}
+        router = load_router("session-affinity")
+        health = EngineHealth(["e0"])
+        guard = PeekGuard(registry.peek_version)
+        call = EngineCall(Route.GENERATE, body, session_key="bd", binding=binding)
+        chain = build_chain(
+            _null_endpoint,
+            [
+                Middleware(AdapterPinMiddleware, base_model=None),
+                Middleware(DispatchGuardMiddleware, guard=guard),
+                Middleware(RoutingMiddleware, router=router, health=health),
+            ],
+        )
+
+        async def one_attempt() -> None:
+            async for attempt in AsyncRetrying(stop=GENERATION_STOP, reraise=True):
+                with attempt:
+                    await asyncio.sleep(0)
+
+        async def bare() -> None:
+            await asyncio.sleep(0)
+
+        out = {
+            "session_dispatch_without_chain": await _per_call_us(lambda: session.generate(body), n),
+            "request_validation": _per_call_sync_us(
+                lambda: request_body(Route.GENERATE, body, validate=True), n
+            )
+            - _per_call_sync_us(lambda: request_body(Route.GENERATE, body, validate=False), n),
+            "rid_uuid4": _per_call_sync_us(lambda: uuid.uuid4().hex, n),
+            "chain_pin_guard_route": await _per_call_us(lambda: chain(call), n),
+            "pin_adapter": _per_call_sync_us(
+                lambda: pin_adapter(Route.GENERATE, body, lora_name, None), n
+            ),
+            "guard_check": _per_call_sync_us(lambda: guard.check(binding), n),
+            "router_choose": _per_call_sync_us(
+                lambda: router.choose("bd", health.healthy(), MappingProxyType(dict(pinned))), n
+            ),
+            "call_replace": _per_call_sync_us(lambda: dataclasses.replace(call, engine="e0"), n),
+            "send_single_attempt_tenacity": await _per_call_us(one_attempt, n // 4)
+            - await _per_call_us(bare, n // 4),
+            "json_encode_body": _per_call_sync_us(
+                lambda: json.dumps(pinned, separators=(",", ":")).encode(), n
+            ),
+        }
+        await short.close_session("breakdown")
+        return out
+    finally:
+        await transport.aclose()
+        await registry.aclose()
+
+
+# --- engine set-ups ----------------------------------------------------------------------------
+
+
+def _direct_client() -> httpx.AsyncClient:
+    # The same transport and limits EngineTransport builds, without anything of ours on top.
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(retries=0, limits=limits, trust_env=False),
+        timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+@contextlib.asynccontextmanager
+async def instant_target() -> AsyncIterator[Target]:
+    """The instant engine in its own process, a LocalRegistry with one committed version."""
+    with InstantEngine() as server:
+        ref = EngineRef("e0", server.base_url)
+        registry = LocalRegistry(engines=("e0",), capacity=2)
+        lora_name = await publish_in_registry(registry, "e0")
+        transport = EngineTransport([ref])
+        try:
+            async with _direct_client() as direct:
+                yield Target(
+                    name="instant",
+                    engine=ref,
+                    lora_name=lora_name,
+                    body=INSTANT_BODY,
+                    versioning=Versioning(transport=transport, registry=registry),
+                    passthrough=Versioning(transport=transport, enabled=False),
+                    direct=direct,
+                )
+        finally:
+            await transport.aclose()
+            await registry.aclose()
+
+
+@contextlib.asynccontextmanager
+async def sglang_target() -> AsyncIterator[Target]:
+    """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push)."""
+    from agentic_lora_harness.engine_env import ensure_engine_env
+    from agentic_lora_harness.engines import EngineFleet
+    from agentic_lora_harness.fixture import build_fixture
+
+    from agentic_lora.adapter import AdapterSnapshot
+    from agentic_lora.config import load_settings
+    from agentic_lora.deployment import Deployment
+
+    env = await asyncio.to_thread(ensure_engine_env)
+    fixture = await asyncio.to_thread(build_fixture)
+    async with EngineFleet(env, fixture, count=1) as fleet:
+        settings = load_settings(
+            enable_versioned_lora_publication=True,
+            engines=[f"{name}={url}" for name, url in fleet.engines],
+            capacity=2,
+            base_model_name=fleet.served_model_name,
+            engine_max_loaded_loras=3,
+            engine_max_loras_per_batch=3,
+        )
+        with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as store:
+            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
+            async with deployment, _direct_client() as direct:
+                result = await deployment.publish(
+                    f"A-{uuid.uuid4().hex[:8]}",
+                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
+                )
+                if not result.ok or result.lora_name is None:
+                    raise RuntimeError(f"publication failed: {result}")
+                versioning = deployment.versioning
+                yield Target(
+                    name="sglang",
+                    engine=versioning.engines[0],
+                    lora_name=result.lora_name,
+                    body=SGLANG_BODY,
+                    versioning=versioning,
+                    passthrough=Versioning(transport=versioning.transport, enabled=False),
+                    direct=direct,
+                )
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to run at one concurrency: blocks per variant, Sessions per worker, turns each."""
+
+    blocks: int
+    sessions: int
+    turns: int
+
+
+INSTANT_PLANS = {1: Plan(12, 25, 8), 64: Plan(12, 2, 8), 256: Plan(12, 1, 8)}
+SGLANG_PLANS = {1: Plan(8, 4, 4), 64: Plan(6, 1, 4), 256: Plan(6, 1, 2)}
+
+
+async def run_engine(
+    target: Target,
+    concurrency: Sequence[int],
+    variants: Sequence[str],
+    plans: dict[int, Plan],
+) -> dict[int, dict[str, Any]]:
+    """Every concurrency level against ``target``; returns the per-variant reports."""
+    report: dict[int, dict[str, Any]] = {}
+    for conc in concurrency:
+        plan = plans.get(conc) or Plan(8, 1, 4)
+        t0 = time.perf_counter()
+        samples = await measure(
+            target, conc, variants, blocks=plan.blocks, sessions=plan.sessions, turns=plan.turns
+        )
+        report[conc] = {
+            "plan": {**plan.__dict__, "seconds": time.perf_counter() - t0},
+            "variants": _report(samples),
+        }
+        print(f"{target.name}: {conc} concurrent Sessions done in {time.perf_counter() - t0:.1f} s")
+    return report
+
+
+async def profile_full_path(seconds_of_work: int = 20_000) -> Path:
+    """pyinstrument profile of the versioned path at concurrency 1 against the instant engine."""
+    from pyinstrument import Profiler
+
+    async with instant_target() as t:
+        await measure(t, 1, ["full"], blocks=1, sessions=10, turns=8)
+        profiler = Profiler(interval=0.0001, async_mode="enabled")
+        profiler.start()
+        out = Samples()
+        await _full(t, seconds_of_work // 8, 8, out, "profile")
+        profiler.stop()
+    OUT_DIR.mkdir(exist_ok=True)
+    text = OUT_DIR / "dispatch_profile.txt"
+    text.write_text(profiler.output_text(unicode=False, color=False, show_all=False))
+    (OUT_DIR / "dispatch_profile.html").write_text(profiler.output_html())
+    print(f"profile of {len(out.latencies)} dispatches written to {text}")
+    return text
+
+
+def _split(values: str) -> list[int]:
+    return [int(v) for v in values.split(",") if v.strip()]
+
+
+async def main() -> None:
+    """Parse arguments, run the chosen engines, print tables, write bench/out/dispatch.json."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--engine", choices=["instant", "sglang", "both"], default="both")
+    p.add_argument("--concurrency", type=_split, default=[1, 64, 256])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--sglang-variants", default="direct,full")
+    p.add_argument("--blocks", type=int, help="override the blocks per variant of every level")
+    p.add_argument("--profile", action="store_true", help="profile the full path and exit")
+    a = p.parse_args()
+    if a.profile:
+        await profile_full_path()
+        return
+
+    def plans(base: dict[int, Plan]) -> dict[int, Plan]:
+        if a.blocks is None:
+            return base
+        return {c: Plan(a.blocks, pl.sessions, pl.turns) for c, pl in base.items()}
+
+    engines = ["instant", "sglang"] if a.engine == "both" else [a.engine]
+    for engine in engines:
+        started = machine()
+        costs: dict[str, float] | None = None
+        if engine == "instant":
+            variants = [v for v in a.variants.split(",") if v]
+            async with instant_target() as t:
+                report = await run_engine(t, a.concurrency, variants, plans(INSTANT_PLANS))
+            _print("instant engine (pure overhead)", report)
+            costs = await breakdown()
+            print("\nour steps, timed in isolation (us per dispatch):")
+            print_table(["step", "us"], list(costs.items()))
+        else:
+            variants = [v for v in a.sglang_variants.split(",") if v]
+            async with sglang_target() as t:
+                report = await run_engine(t, a.concurrency, variants, plans(SGLANG_PLANS))
+            _print("real SGLang (end to end)", report)
+        started["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        targets = check_targets({engine: report})
+        print("\ntargets:")
+        for name, check in targets.items():
+            print(f"  {'HOLDS ' if check['holds'] else 'MISSED'}  {name}: {check['value']:.3f}")
+        payload = {"engine": engine, "machine": started, "report": report, "targets": targets}
+        if costs is not None:
+            payload["breakdown_us"] = costs
+        print(f"written: {write_result(f'dispatch_{engine}', payload)}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
