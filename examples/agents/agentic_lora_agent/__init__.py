@@ -14,7 +14,7 @@ from agentic_lora_agent.records import (
     EpisodeStatus,
     TurnRecord,
 )
-from agentic_lora_agent.stats import Percentiles, episode_line, percentiles
+from agentic_lora_agent.stats import Percentiles, episode_json, episode_line, percentiles
 from agentic_lora_agent.tasks import REFERENCE_TABLE, TASKS, default_toolbox, filler_document
 from agentic_lora_agent.tools import (
     Calculator,
@@ -53,6 +53,7 @@ __all__ = [
     "ToolResult",
     "TurnRecord",
     "default_toolbox",
+    "episode_json",
     "episode_line",
     "filler_document",
     "format_tool_call",

@@ -1,8 +1,9 @@
 """Run agent episodes on a live engine fleet: ``python -m agentic_lora_agent --help``.
 
-Publishes one adapter directory as the first version (HTTP push), runs ``--sessions`` concurrent
-episodes over the chosen tasks, prints one line per Session and the latency percentiles, and
-exits non-zero if an episode did not end with an answer or a Session saw more than one version.
+Publishes one adapter directory (HTTP push; idempotent across runs with a registry journal),
+runs ``--sessions`` concurrent episodes over the chosen tasks, prints one line per Session and the
+latency percentiles, and exits non-zero if an episode did not end with an answer or a Session saw
+more than one version.
 Engine and middleware options are the framework's own ``--versioned-lora-*`` flags (or
 ``AGENTIC_LORA_*`` environment variables).
 """
@@ -16,7 +17,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.config import add_arguments, from_args
@@ -25,7 +25,7 @@ from agentic_lora.errors import AgenticLoRAError
 from agentic_lora_agent.agent import AgentConfig, ToolAgent
 from agentic_lora_agent.policy import FallbackPolicy, ScriptedPolicy
 from agentic_lora_agent.records import Episode, EpisodeStatus
-from agentic_lora_agent.stats import episode_line, percentiles
+from agentic_lora_agent.stats import episode_json, episode_line, percentiles
 from agentic_lora_agent.tasks import TASKS, default_toolbox, task
 
 __all__ = ["main"]
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         "--publish",
         required=True,
         metavar="VERSION_ID=DIR",
-        help="a PEFT adapter directory to publish as the first version",
+        help="a PEFT adapter directory to publish (with a journal: found again on a rerun)",
     )
     parser.add_argument(
         "--store-root",
@@ -70,37 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=Path, help="also write every episode here as JSON")
     return add_arguments(parser)
-
-
-def _episode_json(episode: Episode) -> dict[str, Any]:
-    return {
-        "session": episode.session_id,
-        "task": episode.task_id,
-        "status": episode.status.value,
-        "lora_name": episode.lora_name,
-        "answer": episode.answer,
-        "observations": list(episode.observations),
-        "attempts": [
-            {
-                "turn": a.turn,
-                "attempt": a.attempt,
-                "kind": a.kind.value,
-                "outcome": a.outcome.value,
-                "rid": a.rid,
-                "lora_name": a.lora_name,
-                "served_model": a.served_model,
-                "engine": a.engine,
-                "prompt_tokens": a.prompt_tokens,
-                "completion_tokens": a.completion_tokens,
-                "cached_tokens": a.cached_tokens,
-                "latency_s": a.latency_s,
-                "logprob": a.logprob,
-                "finish_reason": a.finish_reason,
-                "error_code": a.error_code,
-            }
-            for a in episode.attempts
-        ],
-    }
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -143,7 +112,7 @@ async def _run(args: argparse.Namespace) -> int:
             f"p99 {stats.p99:.3f} s"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps([_episode_json(e) for e in episodes], indent=2) + "\n")
+        args.json.write_text(json.dumps([episode_json(e) for e in episodes], indent=2) + "\n")
     mixed = [e.session_id for e in episodes if len(e.lora_names) > 1]
     unanswered = [e.session_id for e in episodes if e.status is not EpisodeStatus.ANSWERED]
     if mixed:

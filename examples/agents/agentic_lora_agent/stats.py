@@ -5,10 +5,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agentic_lora_agent.records import AttemptKind, AttemptOutcome, Episode
 
-__all__ = ["Percentiles", "episode_line", "percentiles"]
+__all__ = ["Percentiles", "episode_json", "episode_line", "percentiles"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +55,37 @@ def episode_line(episode: Episode, *, short_names: Sequence[tuple[str, str]] = (
         f"retry={_count(episode, AttemptKind.RETRY)} resume={_count(episode, AttemptKind.RESUME)} "
         f"resample={_count(episode, AttemptKind.RESAMPLE)} engines={engines} tokens={tokens}"
     )
+
+
+def episode_json(episode: Episode) -> dict[str, Any]:
+    """``episode`` as plain JSON-ready data (every attempt included)."""
+    return {
+        "session": episode.session_id,
+        "task": episode.task_id,
+        "status": episode.status.value,
+        "lora_name": episode.lora_name,
+        "answer": episode.answer,
+        "error_code": episode.error_code,
+        "observations": list(episode.observations),
+        "attempts": [
+            {
+                "turn": a.turn,
+                "attempt": a.attempt,
+                "kind": a.kind.value,
+                "outcome": a.outcome.value,
+                "rid": a.rid,
+                "lora_name": a.lora_name,
+                "served_model": a.served_model,
+                "engine": a.engine,
+                "prompt_tokens": a.prompt_tokens,
+                "completion_tokens": a.completion_tokens,
+                "cached_tokens": a.cached_tokens,
+                "latency_s": a.latency_s,
+                "logprob": a.logprob,
+                "finish_reason": a.finish_reason,
+                "http_status": a.http_status,
+                "error_code": a.error_code,
+            }
+            for a in episode.attempts
+        ],
+    }
