@@ -78,8 +78,6 @@ from agentic_lora.registry.types import VersionState
 from agentic_lora.session import Versioning
 from agentic_lora.transport import EngineReply, EngineTransport
 
-logger = logging.getLogger("agentic_lora.demo")
-
 # Engine endpoints a publication must never touch: each would stall or disturb live Sessions.
 FORBIDDEN_PATHS = ("/pause_generation", "/flush_cache", "/release_memory_occupation")
 # What these endpoints leave in an SGLang log when something calls them.
@@ -283,6 +281,8 @@ class Run:
 
 @dataclass
 class Options:
+    """The scenario's sizes (see ``--help``)."""
+
     old_sessions: int
     new_sessions: int
     turn_tokens: int
