@@ -132,9 +132,8 @@ class AttemptRecord:
     attempt: int
     state: AttemptState
     identity: AttemptIdentity | None  # None for a fence (cleanup before begin)
-    armed: int = 0
-    received: int = 0
-    collectives: int = 0
+    armed: int = 0  # buckets whose collective was started (each exactly once)
+    received: int = 0  # buckets whose bytes arrived and matched their checksums
     failure: Reason | None = None
     drivers: set[str] = field(default_factory=set)  # every driver that ever began it
 
@@ -367,7 +366,6 @@ class Ledger:
                 expected=record.armed,
             )
         record.armed += 1
-        record.collectives += 1
         return BucketDecision.ARM, record, BucketState.ARMED
 
     def end(self, lora_name: str, attempt: int) -> tuple[EndDecision, AttemptRecord]:
@@ -427,7 +425,7 @@ class Ledger:
         return [r for r in entry.attempts.values() if r.state.may_hold_engine]
 
     def mark_reclaimed(self, lora_name: str, reclaim_id: str) -> None:
-        """Fence the name for good and drop its attempt records to a tombstone."""
+        """Fence the name for good: every attempt of it ends (RECLAIMED, or CLEANED if unloaded)."""
         entry = self._names.setdefault(lora_name, _Name())
         for record in entry.attempts.values():
             if record.state in (AttemptState.READY, AttemptState.UNCERTAIN):

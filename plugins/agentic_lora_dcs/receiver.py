@@ -69,7 +69,7 @@ from agentic_lora_dcs.protocol import (
     Rendezvous,
     StatusReply,
 )
-from agentic_lora_dcs.staging import Staging, consume_exception
+from agentic_lora_dcs.staging import Staging, Unpacked, consume_exception
 
 __all__ = ["AdapterDirectories", "EngineControl", "Receiver"]
 
@@ -322,7 +322,7 @@ class Receiver:
     def _arm(self, record: AttemptRecord, index: int) -> None:
         assert record.identity is not None
         runtime = self._runtimes[_key(record)]
-        raw = runtime.receive(record.identity.plan.buckets[index].nbytes)
+        raw = runtime.receive(index, record.identity.plan)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         runtime.receives[index] = done
         raw.add_done_callback(lambda fut: self._on_received(record, runtime, index, fut, done))
@@ -332,7 +332,7 @@ class Receiver:
         record: AttemptRecord,
         runtime: Staging,
         index: int,
-        fut: asyncio.Future[bytes],
+        fut: asyncio.Future[Unpacked],
         done: asyncio.Future[None],
     ) -> None:
         if runtime.dropped or record.state not in _RECEIVING:
@@ -355,8 +355,7 @@ class Receiver:
                 done, Refused(Reason.TRANSPORT_FAILED, f"collective failed: {exc!r}", clean=True)
             )
             return
-        assert record.identity is not None
-        tensors, mismatches = record.identity.plan.unpack(index, fut.result())
+        tensors, mismatches = fut.result()
         if mismatches:
             first = mismatches[0]
             self._fail(record, Reason.CHECKSUM_MISMATCH)
@@ -438,25 +437,8 @@ class Receiver:
         return await self._confirm(record, runtime, path)
 
     async def _run_end(self, record: AttemptRecord, runtime: Staging) -> ReadyReply:
-        assert record.identity is not None
-        identity = record.identity
         try:
-            for index in range(record.buckets):
-                await self._settle_receive(record, index)
-            current = f"{self.sidecar_id}/{await self.engine_incarnation()}"
-            if current != identity.incarnation:
-                raise Refused(
-                    Reason.ENGINE_RESTARTED,
-                    f"engine restarted ({identity.incarnation} -> {current}) before the load",
-                    clean=True,
-                    current=current,
-                )
-            snapshot = self._verified_snapshot(record, runtime)
-            runtime.stash.clear()
-            try:
-                path = await self._store.put(record.lora_name, snapshot)
-            except VersionConflictError as exc:
-                raise Refused(Reason.MANIFEST_MISMATCH, exc.message, clean=True) from exc
+            path = await self._materialise(record, runtime)
         except Refused as refused:
             self._fail(record, refused.reason)
             raise
@@ -464,26 +446,43 @@ class Receiver:
             # Only the incarnation read can fail this way here; nothing was loaded yet.
             self._fail(record, Reason.ENGINE_UNAVAILABLE)
             raise Refused(Reason.ENGINE_UNAVAILABLE, exc.message, clean=True) from exc
-        return await self._load(record, runtime, path)
+        except Exception as exc:
+            # Before the load nothing reached the engine, and the store writes atomically.
+            logger.exception("End of %s attempt %d failed", record.lora_name, record.attempt)
+            self._fail(record, Reason.INTERNAL)
+            raise Refused(
+                Reason.INTERNAL, f"End failed before the load: {exc!r}", clean=True
+            ) from exc
+        try:
+            return await self._load(record, runtime, path)
+        except Refused:
+            raise
+        except Exception as exc:
+            logger.exception("load of %s attempt %d failed", record.lora_name, record.attempt)
+            self._uncertain(record)
+            raise Refused(Reason.INTERNAL, f"load outcome unknown: {exc!r}", clean=False) from exc
 
-    def _verified_snapshot(self, record: AttemptRecord, runtime: Staging) -> AdapterSnapshot:
+    async def _materialise(self, record: AttemptRecord, runtime: Staging) -> Path:
+        """Every bucket in, same engine process, full manifest verified, directory stored."""
         assert record.identity is not None
         identity = record.identity
-        try:
-            snapshot = AdapterSnapshot.from_blobs(
-                json.loads(identity.config_json), identity.plan.blobs(runtime.stash)
-            )
-        except (InvalidAdapterError, KeyError) as exc:
-            message = exc.message if isinstance(exc, AgenticLoRAError) else f"missing {exc}"
-            raise Refused(Reason.MANIFEST_MISMATCH, message, clean=True) from exc
-        if snapshot.digest != identity.digest:
+        for index in range(record.buckets):
+            await self._settle_receive(record, index)
+        current = f"{self.sidecar_id}/{await self.engine_incarnation()}"
+        if current != identity.incarnation:
             raise Refused(
-                Reason.MANIFEST_MISMATCH,
-                f"received adapter hashes to {snapshot.digest[:16]}, "
-                f"the version says {identity.digest[:16]}",
+                Reason.ENGINE_RESTARTED,
+                f"engine restarted ({identity.incarnation} -> {current}) before the load",
                 clean=True,
+                current=current,
             )
-        return snapshot
+        # Validation and hashing of a large adapter take a while: off the event loop.
+        snapshot = await asyncio.to_thread(_verified_snapshot, identity, dict(runtime.stash))
+        runtime.stash.clear()
+        try:
+            return await self._store.put(record.lora_name, snapshot)
+        except VersionConflictError as exc:
+            raise Refused(Reason.MANIFEST_MISMATCH, exc.message, clean=True) from exc
 
     async def _load(self, record: AttemptRecord, runtime: Staging, path: Path) -> ReadyReply:
         try:
@@ -680,7 +679,7 @@ class Receiver:
             self._drop(record, why=str(reason))
 
     def _uncertain(self, record: AttemptRecord) -> None:
-        if record.state is not AttemptState.UNCERTAIN:
+        if record.state is AttemptState.LOADING:
             record.move_to(AttemptState.UNCERTAIN)
         runtime = self._runtimes.get(_key(record))
         if runtime is not None:
@@ -727,6 +726,25 @@ _VIOLATIONS = (Reason.OUT_OF_ORDER, Reason.BAD_BUCKET, Reason.INCOMPLETE)
 
 # End moves an attempt to LOADING while its last bucket may still be arriving.
 _RECEIVING = (AttemptState.PREPARED, AttemptState.LOADING)
+
+
+def _verified_snapshot(identity: AttemptIdentity, stash: dict[str, bytes]) -> AdapterSnapshot:
+    """The received adapter, validated, and proven to be the content the version names."""
+    try:
+        snapshot = AdapterSnapshot.from_blobs(
+            json.loads(identity.config_json), identity.plan.blobs(stash)
+        )
+    except (InvalidAdapterError, KeyError) as exc:
+        message = exc.message if isinstance(exc, AgenticLoRAError) else f"missing {exc}"
+        raise Refused(Reason.MANIFEST_MISMATCH, message, clean=True) from exc
+    if snapshot.digest != identity.digest:
+        raise Refused(
+            Reason.MANIFEST_MISMATCH,
+            f"received adapter hashes to {snapshot.digest[:16]}, "
+            f"the version says {identity.digest[:16]}",
+            clean=True,
+        )
+    return snapshot
 
 
 def _key(record: AttemptRecord) -> tuple[str, int, str]:

@@ -13,9 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from agentic_lora_dcs.collective import AttemptGroup
+from agentic_lora_dcs.plan import BucketPlan, ChecksumMismatch
 from agentic_lora_dcs.protocol import ReadyReply
 
-__all__ = ["Staging", "consume_exception"]
+#: A received bucket: its tensors by name, and the ones whose checksum did not match.
+Unpacked = tuple[dict[str, bytes], list[ChecksumMismatch]]
+
+__all__ = ["Staging", "Unpacked", "consume_exception"]
 
 
 class Staging:
@@ -37,13 +41,19 @@ class Staging:
         self.ready: ReadyReply | None = None
         self.dropped = False
 
-    def receive(self, nbytes: int) -> asyncio.Future[bytes]:
-        """Queue one bucket receive (after the join and every earlier receive)."""
-        group = self._group
+    def receive(self, index: int, plan: BucketPlan) -> asyncio.Future[Unpacked]:
+        """Queue the receive of bucket ``index`` (after the join and every earlier receive).
 
-        def run() -> bytes:
+        The bytes are split and checksummed on the attempt's thread too, so a large bucket never
+        stalls the event loop that answers the other control messages.
+        """
+        group = self._group
+        nbytes = plan.buckets[index].nbytes
+
+        def run() -> Unpacked:
             # Same thread as the join, so the join has settled (or raised) by now.
-            return group.result(timeout=0).receive(nbytes)
+            data = group.result(timeout=0).receive(nbytes)
+            return plan.unpack(index, data)
 
         return asyncio.get_running_loop().run_in_executor(self._executor, run)
 

@@ -202,7 +202,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def each_key_is_armed_at_most_once(self) -> None:
         assert all(count == 1 for count in self.arms.values())
         for record in self.ledger:
-            assert record.collectives == record.armed <= BUCKETS
+            assert record.received <= record.armed <= BUCKETS
 
     @invariant()
     def at_most_one_attempt_holds_the_live_engine(self) -> None:
