@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -30,12 +30,13 @@ from agentic_lora.backends import Backend
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.discovery import load_backend
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.publisher import PublicationResult, Publisher
+from agentic_lora.publisher import PhaseEvent, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimReport
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import RegistryStatus, ReleaseResult
 from agentic_lora.session import Session, Versioning
+from agentic_lora.transport import EngineTransport
 
 __all__ = ["Deployment"]
 
@@ -52,7 +53,7 @@ class Deployment:
         versioning: Versioning,
         backend: Backend,
         registry: RegistryAPI,
-        on_progress: Any = None,
+        on_progress: Callable[[PhaseEvent], None] | None = None,
         owns_backend: bool = True,
     ) -> None:
         self.settings = settings
@@ -77,7 +78,8 @@ class Deployment:
         backend: Backend | None = None,
         backend_options: Mapping[str, Any] | None = None,
         registry: RegistryAPI | None = None,
-        on_progress: Any = None,
+        transport: EngineTransport | None = None,
+        on_progress: Callable[[PhaseEvent], None] | None = None,
     ) -> Deployment:
         """Build every part from validated settings (the flag must be on)."""
         if not settings.enable_versioned_lora_publication:
@@ -89,7 +91,7 @@ class Deployment:
         owns_backend = backend is None
         if backend is None:
             backend = load_backend(settings.backend, **dict(backend_options or {}))
-        versioning = Versioning.from_settings(settings, registry=registry)
+        versioning = Versioning.from_settings(settings, registry=registry, transport=transport)
         assert versioning.registry is not None
         return cls(
             settings=settings,

@@ -127,6 +127,7 @@ class PhaseEvent:
     status: PhaseStatus
     seconds: float | None = None
     error_code: str | None = None
+    version_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +229,14 @@ class PhaseRecorder:
     """Collects phase timings of one publication or reclaim and forwards progress events."""
 
     def __init__(
-        self, clock: Callable[[], float], on_progress: Callable[[PhaseEvent], None] | None
+        self,
+        clock: Callable[[], float],
+        on_progress: Callable[[PhaseEvent], None] | None,
+        version_id: str | None = None,
     ) -> None:
         self._clock = clock
         self._on_progress = on_progress
+        self._version_id = version_id
         self.timings: list[PhaseTiming] = []
 
     def _emit(self, event: PhaseEvent) -> None:
@@ -246,18 +251,19 @@ class PhaseRecorder:
     async def phase(self, engine: str | None, phase: Phase) -> AsyncIterator[None]:
         """Time the enclosed block as ``phase`` on ``engine`` (a failure is recorded and re-raised)."""
         start = self._clock()
-        self._emit(PhaseEvent(engine, phase, PhaseStatus.STARTED))
+        vid = self._version_id
+        self._emit(PhaseEvent(engine, phase, PhaseStatus.STARTED, version_id=vid))
         try:
             yield
         except BaseException as exc:
             seconds = self._clock() - start
             code = getattr(exc, "code", type(exc).__name__)
             self.timings.append(PhaseTiming(engine, phase, seconds, False, code))
-            self._emit(PhaseEvent(engine, phase, PhaseStatus.FAILED, seconds, code))
+            self._emit(PhaseEvent(engine, phase, PhaseStatus.FAILED, seconds, code, vid))
             raise
         seconds = self._clock() - start
         self.timings.append(PhaseTiming(engine, phase, seconds, True))
-        self._emit(PhaseEvent(engine, phase, PhaseStatus.DONE, seconds))
+        self._emit(PhaseEvent(engine, phase, PhaseStatus.DONE, seconds, version_id=vid))
 
 
 @dataclass
@@ -342,7 +348,7 @@ class Publisher:
                 version_id,
                 snapshot.digest,
                 bootstrap=status.default_version is None,
-                recorder=PhaseRecorder(self._clock, self.on_progress),
+                recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
             )
             reservation = await self._reserve(run)
             if reservation is None:
@@ -370,7 +376,7 @@ class Publisher:
                 version_id,
                 status.digest,
                 bootstrap=False,
-                recorder=PhaseRecorder(self._clock, self.on_progress),
+                recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
             )
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
                 return run.result(

@@ -200,7 +200,7 @@ class Reclaimer:
     # --- one version --------------------------------------------------------------------------
 
     async def _reclaim(self, version_id: str) -> ReclaimResult:
-        recorder = PhaseRecorder(self._clock, self.on_progress)
+        recorder = PhaseRecorder(self._clock, self.on_progress, version_id)
         request_id = new_request_id()
         try:
             async with recorder.phase(None, Phase.CLAIM_RECLAIM):

@@ -555,6 +555,7 @@ async def test_results_carry_per_engine_per_phase_timings_and_progress_events(wo
         e.status for e in world.progress.events if (e.engine, e.phase) == ("e0", Phase.PREPARE)
     ]
     assert prepare_e0 == [PhaseStatus.STARTED, PhaseStatus.DONE]
+    assert {e.version_id for e in world.progress.events} == {"v1"}
 
 
 @pytest.mark.asyncio
