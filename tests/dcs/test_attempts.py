@@ -226,7 +226,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert record.state in (AttemptState.CLEANED, AttemptState.RECLAIMED)
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+LedgerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestLedger = LedgerMachine.TestCase
 
 
