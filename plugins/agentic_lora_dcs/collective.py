@@ -1,9 +1,9 @@
 """Moving bucket bytes over ``torch.distributed``: one two-rank process group per attempt.
 
-The receiver sidecar hosts a ``TCPStore``; every attempt rendezvouses under its own prefix
-(``<lora_name>/<attempt>``) and gets a fresh group with the publisher as rank 0 (the broadcast
-root) and the sidecar as rank 1. A group is never shared between attempts: a receive left pending
-by an abandoned attempt can only time out, it can never consume a newer attempt's bytes.
+The receiver sidecar hosts a ``TCPStore``; every driver of every attempt rendezvouses under its
+own prefix (``<lora_name>/<attempt>/<driver>``) and gets a fresh group with the publisher as rank 0
+(the broadcast root) and the sidecar as rank 1. A group is never shared: a receive left pending by
+an abandoned attempt can only time out, it can never consume a newer attempt's bytes.
 
 Gloo on CPU, NCCL when CUDA is available. Every call here blocks; callers run them in a thread
 (one thread per attempt, so an attempt's collectives happen in plan order).

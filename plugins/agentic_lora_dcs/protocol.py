@@ -7,8 +7,9 @@ The collective contract: a ``bucket`` message *arms* the receiver for the collec
 (lora_name, attempt, index) and the publisher broadcasts only after it read ``ARMED``. The
 receiver arms a key at most once, and the publisher's driver broadcasts a key at most once, so a
 duplicated or replayed control message can never drive a second broadcast on either side. Every
-attempt rendezvouses in its own process group (store prefix = lora_name/attempt), so a receive
-left pending by a superseded attempt can never pair with a newer attempt's broadcast.
+driver of every attempt rendezvouses in its own process group (store prefix
+``<lora_name>/<attempt>/<driver>``), so a receive left pending by a superseded attempt or driver
+can never pair with a newer one's broadcast.
 
 Every refusal carries a stable ``reason`` and ``clean``: ``clean=True`` means the sidecar holds
 nothing of that attempt and loaded nothing into its engine (the publisher may treat it as a clean
