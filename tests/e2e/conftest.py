@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+import pytest
 import pytest_asyncio
 from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_http import HttpPushBackend
@@ -40,17 +41,32 @@ from tests.e2e.support import (
     open_on,
 )
 
-# The fleet fixtures may be lifted to tests/conftest.py; then they are visible here as they are,
-# and re-exporting them would make a second session fixture (a second fleet).
+# The fleet fixtures: a fixture imported into a conftest is one session fixture per conftest, so
+# once a root conftest provides them (``pytest_plugins``), importing them here as well would
+# start a second fleet in a run that also collects tests/engine.
 try:
     _root_conftest: ModuleType | None = importlib.import_module("tests.conftest")
 except ModuleNotFoundError:
     _root_conftest = None
-if _root_conftest is None or not hasattr(_root_conftest, "engine_fleet"):
-    # Visible only under tests/engine/ otherwise: re-export them for this directory.
-    from tests.engine.conftest import engine_env, engine_fleet, model_fixture  # noqa: F401
+if "agentic_lora_harness.pytest_fixtures" not in getattr(_root_conftest, "pytest_plugins", ()):
+    from agentic_lora_harness.pytest_fixtures import (  # noqa: F401
+        engine_env,
+        engine_fleet,
+        model_fixture,
+    )
+
+#: The first test to ask for the fleet may pay for creating the engine venv and starting both
+#: engines (minutes on a fresh machine); the ini timeout is for the test, not for that.
+_FLEET_SETUP_TIMEOUT_SECONDS = 1800
 
 ADAPTERS = ("A", "B", "C")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents and "engine_fleet" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(_FLEET_SETUP_TIMEOUT_SECONDS))
 
 
 async def _adapter_names(client: httpx.AsyncClient, base_url: str) -> set[str]:

@@ -26,7 +26,7 @@ from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
 from tests.e2e.recording_proxy import Exchange, Waiters
-from tests.e2e.support import fresh_id, scored, scored_request, stored_names
+from tests.e2e.support import Held, fresh_id, scored, scored_request, stored_names
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -172,6 +172,11 @@ async def test_a_request_in_flight_keeps_a_version_loaded_until_it_ends(stack: S
         done_e0 = await stack.traffic.wait_for(
             lambda e: e is unloads["E0"] and e.done, what="E0 unload returned"
         )
+        await stack.watch.wait_for(
+            "confirm_reclaim",
+            lambda s: s.version_id == stack.versions["A"] and "E0" in s.reclaimed_engines,
+            what="E0's unload of A confirmed",
+        )
         await long["E1"].advanced_by(CHUNKS_WHILE_UNLOAD_WAITS)
         assert not unloads["E1"].done
         assert stack.status("A").state is VersionState.RECLAIMING
@@ -233,9 +238,9 @@ async def test_a_request_for_a_version_whose_reclaim_began_is_refused_locally(
     stack.backend.reclaim_gates.update(gates)
     await stack.registry.begin_close(request_id=new_request_id(), session_key=session.key)
     await stack.registry.release(request_id=new_request_id(), session_key=session.key)
-    for _ in stack.engine_names:
+    for engine in stack.engine_names:
         await stack.backend.held.wait_for(
-            lambda h: h.op == "reclaim" and h.lora_name == name_a, what="reclaim of A begun"
+            Held("reclaim", engine, name_a).__eq__, what=f"reclaim of A begun on {engine}"
         )
     assert stack.status("A").state is VersionState.RECLAIMING
 
