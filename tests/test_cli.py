@@ -133,7 +133,7 @@ def test_serve_with_an_unreachable_engine_is_one_line_and_serves_nothing(tmp_pat
 
 def test_doctor_with_an_unreachable_engine_names_it_and_fails(tmp_path: Path) -> None:
     port = closed_port()
-    config = write_config(tmp_path / "c.json.toml", [f"e0=http://127.0.0.1:{port}"])
+    config = write_config(tmp_path / "c.toml", [f"e0=http://127.0.0.1:{port}"])
     proc = run_script("doctor", "--config", str(config), cwd=tmp_path)
     assert_one_error_line(proc, "CONFIG_ERROR")
     assert "e0\n  FAIL  reachable" in proc.stdout
@@ -428,6 +428,11 @@ async def test_serve_publish_status_reclaim_and_an_openai_agent_over_real_http(
             out.splitlines()[-1]
             == "(1 reclaimed or failed-clean version(s) hidden; --all shows them)"
         )
+
+        # While the server appends to it, the journal reads the same, from a consistent copy.
+        code, live_json, _ = await run_cli("status", "--journal", str(srv.journal), "--json")
+        assert code == 0
+        assert json.loads(live_json)["registry"]["versions"] == payload["registry"]["versions"]
 
         code, _, err = await run_cli("status", "--server", srv.url, "--admin-token", "wrong")
         assert code == cli.EXIT_ERROR
