@@ -36,13 +36,17 @@ def vllm_env() -> VllmEnv:
 
 
 @pytest.fixture(scope="session")
-def vllm_fleet(vllm_env: VllmEnv, model_fixture: Fixture) -> Iterator[VllmFleet]:
+def vllm_fleet(
+    vllm_env: VllmEnv, model_fixture: Fixture, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmFleet]:
     """Two vLLM engines, E0 and E1, serving the fixture model for the whole session.
 
-    On teardown, ``fleet-report.json`` (install, start-up and memory figures) is written next to
-    the engine logs.
+    Engine logs go to a pytest temporary directory (pytest keeps the last few runs'); on
+    teardown, ``fleet-report.json`` (install, start-up and memory figures) is written beside them.
     """
-    with VllmFleet(vllm_env, model_fixture, count=2) as fleet:
+    log_dir = tmp_path_factory.mktemp("vllm-engines")
+    logger.info("vllm engine logs in %s", log_dir)
+    with VllmFleet(vllm_env, model_fixture, count=2, log_dir=log_dir) as fleet:
         yield fleet
         report = {
             "vllm_env": {

@@ -78,7 +78,7 @@ class Stream:
     def __init__(self, http: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> None:
         self.first = asyncio.Event()
         self.chunks: list[str] = []
-        self.finished = False
+        self._finished = False
         self.task = asyncio.create_task(self._read(http, base, model, max_tokens))
 
     async def _read(self, http: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> str:
@@ -94,12 +94,16 @@ class Stream:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
-                    self.finished = True
+                    self._finished = True
                     break
                 if line.startswith("data: "):
                     self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
                     self.first.set()
         return "".join(self.chunks)
+
+    def finished(self) -> bool:
+        """Whether the engine's end-of-stream marker has arrived."""
+        return self._finished
 
 
 # --- runtime load and unload by name -----------------------------------------------------------
@@ -204,7 +208,7 @@ async def test_unload_returns_while_a_request_on_the_adapter_runs_and_it_finishe
 
     removed = await unload(client, base, "beh-inflight")
     assert removed.status_code == 200
-    assert not stream.finished  # unload answered; the request has not
+    assert not stream.finished()  # unload answered; the request has not
     # The engine's own report still lists the adapter as busy: the request is running.
     assert "beh-inflight" in await busy_adapters(client, base)
     # New requests for the name are refused at once...
@@ -212,7 +216,7 @@ async def test_unload_returns_while_a_request_on_the_adapter_runs_and_it_finishe
     assert late.status_code == 404
     # ...while the one already accepted finishes, on the adapter's weights, not the base's.
     assert await stream.task == reference
-    assert stream.finished
+    assert stream.finished()
     # Once its last request is answered, the engine no longer reports the adapter busy.
     assert "beh-inflight" not in await busy_adapters(client, base)
 
@@ -279,7 +283,7 @@ async def test_the_backend_publishes_serves_and_reclaims_after_the_drain(
             *(backend.reclaim(ref, lora_name=name, reclaim_id="beh-r1") for ref in refs)
         )
         # The reclaim could only unload after the in-flight request finished, on its weights.
-        assert streams[0].finished
+        assert streams[0].finished()
         assert await streams[0].task == reference
         for ref in refs:
             assert name not in await listed(client, ref.base_url)
