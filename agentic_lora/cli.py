@@ -371,8 +371,8 @@ async def serve(
 ) -> None:
     """Run the gateway until ``stop`` is set or SIGINT/SIGTERM arrives, then close cleanly.
 
-    Start-up order: settings are valid, the engines answer and have enough LoRA slots
-    (:func:`~agentic_lora.config.verify_fleet`), the port is free; only then is anything served.
+    Start-up order: the port is free, the settings are valid, the engines answer and have
+    enough LoRA slots (:func:`~agentic_lora.config.verify_fleet`); only then is anything served.
     On the way out every live Session is closed (released exactly once) and the journal flushed.
     ``on_ready`` receives the :class:`Served` handle once the socket accepts connections.
     """

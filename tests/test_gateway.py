@@ -206,14 +206,11 @@ async def gateway_stack(root: Path, **gateway_options: Any) -> AsyncIterator[Sta
     with ScriptedFleet() as fleet:
         routes = OpenAIRoutes(fleet)
         gateway_options.setdefault("admin_token", ADMIN_TOKEN)
-        clock = gateway_options.pop("clock", None)
         gateway = await Gateway.from_settings(
             settings_for(fleet, **gateway_options.pop("settings", {})),
             backend_options={"store_root": str(root / "store")},
             **gateway_options,
         )
-        if clock is not None:
-            gateway.sessions._clock = clock
         stack = Stack(fleet, routes, gateway, root)
         try:
             async with gateway:

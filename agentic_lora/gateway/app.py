@@ -160,12 +160,14 @@ class Gateway:
         idle_timeout: float | None = None,
         reuse_closed_ids: bool = False,
         with_metrics: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Gateway:
         """Registry, Sessions, publisher, reclaimer and backend from settings, instrumented.
 
         The deployment gets a :class:`ProgressHub` as its progress callback and, with
         ``with_metrics``, a dispatch-counting middleware, a registry listener and a metrics
         listener on the hub. The gateway owns the deployment (closed by :meth:`aclose`).
+        ``clock`` only measures Session idleness.
         """
         if not settings.enable_versioned_lora_publication:
             raise ConfigurationError(
@@ -208,6 +210,7 @@ class Gateway:
             progress=progress,
             idle_timeout=idle_timeout,
             reuse_closed_ids=reuse_closed_ids,
+            clock=clock,
             owns_deployment=True,
         )
 
