@@ -116,14 +116,22 @@ class Deployment:
             self._started = True
 
     async def aclose(self) -> None:
-        """Close live Sessions, stop the reclaimer, close the backend and the registry."""
+        """Close live Sessions, stop the reclaimer, then close the registry and the backend.
+
+        The reclaimer stops before the registry closes: the last Sessions' releases poke it, and
+        a round it starts must still be able to record what the engines did.
+        """
         try:
-            await self.versioning.aclose()
+            for s in self.versioning.live_sessions():
+                await s.close()
         finally:
             await self.reclaimer.stop()
-            if self._owns_backend:
-                await self.backend.aclose()
-            self._started = False
+            try:
+                await self.versioning.aclose()
+            finally:
+                if self._owns_backend:
+                    await self.backend.aclose()
+                self._started = False
 
     async def __aenter__(self) -> Deployment:
         await self.start()

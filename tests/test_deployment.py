@@ -84,3 +84,25 @@ async def test_a_deployment_needs_the_flag_on(tmp_path: Path) -> None:
         with pytest.raises(ConfigurationError) as err:
             Deployment.from_settings(off, backend_options={"store_root": str(tmp_path)})
         assert err.value.details["check"] == "flag"
+
+
+async def test_closing_stops_the_reclaimer_before_the_registry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ScriptedFleet() as fleet:
+        d = Deployment.from_settings(
+            _settings(fleet),  # type: ignore[arg-type]
+            backend_options={"store_root": str(tmp_path / "adapters")},
+        )
+        await d.start()
+        await d.publish("A", A)
+        s = d.versioning.open_session("old")
+        await s.generate({"text": "old: turn"})
+        await d.publish("B", B)
+        # Closing with a live Session on A: its release pokes the reclaimer, which must finish
+        # (or be stopped) while the registry can still record what the engines did.
+        await d.aclose()
+        assert s.phase.value == "CLOSED"
+        assert not [r for r in caplog.records if "registry is closed" in r.getMessage()]
+        states = {v.version_id: v.state for v in d.registry.core.status().versions}  # type: ignore[attr-defined]
+        assert states["A"] in (VersionState.RETIRED, VersionState.RECLAIMED)

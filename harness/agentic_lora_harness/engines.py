@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -390,10 +391,8 @@ def _new_log_dir() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     runs = sorted(p for p in root.iterdir() if p.is_dir())
     for old in runs[:-9]:  # keep the last few runs' logs for post-mortems, not all of them
-        for file in old.iterdir():
-            file.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            old.rmdir()
+        # Whole trees: callers keep more than logs in a run's folder (e.g. an adapter store).
+        shutil.rmtree(old, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = root / f"{stamp}-{os.getpid()}"
     path.mkdir(exist_ok=True)

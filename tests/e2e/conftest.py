@@ -12,11 +12,9 @@ before. Version ids are fresh per test, so no two tests ever name the same adapt
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
@@ -41,19 +39,7 @@ from tests.e2e.support import (
     open_on,
 )
 
-# The fleet fixtures: a fixture imported into a conftest is one session fixture per conftest, so
-# once a root conftest provides them (``pytest_plugins``), importing them here as well would
-# start a second fleet in a run that also collects tests/engine.
-try:
-    _root_conftest: ModuleType | None = importlib.import_module("tests.conftest")
-except ModuleNotFoundError:
-    _root_conftest = None
-if "agentic_lora_harness.pytest_fixtures" not in getattr(_root_conftest, "pytest_plugins", ()):
-    from agentic_lora_harness.pytest_fixtures import (  # noqa: F401
-        engine_env,
-        engine_fleet,
-        model_fixture,
-    )
+# The fleet fixtures (engine_env, model_fixture, engine_fleet) come from tests/conftest.py.
 
 #: The first test to ask for the fleet may pay for creating the engine venv and starting both
 #: engines (minutes on a fresh machine); the ini timeout is for the test, not for that.

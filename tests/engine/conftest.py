@@ -1,15 +1,12 @@
 """Real-engine fixtures (SGLang venv, model fixture, two-engine fleet) for the tests in this folder.
 
-The fixtures live in the harness package so other test folders can reuse them; tests that use the
-fleet are marked ``pytest.mark.engine``. They never skip: a missing engine venv is an error.
+The fixtures live in the harness package and are registered for every test folder by
+``tests/conftest.py``; tests that use the fleet are marked ``pytest.mark.engine``. They never skip: a missing engine venv is an error.
 """
 
 from __future__ import annotations
 
 import pytest
-from agentic_lora_harness.pytest_fixtures import engine_env, engine_fleet, model_fixture
-
-__all__ = ["engine_env", "engine_fleet", "model_fixture"]
 
 # The first test to use these fixtures pays for creating the engine venv on a fresh machine
 # (minutes) plus starting the fleet; the per-test timeout covers fixture set-up too.

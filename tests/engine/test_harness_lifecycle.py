@@ -209,3 +209,22 @@ def test_unknown_engine_name_is_a_clear_error(stub_fleet: tuple[EngineFleet, Pat
     fleet, _ = stub_fleet
     with pytest.raises(KeyError, match="no engine named 'E7'"):
         fleet.restart("E7")
+
+
+def test_old_run_folders_are_pruned_whole_even_with_subfolders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentic_lora_harness.engines import _new_log_dir
+
+    monkeypatch.setenv("AGENTIC_LORA_CACHE", str(tmp_path))
+    root = tmp_path / "engine-logs"
+    for i in range(12):
+        run = root / f"20260101-0000{i:02d}-1"
+        (run / "adapter-store" / "e0").mkdir(parents=True)
+        (run / "adapter-store" / "e0" / "adapter_config.json").write_text("{}")
+        (run / "E0.log").write_text("log")
+    fresh = _new_log_dir()
+    assert fresh.is_dir()
+    kept = sorted(p.name for p in root.iterdir())
+    assert len(kept) == 10  # the nine newest old runs and the new one
+    assert "20260101-000000-1" not in kept
