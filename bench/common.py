@@ -44,6 +44,7 @@ __all__ = [
     "InstantEngine",
     "Summary",
     "add_example_agents_to_path",
+    "engine_log_dir",
     "free_port",
     "interleaved_order",
     "machine",
@@ -211,6 +212,13 @@ def add_example_agents_to_path() -> None:
     agents = str(REPO_ROOT / "examples" / "agents")
     if agents not in sys.path:
         sys.path.insert(0, agents)
+
+
+def engine_log_dir() -> Path:
+    """A fresh directory under ``bench/out/engine-logs`` for one run's SGLang logs."""
+    path = OUT_DIR / "engine-logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class InstantEngine:

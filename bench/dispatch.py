@@ -47,6 +47,7 @@ import httpx
 from common import (
     OUT_DIR,
     InstantEngine,
+    engine_log_dir,
     interleaved_order,
     machine,
     print_table,
@@ -473,7 +474,7 @@ async def sglang_target() -> AsyncIterator[Target]:
 
     env = await asyncio.to_thread(ensure_engine_env)
     fixture = await asyncio.to_thread(build_fixture)
-    async with EngineFleet(env, fixture, count=1) as fleet:
+    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
         settings = load_settings(
             enable_versioned_lora_publication=True,
             engines=[f"{name}={url}" for name, url in fleet.engines],
@@ -541,16 +542,16 @@ async def run_engine(
     return report
 
 
-async def profile_full_path(seconds_of_work: int = 20_000) -> Path:
+async def profile_full_path(dispatches: int = 8_000) -> Path:
     """pyinstrument profile of the versioned path at concurrency 1 against the instant engine."""
     from pyinstrument import Profiler
 
     async with instant_target() as t:
         await measure(t, 1, ["full"], blocks=1, sessions=10, turns=8)
-        profiler = Profiler(interval=0.0001, async_mode="enabled")
+        profiler = Profiler(interval=0.0005, async_mode="enabled")
         profiler.start()
         out = Samples()
-        await _full(t, seconds_of_work // 8, 8, out, "profile")
+        await _full(t, dispatches // 8, 8, out, "profile")
         profiler.stop()
     OUT_DIR.mkdir(exist_ok=True)
     text = OUT_DIR / "dispatch_profile.txt"
