@@ -674,3 +674,122 @@ async def test_dispatch_logs_carry_the_stable_keys(
             assert getattr(record, "version") == "A"  # noqa: B009
             assert getattr(record, "engine") in ("e0", "e1")  # noqa: B009
             assert getattr(record, "attempt") == 1  # noqa: B009
+
+
+# --- real SGLang engines ------------------------------------------------------------------------
+
+
+async def _adapter_cards(client: httpx.AsyncClient, base_url: str) -> set[str]:
+    response = await client.get(f"{base_url}/v1/models")
+    assert response.status_code == 200, response.text
+    return {card["id"] for card in response.json()["data"] if card.get("parent") is not None}
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first user of the shared fleet may pay for starting it
+@pytest.mark.asyncio
+async def test_openai_client_pinned_across_a_publication_on_real_engines(
+    engine_fleet: Any, tmp_path: Path
+) -> None:
+    """The gateway in front of the shared two-engine SGLang fleet, with the official client.
+
+    Greedy outputs through the gateway equal direct engine calls naming the pinned adapter, so
+    the engine really ran that adapter. The fleet is left as found: A is reclaimed through the
+    product, B (still the default when the test ends) is unloaded in teardown.
+    """
+    import uuid
+
+    from agentic_lora.config import verify_fleet
+    from agentic_lora.engine_admin import EngineAdminClient
+
+    tag = uuid.uuid4().hex[:8]
+    base = engine_fleet.served_model_name
+    urls = [url for _, url in engine_fleet.engines]
+    settings = load_settings(
+        enable_versioned_lora_publication=True,
+        engines=[f"{name}={url}" for name, url in engine_fleet.engines],
+        capacity=2,
+        base_model_name=base,
+    )
+    prompt = [{"role": "user", "content": "policy version engine"}]
+
+    async def direct(client: httpx.AsyncClient, url: str, adapter: str) -> str:
+        body = {"model": f"{base}:{adapter}", "messages": prompt, "max_tokens": 8, "temperature": 0}
+        response = await client.post(f"{url}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["message"]["content"])
+
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as raw:
+        before = {url: await _adapter_cards(raw, url) for url in urls}
+        gateway = await Gateway.from_settings(
+            settings, backend_options={"store_root": str(tmp_path / "store")}, admin_token="t"
+        )
+        published: list[str] = []
+        try:
+            async with gateway:
+                await verify_fleet(settings, gateway.versioning.transport)
+                transport = httpx.ASGITransport(app=gateway.app)
+                admin = AdminClient("http://gateway", token="t", transport=transport)
+                http = httpx.AsyncClient(transport=transport, base_url="http://gateway")
+                clients = [
+                    openai.AsyncOpenAI(
+                        base_url="http://gateway/v1",
+                        api_key=f"{tag}-{who}",
+                        max_retries=0,
+                        http_client=httpx2.AsyncClient(
+                            transport=httpx2.ASGITransport(app=gateway.app), timeout=120
+                        ),
+                    )
+                    for who in ("old", "new")
+                ]
+                old, new = clients
+                try:
+
+                    async def ask(agent: openai.AsyncOpenAI) -> tuple[str, str]:
+                        raw_reply = await agent.chat.completions.with_raw_response.create(
+                            model=base,
+                            messages=prompt,
+                            max_tokens=8,
+                            temperature=0,
+                        )
+                        text = raw_reply.parse().choices[0].message.content or ""
+                        return raw_reply.headers["x-agentic-lora-name"], text
+
+                    a = await admin.publish(str(engine_fleet.fixture.adapter("A")), f"{tag}-A")
+                    published.append(a["lora_name"])
+                    a_name, first = await ask(old)
+                    b = await admin.publish(str(engine_fleet.fixture.adapter("B")), f"{tag}-B")
+                    published.append(b["lora_name"])
+                    assert (a["outcome"], b["outcome"]) == ("PUBLISHED", "PUBLISHED")
+
+                    old_name, again = await ask(old)
+                    new_name, fresh = await ask(new)
+                    assert (a_name, old_name, new_name) == (
+                        a["lora_name"],
+                        a["lora_name"],
+                        b["lora_name"],
+                    )
+                    assert again == first == await direct(raw, urls[0], a["lora_name"])
+                    assert fresh == await direct(raw, urls[1], b["lora_name"])
+
+                    closed = await http.post(f"/v1/sessions/{tag}-old/close")
+                    assert closed.json()["released_now"] is True
+                    await gateway.deployment.reclaimer.settled()
+                    await admin.reclaim()
+                    status = (await admin.status())["registry"]
+                    states = {v["version_id"]: v["state"] for v in status["versions"]}
+                    assert states == {f"{tag}-A": "RECLAIMED", f"{tag}-B": "PUBLISHED"}
+                    for url in urls:
+                        assert a["lora_name"] not in await _adapter_cards(raw, url)
+                finally:
+                    for client in clients:
+                        await client.close()
+                    await http.aclose()
+                    await admin.aclose()
+        finally:
+            for url in urls:
+                async with EngineAdminClient(url, client=raw) as engine:
+                    for name in published:
+                        await engine.unload_lora_adapter(name)
+        assert {url: await _adapter_cards(raw, url) for url in urls} == before
