@@ -112,7 +112,11 @@ class Gateway:
     gateway:`` (or :meth:`start` / :meth:`aclose`) around serving it: that runs the background
     reclaimer and the idle-Session expiry, and closes every Session at the end.
 
-    * ``admin_token``: the bearer token of the ``/admin`` routes (None: they answer 403).
+    * ``admin_token``: the bearer token of the ``/admin`` routes (None: they are disabled).
+    * ``metrics``: instruments to serve on ``/metrics`` (their observers must already be hooked
+      into the deployment, as :meth:`from_settings` does).
+    * ``progress``: the hub the deployment reports progress to (its ``on_progress``); a streamed
+      publication listens on it.
     * ``idle_timeout``: close Sessions unused this many seconds (None: never).
     * ``reuse_closed_ids``: let a closed Session id open a new Session (default: refused).
     """
