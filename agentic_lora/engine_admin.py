@@ -22,6 +22,10 @@ Every call is one HTTP attempt; nothing here retries. A failure is classified:
   an answer that does not parse).
 
 HTTP 200 with ``success: false`` is a failure: bodies are checked, not just status codes.
+
+:class:`AdminHttpClient` is the plumbing every engine's admin client shares (one attempt per call,
+transport failures classified, typed errors logged with stable keys); :class:`EngineAdminClient`
+adds SGLang's routes and answer shapes, ``agentic_lora_vllm.admin.VllmAdminClient`` vLLM's.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
 
 __all__ = [
+    "AdminHttpClient",
     "AdminTimeouts",
     "EngineAdminClient",
     "LoadResult",
@@ -132,11 +137,15 @@ def server_fingerprint(info: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-class EngineAdminClient:
-    """Typed access to one SGLang engine's control endpoints (one attempt per call).
+class AdminHttpClient:
+    """One engine's admin HTTP endpoint: one attempt per call, every failure classified.
 
-    Pass ``client`` to share an :class:`httpx.AsyncClient` (its lifetime stays yours); without
-    it the client owns one and :meth:`aclose` closes it.
+    Subclasses add the engine's routes and read its answers; this class sends, and turns what
+    went wrong on the wire into :class:`~agentic_lora.errors.BackendRefusedError` (the request
+    never left, so the engine cannot have acted) or
+    :class:`~agentic_lora.errors.BackendAmbiguousError` (it may have). Pass ``client`` to share
+    an :class:`httpx.AsyncClient` (its lifetime stays yours); without it the client owns one and
+    :meth:`aclose` closes it.
     """
 
     def __init__(
@@ -162,11 +171,83 @@ class EngineAdminClient:
         if self._owns_client:
             await self._client.aclose()
 
-    async def __aenter__(self) -> EngineAdminClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def _send_post(
+        self,
+        op: str,
+        path: str,
+        payload: Mapping[str, Any],
+        *,
+        limit: float | None,
+        lora_name: str | None,
+    ) -> httpx.Response:
+        request_timeout = httpx.Timeout(limit, connect=self.timeouts.connect)
+        try:
+            return await self._client.post(
+                self.base_url + path, json=dict(payload), timeout=request_timeout
+            )
+        except httpx.TransportError as exc:
+            raise self._transport_failure(op, exc, lora_name) from exc
+
+    async def _send_get(self, op: str, path: str) -> httpx.Response:
+        try:
+            return await self._client.get(self.base_url + path)
+        except httpx.TransportError as exc:
+            raise self._transport_failure(op, exc, None) from exc
+
+    @staticmethod
+    def _adapters_in(cards: list[Any]) -> dict[str, str]:
+        """``{name: path}`` of the adapter cards in a ``/v1/models`` ``data`` array."""
+        # Both engines list the base model too; only adapters have a parent.
+        return {
+            str(card.get("id")): str(card.get("root"))
+            for card in cards
+            if isinstance(card, dict) and card.get("parent") is not None
+        }
+
+    def _transport_failure(
+        self, op: str, exc: httpx.TransportError, lora_name: str | None
+    ) -> BackendError:
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, _NOT_SENT):
+            return self._refused(op, reason, lora_name=lora_name)
+        return self._ambiguous(op, reason, lora_name=lora_name)
+
+    def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
+        logger.info(
+            "engine %s refused %s: %s",
+            self.engine,
+            op,
+            message,
+            extra={"engine": self.engine, "version": details.get("lora_name")},
+        )
+        return BackendRefusedError(
+            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
+        )
+
+    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendAmbiguousError:
+        logger.warning(
+            "engine %s %s outcome unknown: %s",
+            self.engine,
+            op,
+            message,
+            extra={"engine": self.engine, "version": details.get("lora_name")},
+        )
+        return BackendAmbiguousError(
+            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
+        )
+
+
+class EngineAdminClient(AdminHttpClient):
+    """Typed access to one SGLang engine's control endpoints (one attempt per call).
+
+    Construction and client sharing as for :class:`AdminHttpClient`.
+    """
 
     # --- adapters --------------------------------------------------------------------------
 
@@ -226,11 +307,7 @@ class EngineAdminClient:
         data = body.get("data")
         if not isinstance(data, list):
             raise self._ambiguous(op, "model list has no 'data' array")
-        adapters: dict[str, str] = {}
-        for card in data:
-            if isinstance(card, dict) and card.get("parent") is not None:
-                adapters[str(card.get("id"))] = str(card.get("root"))
-        return adapters
+        return self._adapters_in(data)
 
     async def probe_generate(
         self, lora_name: str, *, input_ids: Sequence[int] = (0,)
@@ -296,21 +373,11 @@ class EngineAdminClient:
         limit: float | None,
         lora_name: str | None = None,
     ) -> dict[str, Any]:
-        request_timeout = httpx.Timeout(limit, connect=self.timeouts.connect)
-        try:
-            response = await self._client.post(
-                self.base_url + path, json=dict(payload), timeout=request_timeout
-            )
-        except httpx.TransportError as exc:
-            raise self._transport_failure(op, exc, lora_name) from exc
+        response = await self._send_post(op, path, payload, limit=limit, lora_name=lora_name)
         return self._parse(op, response, lora_name)
 
     async def _get_json(self, op: str, path: str) -> dict[str, Any]:
-        try:
-            response = await self._client.get(self.base_url + path)
-        except httpx.TransportError as exc:
-            raise self._transport_failure(op, exc, None) from exc
-        return self._parse(op, response, None)
+        return self._parse(op, await self._send_get(op, path), None)
 
     def _parse(self, op: str, response: httpx.Response, lora_name: str | None) -> dict[str, Any]:
         status = response.status_code
@@ -334,38 +401,6 @@ class EngineAdminClient:
                 op, f"HTTP {status}: {_error_message(body)}", lora_name=lora_name, status=status
             )
         return body
-
-    def _transport_failure(
-        self, op: str, exc: httpx.TransportError, lora_name: str | None
-    ) -> BackendError:
-        reason = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, _NOT_SENT):
-            return self._refused(op, reason, lora_name=lora_name)
-        return self._ambiguous(op, reason, lora_name=lora_name)
-
-    def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
-        logger.info(
-            "engine %s refused %s: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendRefusedError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
-        )
-
-    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendAmbiguousError:
-        logger.warning(
-            "engine %s %s outcome unknown: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendAmbiguousError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
-        )
 
 
 def _loaded_adapters(body: Mapping[str, Any]) -> dict[str, str] | None:

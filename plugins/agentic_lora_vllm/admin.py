@@ -24,50 +24,32 @@ Shapes follow vLLM 0.32.0 (``vllm/entrypoints/serve/lora/api_router.py`` and
 When runtime LoRA updating is off, the two adapter routes do not exist: FastAPI answers 404
 ``{"detail": "Not Found"}``, which is a refusal, never "adapter absent".
 
-Failures are classified like :mod:`agentic_lora.engine_admin` does for SGLang:
-:class:`~agentic_lora.errors.BackendRefusedError` when the engine provably did not act (never
-connected, or it answered with an error), :class:`~agentic_lora.errors.BackendAmbiguousError`
-when it may have (reply lost, 5xx, an answer that does not parse). A 200 whose body is an error
-object is an error: bodies are checked, not only status codes.
+The HTTP plumbing (one attempt per call, transport failures classified) is shared with the SGLang
+client (:class:`agentic_lora.engine_admin.AdminHttpClient`); only the answers read differently.
+Failures are :class:`~agentic_lora.errors.BackendRefusedError` when the engine provably did not
+act (never connected, or it answered with an error) and
+:class:`~agentic_lora.errors.BackendAmbiguousError` when it may have (reply lost, 5xx, an answer
+that does not parse). A 200 whose body is an error object is an error: bodies are checked, not
+only status codes.
 """
 
 from __future__ import annotations
 
-import enum
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from agentic_lora.engine_admin import AdminTimeouts
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora.engine_admin import AdminHttpClient, UnloadOutcome
 from agentic_lora_vllm.metrics import EngineMetrics, parse_metrics
 
 __all__ = ["ProbeResult", "UnloadOutcome", "VllmAdminClient"]
-
-logger = logging.getLogger(__name__)
 
 #: The start of vLLM's plain-text success answers to load and unload.
 SUCCESS_PREFIX = "Success:"
 #: What vLLM's unload says about a name it does not hold (with error type ``NotFoundError``).
 ABSENT_MARKER = "cannot be found"
-
-# Failures that happen before a request leaves this process: the engine never saw it.
-_NOT_SENT: tuple[type[httpx.TransportError], ...] = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
-    httpx.UnsupportedProtocol,
-)
-
-
-class UnloadOutcome(enum.StrEnum):
-    """What an unload found: it removed the name, or there was nothing under it."""
-
-    UNLOADED = "UNLOADED"
-    ABSENT = "ABSENT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,35 +68,11 @@ class _Answer:
     json: Any
 
 
-class VllmAdminClient:
+class VllmAdminClient(AdminHttpClient):
     """Typed access to one vLLM engine's LoRA control surface (one attempt per call).
 
-    Pass ``client`` to share an :class:`httpx.AsyncClient` (its lifetime stays yours); without
-    it the client owns one and :meth:`aclose` closes it.
+    Construction and client sharing as for :class:`~agentic_lora.engine_admin.AdminHttpClient`.
     """
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        engine: str | None = None,
-        client: httpx.AsyncClient | None = None,
-        timeouts: AdminTimeouts | None = None,
-    ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"engine base URL must be http(s): {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.engine = engine or self.base_url
-        self.timeouts = timeouts or AdminTimeouts()
-        self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect)
-        )
-
-    async def aclose(self) -> None:
-        """Close the HTTP client if this object created it."""
-        if self._owns_client:
-            await self._client.aclose()
 
     # --- adapters --------------------------------------------------------------------------
 
@@ -166,11 +124,7 @@ class VllmAdminClient:
         data = body.get("data") if isinstance(body, dict) else None
         if answer.status != 200 or not isinstance(data, list):
             raise self._not_a_success(op, answer, None)
-        adapters: dict[str, str] = {}
-        for card in data:
-            if isinstance(card, dict) and card.get("parent") is not None:
-                adapters[str(card.get("id"))] = str(card.get("root"))
-        return adapters
+        return self._adapters_in(data)
 
     async def probe_completion(
         self, lora_name: str, *, prompt_ids: Sequence[int] = (0,)
@@ -231,21 +185,11 @@ class VllmAdminClient:
         limit: float | None,
         lora_name: str | None,
     ) -> _Answer:
-        request_timeout = httpx.Timeout(limit, connect=self.timeouts.connect)
-        try:
-            response = await self._client.post(
-                self.base_url + path, json=dict(payload), timeout=request_timeout
-            )
-        except httpx.TransportError as exc:
-            raise self._transport_failure(op, exc, lora_name) from exc
+        response = await self._send_post(op, path, payload, limit=limit, lora_name=lora_name)
         return self._answer(op, response, lora_name)
 
     async def _get(self, op: str, path: str) -> _Answer:
-        try:
-            response = await self._client.get(self.base_url + path)
-        except httpx.TransportError as exc:
-            raise self._transport_failure(op, exc, None) from exc
-        return self._answer(op, response, None)
+        return self._answer(op, await self._send_get(op, path), None)
 
     def _answer(self, op: str, response: httpx.Response, lora_name: str | None) -> _Answer:
         if response.status_code >= 500:
@@ -273,38 +217,6 @@ class VllmAdminClient:
             f"{answer.text[:200]!r}",
             lora_name=lora_name,
             status=answer.status,
-        )
-
-    def _transport_failure(
-        self, op: str, exc: httpx.TransportError, lora_name: str | None
-    ) -> Exception:
-        reason = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, _NOT_SENT):
-            return self._refused(op, reason, lora_name=lora_name)
-        return self._ambiguous(op, reason, lora_name=lora_name)
-
-    def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
-        logger.info(
-            "engine %s refused %s: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendRefusedError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
-        )
-
-    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendAmbiguousError:
-        logger.warning(
-            "engine %s %s outcome unknown: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendAmbiguousError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
         )
 
 
