@@ -1,65 +1,40 @@
 """HTTP push: publish a version by writing it to disk and asking SGLang to load it.
 
-Per engine:
+The prepare / cleanup / reclaim skeleton (immutable store, attempt fences, incarnation,
+serialization per name, classification) is
+:class:`~agentic_lora.adapter_backend.AdapterDirectoryBackend`'s. What is SGLang's here:
 
-* ``prepare``: write the snapshot into this engine's immutable store directory (verified if it is
-  already there), read the engine's incarnation, ``/load_lora_adapter`` ``{lora_name, lora_path,
-  pinned: true}`` unless the engine already lists exactly that name at exactly that path, then
-  generate one token through the exact name. Only then is a READY receipt returned, carrying the
-  incarnation read *before* the load, so a restart after it can never hide behind the receipt.
-* ``cleanup`` and ``reclaim``: ``/unload_lora_adapter`` (which waits for the engine's native
-  request refcount to drain), then remove the store directory of exactly that name, so an implicit
-  reload by a late request finds nothing to load. "Does not exist" means absent: confirmed.
-
-Classification follows :mod:`agentic_lora.backends`: a prepare the engine provably did not act on
-is :class:`~agentic_lora.errors.BackendRefusedError`; anything that may have left the adapter
-loaded is :class:`~agentic_lora.errors.BackendAmbiguousError`. An unload that did not succeed is
-always ambiguous (the adapter may still be there); only UNLOADED or ABSENT confirm a cleanup.
-
-Calls for the same name on the same engine are serialized, and attempt fences
-(:mod:`agentic_lora_http.fences`) stop a cleanup that overtook its prepare, or a stale cleanup of a
-superseded attempt, from recreating or removing anything.
+* load: ``/load_lora_adapter`` ``{lora_name, lora_path, pinned: true}``; pinned, so the engine's
+  LRU never evicts a managed version;
+* probe: ``/generate`` one greedy token with ``lora_path`` naming the exact adapter;
+* restart witness: the fingerprint of ``/server_info``
+  (:func:`agentic_lora.engine_admin.server_fingerprint`);
+* reclaim needs no wait of its own: ``/unload_lora_adapter`` first unregisters the name (no new
+  request can acquire it), then waits for the engine's native request refcount to drain, then
+  unloads.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapter_backend import AdapterDirectoryBackend
 from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendError,
-    BackendRefusedError,
-    ConfigurationError,
-    VersionConflictError,
-)
-from agentic_lora.registry.types import ReadyReceipt
-from agentic_lora.store import AdapterStore
-from agentic_lora_http.fences import AttemptFences, Verdict
-from agentic_lora_http.incarnation import IncarnationTracker
 
 __all__ = ["HttpPushBackend"]
 
-logger = logging.getLogger(__name__)
 
-_ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-class HttpPushBackend:
+class HttpPushBackend(AdapterDirectoryBackend[EngineAdminClient]):
     """The HTTP push :class:`~agentic_lora.backends.Backend` for SGLang engines.
 
     ``store_root`` is an absolute directory the engines can read (each engine gets
     ``<store_root>/<engine name>/<lora name>``). ``client`` may be shared; otherwise one is created
-    and closed by :meth:`aclose`.
+    and closed by :meth:`aclose`. ``probe_input_ids`` is the prompt of the one-token probe.
     """
 
     def __init__(
@@ -70,216 +45,22 @@ class HttpPushBackend:
         client: httpx.AsyncClient | None = None,
         probe_input_ids: Sequence[int] = (0,),
     ) -> None:
-        root = Path(store_root)
-        if not root.is_absolute():
-            raise ConfigurationError(
-                f"store_root must be an absolute path the engines can read: {root}",
-                store_root=str(root),
-            )
-        self.store_root = root
-        self.timeouts = timeouts or AdminTimeouts()
+        super().__init__(store_root, timeouts=timeouts, client=client)
         self.probe_input_ids = tuple(probe_input_ids)
-        self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect)
+
+    def _new_admin(self, engine: EngineRef) -> EngineAdminClient:
+        return EngineAdminClient(
+            engine.base_url, engine=engine.name, client=self._client, timeouts=self.timeouts
         )
-        self._admins: dict[str, EngineAdminClient] = {}
-        self._stores: dict[str, AdapterStore] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._fences = AttemptFences()
-        self._incarnations = IncarnationTracker()
-        self._reclaimed: set[tuple[str, str]] = set()
 
-    # --- Backend ----------------------------------------------------------------------------
+    async def _fingerprint(self, engine: EngineRef, admin: EngineAdminClient) -> str:
+        return (await admin.server_info()).fingerprint
 
-    async def incarnation(self, engine: EngineRef) -> str:
-        """``<server fingerprint>.<generation>`` (see :mod:`agentic_lora_http.incarnation`)."""
-        admin = self._admin(engine)
-        info = await admin.server_info()
-        listed = await admin.list_lora_adapters()
-        return self._incarnations.observe(engine.name, info.fingerprint, listed)
+    async def _load(
+        self, engine: EngineRef, admin: EngineAdminClient, target: PublicationTarget, path: Path
+    ) -> None:
+        # The client confirms from the answer's adapter listing (name at exactly this path).
+        await admin.load_lora_adapter(target.lora_name, str(path), pinned=True)
 
-    async def prepare(
-        self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
-    ) -> ReadyReceipt:
-        """Store, load (pinned) and probe ``target.lora_name`` on ``engine``."""
-        extra = _extra(engine, target)
-        if snapshot.digest != target.digest:
-            raise BackendRefusedError(
-                f"snapshot digest {snapshot.digest[:16]} is not the target's {target.digest[:16]}",
-                engine=engine.name,
-                version=target.version_id,
-                reason="digest_mismatch",
-            )
-        async with self._lock(engine, target.lora_name):
-            if (
-                self._fences.begin_prepare(engine.name, target.lora_name, target.attempt)
-                is Verdict.FENCED
-            ):
-                raise BackendRefusedError(
-                    f"attempt {target.attempt} of {target.lora_name} is fenced on {engine.name} "
-                    "(cleaned up, superseded or reclaimed); nothing was loaded",
-                    engine=engine.name,
-                    version=target.version_id,
-                    attempt=target.attempt,
-                    reason="fenced",
-                )
-            path = await self._store_snapshot(engine, target, snapshot)
-            admin = self._admin(engine)
-            try:
-                info = await admin.server_info()
-                listed = await admin.list_lora_adapters()
-            except BackendError as exc:
-                raise BackendRefusedError(
-                    f"{engine.name} unreadable before loading: {exc.message}",
-                    engine=engine.name,
-                    version=target.version_id,
-                    reason="engine_unreadable",
-                ) from exc
-            # Read before the load: if the engine restarts after this point, its incarnation no
-            # longer matches this receipt and the registry will not count it.
-            incarnation = self._incarnations.observe(engine.name, info.fingerprint, listed)
-            held_at = listed.get(target.lora_name)
-            if held_at is None:
-                await admin.load_lora_adapter(target.lora_name, str(path), pinned=True)
-                logger.info("loaded %s on %s", target.lora_name, engine.name, extra=extra)
-            elif held_at != str(path):
-                raise BackendAmbiguousError(
-                    f"{engine.name} already holds {target.lora_name} from {held_at}, not {path}",
-                    engine=engine.name,
-                    version=target.version_id,
-                    reason="held_elsewhere",
-                )
-            else:
-                logger.info(
-                    "%s already holds %s; not loading it again",
-                    engine.name,
-                    target.lora_name,
-                    extra=extra,
-                )
-            try:
-                await admin.probe_generate(target.lora_name, input_ids=self.probe_input_ids)
-            except BackendError as exc:
-                raise BackendAmbiguousError(
-                    f"{target.lora_name} is loaded on {engine.name} but does not serve: {exc.message}",
-                    engine=engine.name,
-                    version=target.version_id,
-                    reason="probe_failed",
-                ) from exc
-            self._incarnations.hold(engine.name, target.lora_name)
-            return ReadyReceipt(
-                engine=engine.name,
-                version_id=target.version_id,
-                digest=target.digest,
-                lora_name=target.lora_name,
-                attempt=target.attempt,
-                incarnation=incarnation,
-            )
-
-    async def cleanup(self, engine: EngineRef, target: PublicationTarget) -> None:
-        """Unload this attempt's adapter and drop its directory (idempotent)."""
-        extra = _extra(engine, target)
-        async with self._lock(engine, target.lora_name):
-            if (
-                self._fences.begin_cleanup(engine.name, target.lora_name, target.attempt)
-                is Verdict.STALE
-            ):
-                logger.info(
-                    "stale cleanup of attempt %d of %s on %s ignored",
-                    target.attempt,
-                    target.lora_name,
-                    engine.name,
-                    extra=extra,
-                )
-                return
-            await self._unload(engine, target.lora_name, op="cleanup")
-
-    async def reclaim(self, engine: EngineRef, *, lora_name: str, reclaim_id: str) -> None:
-        """Unload a retired version once its in-flight requests finished (once per reclaim id)."""
-        key = (engine.name, reclaim_id)
-        async with self._lock(engine, lora_name):
-            if key in self._reclaimed:
-                return  # already confirmed: a retry never sends a second unload
-            self._fences.mark_reclaimed(engine.name, lora_name)
-            await self._unload(engine, lora_name, op="reclaim")
-            self._reclaimed.add(key)
-
-    async def aclose(self) -> None:
-        """Close the shared HTTP client if this backend created it."""
-        for admin in self._admins.values():
-            await admin.aclose()
-        if self._owns_client:
-            await self._client.aclose()
-
-    # --- helpers ------------------------------------------------------------------------------
-
-    async def _store_snapshot(
-        self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
-    ) -> Path:
-        try:
-            return await self._store(engine).put(target.lora_name, snapshot)
-        except VersionConflictError as exc:
-            raise BackendRefusedError(
-                f"stored copy of {target.lora_name} for {engine.name} does not match: {exc.message}",
-                engine=engine.name,
-                version=target.version_id,
-                reason="manifest_mismatch",
-                cause=exc.code,
-            ) from exc
-        except OSError as exc:
-            raise BackendRefusedError(
-                f"cannot store {target.lora_name} for {engine.name}: {exc}",
-                engine=engine.name,
-                version=target.version_id,
-                reason="store_failed",
-            ) from exc
-
-    async def _unload(self, engine: EngineRef, lora_name: str, *, op: str) -> None:
-        extra = {"engine": engine.name, "version": lora_name}
-        # No longer a restart witness: its absence is what we are about to cause.
-        self._incarnations.release(engine.name, lora_name)
-        try:
-            outcome = await self._admin(engine).unload_lora_adapter(lora_name)
-        except BackendError as exc:
-            raise BackendAmbiguousError(
-                f"{op} of {lora_name} on {engine.name} not confirmed: {exc.message}",
-                engine=engine.name,
-                version=lora_name,
-                op=op,
-                cause=exc.code,
-            ) from exc
-        logger.info("%s of %s on %s: %s", op, lora_name, engine.name, outcome.value, extra=extra)
-        try:
-            await self._store(engine).remove(lora_name)
-        except OSError:
-            # The engine holds nothing; a leftover directory is disk, not engine state.
-            logger.exception(
-                "could not remove the stored %s for %s", lora_name, engine.name, extra=extra
-            )
-
-    def _admin(self, engine: EngineRef) -> EngineAdminClient:
-        admin = self._admins.get(engine.name)
-        if admin is None or admin.base_url != engine.base_url.rstrip("/"):
-            admin = EngineAdminClient(
-                engine.base_url, engine=engine.name, client=self._client, timeouts=self.timeouts
-            )
-            self._admins[engine.name] = admin
-        return admin
-
-    def _store(self, engine: EngineRef) -> AdapterStore:
-        store = self._stores.get(engine.name)
-        if store is None:
-            if not _ENGINE_NAME.match(engine.name):
-                raise ConfigurationError(
-                    f"engine name {engine.name!r} cannot name a store directory", engine=engine.name
-                )
-            store = AdapterStore(self.store_root / engine.name)
-            self._stores[engine.name] = store
-        return store
-
-    def _lock(self, engine: EngineRef, lora_name: str) -> asyncio.Lock:
-        return self._locks.setdefault((engine.name, lora_name), asyncio.Lock())
-
-
-def _extra(engine: EngineRef, target: PublicationTarget) -> dict[str, object]:
-    return {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+    async def _probe(self, admin: EngineAdminClient, lora_name: str) -> None:
+        await admin.probe_generate(lora_name, input_ids=self.probe_input_ids)

@@ -1,11 +1,12 @@
-"""An engine incarnation for SGLang, which publishes no process id or boot nonce.
+"""Engine incarnations from what an engine does publish (pure bookkeeping, no I/O).
 
-``incarnation = <fingerprint>.<generation>``:
+Neither SGLang nor vLLM publishes a process id or boot nonce, so ``incarnation =
+<fingerprint>.<generation>``:
 
-* ``fingerprint`` hashes the process-identifying fields of ``/server_info`` (see
-  :data:`agentic_lora.engine_admin.FINGERPRINT_FIELDS`): ``startup_time`` (the process's own
-  measured start-up durations) and ``random_seed`` (drawn at start unless pinned) change on every
-  restart and never while the process runs;
+* ``fingerprint`` is the engine-specific restart witness the backend reads: for SGLang a hash of
+  the process-identifying fields of ``/server_info`` (see
+  :data:`agentic_lora.engine_admin.FINGERPRINT_FIELDS`), for vLLM the API server's
+  ``process_start_time_seconds``. It changes on every restart and never while the process runs;
 * ``generation`` counts, per engine, how often adapters this backend loaded and confirmed (and has
   not started to unload) were found missing from ``/v1/models``. A restarted engine forgets every
   dynamically loaded adapter, so this catches a restart even when the fingerprint cannot (an old

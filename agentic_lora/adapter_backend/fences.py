@@ -22,6 +22,8 @@ __all__ = ["AttemptFences", "Verdict"]
 
 
 class Verdict(enum.StrEnum):
+    """What a fence says about one prepare or cleanup."""
+
     GO = "GO"
     FENCED = "FENCED"  # prepare after its cleanup, or of a reclaimed name: refuse, touch nothing
     STALE = "STALE"  # cleanup of an attempt a newer one superseded: confirm, touch nothing
