@@ -124,25 +124,40 @@ class Samples:
 # --- one worker per variant -------------------------------------------------------------------
 
 
+async def _timed(out: Samples, send: Callable[[], Awaitable[object]], turn: int | None) -> None:
+    """Time one dispatch. A failure is counted (with its message) and the worker goes on, as an
+    agent would with its next turn; only successful dispatches enter the latency figures."""
+    start = time.perf_counter()
+    try:
+        await send()
+    except Exception as exc:
+        out.failures.append(f"{type(exc).__name__}: {exc}")
+        return
+    elapsed = time.perf_counter() - start
+    out.latencies.append(elapsed)
+    if turn is not None:
+        (out.first if turn == 0 else out.later).append(elapsed)
+
+
 async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     url = t.engine.base_url + "/generate"
     body = t.legacy_body
-    for _ in range(sessions * turns):
-        start = time.perf_counter()
+
+    async def send() -> None:
         response = await t.direct.post(url, json=body)
         response.json()
-        out.latencies.append(time.perf_counter() - start)
         if response.status_code != 200:
-            out.failures.append(f"HTTP {response.status_code}")
+            raise RuntimeError(f"HTTP {response.status_code}")
+
+    for _ in range(sessions * turns):
+        await _timed(out, send, None)
 
 
 async def _transport(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     body = t.legacy_body
     transport = t.passthrough.transport
     for _ in range(sessions * turns):
-        start = time.perf_counter()
-        await transport.send(t.engine.name, "/generate", body)
-        out.latencies.append(time.perf_counter() - start)
+        await _timed(out, lambda: transport.send(t.engine.name, "/generate", body), None)
 
 
 async def _sessions(
@@ -153,14 +168,15 @@ async def _sessions(
         opened = time.perf_counter()
         versioning.open_session(session_id)
         lifecycle = time.perf_counter() - opened
-        for turn in range(turns):
-            start = time.perf_counter()
-            session = versioning.get(session_id)
+
+        async def send(sid: str = session_id) -> None:
+            # The lookup a framework does per turn is part of the measured path.
+            session = versioning.get(sid)
             assert session is not None
             await session.generate(body)
-            elapsed = time.perf_counter() - start
-            out.latencies.append(elapsed)
-            (out.first if turn == 0 else out.later).append(elapsed)
+
+        for turn in range(turns):
+            await _timed(out, send, turn)
         closing = time.perf_counter()
         await versioning.close_session(session_id)
         out.lifecycle.append(lifecycle + time.perf_counter() - closing)
