@@ -9,8 +9,15 @@ One settings model, :class:`AgenticLoRASettings` (environment prefix ``AGENTIC_L
 Validation is fail-fast and each failure is a :class:`~agentic_lora.errors.ConfigurationError`
 whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``, ``capacity``,
 ``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
-``lora_name_prefix``, ``router``, ``backend``, ``journal_path``, ``settings`` (a value of the
-wrong type) and, at start-up against live engines (:func:`verify_fleet`), ``engine_lora``.
+``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in backend for another
+engine kind), ``journal_path``, ``settings`` (a value of the wrong type) and, at start-up against
+live engines (:func:`verify_fleet`), ``engine_lora``.
+
+``engine_kind`` says what software the engines run, which decides how a Session names its adapter
+(see :mod:`agentic_lora.middleware`): ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
+the ``vllm`` backend (and that backend a vLLM fleet): vLLM's unload does not wait for in-flight
+requests, so its backend waits for the Sessions' own count first
+(:meth:`agentic_lora.deployment.Deployment.from_settings` wires that).
 
 Why the gateway rule is an operator assertion: an SGLang router/gateway in front of the engines
 retries failed requests by default (``--retry-max-retries``, on 408/429/5xx), which could run a
@@ -24,6 +31,7 @@ start-up refuses.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -34,8 +42,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from agentic_lora.backends import EngineRef
 from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.middleware import ENGINE_KINDS, EngineKind
 
 __all__ = [
+    "BUILTIN_BACKEND_ENGINE_KINDS",
     "AgenticLoRASettings",
     "add_arguments",
     "check_engine_server_info",
@@ -43,6 +53,8 @@ __all__ = [
     "load_settings",
     "verify_fleet",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _parse_engine(value: Any, index: int) -> EngineRef:
@@ -69,7 +81,9 @@ def _parse_engine(value: Any, index: int) -> EngineRef:
 class AgenticLoRASettings(BaseSettings):
     """Everything the versioned-publication feature needs, checked at construction.
 
-    Engine slot counts are the engines' SGLang options: ``engine_max_loaded_loras`` is
+    ``engine_kind`` is ``"sglang"`` or ``"vllm"``: how requests address an adapter, and which
+    built-in backends fit. Engine slot counts are the engines' SGLang options:
+    ``engine_max_loaded_loras`` is
     ``--max-loaded-loras`` (must hold every managed version plus one: ``capacity + 1``) and
     ``engine_max_loras_per_batch`` is ``--max-loras-per-batch`` (SGLang keeps one slot unpinned,
     so ``max_loras_per_batch - 1`` must hold ``capacity`` pinned versions). Leave them unset to
@@ -89,6 +103,7 @@ class AgenticLoRASettings(BaseSettings):
     deployment_epoch: int = 0
     engine_max_loaded_loras: int | None = None
     engine_max_loras_per_batch: int | None = None
+    engine_kind: EngineKind = "sglang"
     gateway_url: str | None = None
     gateway_retries_disabled: bool = False
     request_timeout: float = 600.0
@@ -120,6 +135,14 @@ class AgenticLoRASettings(BaseSettings):
     def _fail_fast(self) -> AgenticLoRASettings:
         _validate(self)
         return self
+
+
+#: Which engine kind each built-in backend publishes to (third-party backends are not checked).
+BUILTIN_BACKEND_ENGINE_KINDS: Mapping[str, EngineKind] = {
+    "http-push": "sglang",
+    "dcs": "sglang",
+    "vllm": "vllm",
+}
 
 
 def _fail(check: str, message: str, **details: Any) -> ConfigurationError:
@@ -166,7 +189,8 @@ def _validate(s: AgenticLoRASettings) -> None:
         raise _fail(
             "base_model_name",
             f"base_model_name {s.base_model_name!r} must be the served model name, non-empty and "
-            "without ':' (OpenAI routes address an adapter as '<base>:<adapter>')",
+            "without ':' (SGLang's OpenAI routes address an adapter as '<base>:<adapter>'; on "
+            "vLLM a request naming the base model is pinned to the Session's adapter)",
         )
     prefix = s.lora_name_prefix
     if not prefix or any(c.isspace() for c in prefix) or "@" in prefix or ":" in prefix:
@@ -181,6 +205,15 @@ def _validate(s: AgenticLoRASettings) -> None:
         installed = plugin_names(group)
         if name not in installed:
             raise _fail(check, f"no {check} plugin named {name!r}; installed: {list(installed)}")
+    serves = BUILTIN_BACKEND_ENGINE_KINDS.get(s.backend)
+    if serves is not None and serves != s.engine_kind:
+        raise _fail(
+            "engine_kind",
+            f"backend {s.backend!r} publishes to {serves} engines, but engine_kind is "
+            f"{s.engine_kind!r}; pick the backend for the engines you run",
+            backend=s.backend,
+            engine_kind=s.engine_kind,
+        )
     if s.journal_path is not None and not s.journal_path.parent.is_dir():
         raise _fail(
             "journal_path",
@@ -239,9 +272,17 @@ async def verify_fleet(settings: AgenticLoRASettings, transport: Any) -> None:
     """Start-up check against the live engines (versioned mode only): LoRA on, enough slots.
 
     ``transport`` is an :class:`~agentic_lora.transport.EngineTransport` (anything with an async
-    ``server_info(engine)``).
+    ``server_info(engine)``). SGLang engines only: vLLM publishes no server information outside
+    its development mode, so for ``engine_kind="vllm"`` nothing is read here; the first
+    publication's load and probe prove runtime LoRA on every engine before anything binds to it.
     """
     if not settings.enable_versioned_lora_publication:
+        return
+    if settings.engine_kind == "vllm":
+        logger.info(
+            "vLLM engines publish no server info; LoRA support is proven by the first publication",
+            extra={"engine_kind": settings.engine_kind},
+        )
         return
     for ref in settings.engines:
         check_engine_server_info(settings, ref.name, await transport.server_info(ref.name))
@@ -302,6 +343,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--versioned-lora-engine-max-loras-per-batch",
         "engine_max_loras_per_batch",
         {"type": int, "help": "the engines' --max-loras-per-batch (>= capacity + 1)"},
+    ),
+    (
+        "--versioned-lora-engine-kind",
+        "engine_kind",
+        {"choices": list(ENGINE_KINDS), "help": "engine software: how requests name an adapter"},
     ),
     (
         "--versioned-lora-gateway-url",

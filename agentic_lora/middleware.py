@@ -10,11 +10,17 @@ For a versioned Session the chain is::
     framework middleware ... -> AdapterPinMiddleware -> DispatchGuardMiddleware
         -> RoutingMiddleware -> TransportEndpoint
 
-* :class:`AdapterPinMiddleware` writes the Session's bound ``lora_name`` into the body
-  (``lora_path`` for ``/generate``, ``model="<base>:<lora_name>"`` for OpenAI routes) and refuses
-  a caller that named another adapter.
+* :class:`AdapterPinMiddleware` writes the Session's bound ``lora_name`` into the body the way
+  the engine kind (:data:`EngineKind`) addresses an adapter, and refuses a caller that named
+  another adapter. SGLang: ``lora_path`` for ``/generate``, ``model="<base>:<lora_name>"`` for
+  OpenAI routes (a bare adapter name in ``model`` would silently run the base model). vLLM:
+  ``model=<lora_name>`` on OpenAI routes (``"<base>:<lora_name>"`` is an unknown model there, and
+  ``lora_path`` is ignored, so the base model would answer); vLLM has no ``/generate``, which is
+  refused before anything is sent.
 * :class:`DispatchGuardMiddleware` refuses, locally, a version that is reclaiming or gone: an
   engine would otherwise reload it from its old path and resurrect it behind the registry's back.
+  It also counts every request it lets through per adapter (:class:`AdapterInFlight`), so a
+  reclaim on an engine whose unload does not wait for in-flight requests (vLLM) can wait for them.
 * :class:`RoutingMiddleware` lets the router pick an engine (it sees a read-only body).
 * :class:`TransportEndpoint` sends once.
 
@@ -24,16 +30,19 @@ binding, never trusted.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from agentic_lora.errors import (
     AdapterMismatchError,
     ConfigurationError,
+    InvalidRequestError,
     RequestRefusedError,
     SessionStateError,
     VersionNotDispatchableError,
@@ -44,21 +53,31 @@ from agentic_lora.routing import EngineHealth, Router
 from agentic_lora.transport import EngineReply, EngineTransport
 
 __all__ = [
+    "ENGINE_KINDS",
+    "AdapterInFlight",
     "AdapterPinMiddleware",
     "Dispatch",
     "DispatchGuard",
     "DispatchGuardMiddleware",
     "EngineCall",
+    "EngineKind",
     "InFlight",
     "Middleware",
     "PeekGuard",
     "RoutingMiddleware",
     "TransportEndpoint",
     "build_chain",
+    "check_route",
     "pin_adapter",
 ]
 
 logger = logging.getLogger(__name__)
+
+EngineKind = Literal["sglang", "vllm"]
+"""The engine software behind the fleet; it decides how a request names its adapter."""
+
+#: Every :data:`EngineKind`, in a stable order (for flags and messages).
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 
 
 @dataclass(eq=False, slots=True)
@@ -117,7 +136,19 @@ def build_chain(endpoint: Dispatch, middleware: Sequence[Middleware]) -> Dispatc
 # --- adapter pinning ----------------------------------------------------------------------------
 
 
-def _openai_model(base_model: str, lora_name: str, given: Any) -> str:
+def check_route(route: Route, engine_kind: EngineKind) -> None:
+    """Raise InvalidRequestError when ``engine_kind`` engines do not serve ``route``."""
+    if engine_kind == "vllm" and route is Route.GENERATE:
+        raise InvalidRequestError(
+            "vLLM engines have no /generate route; send /v1/completions or /v1/chat/completions "
+            "(the Session names its adapter in `model`); nothing was sent",
+            route=route.value,
+            engine_kind=engine_kind,
+            reason="route_unsupported",
+        )
+
+
+def _sglang_model(base_model: str, lora_name: str, given: Any) -> str:
     pinned = f"{base_model}:{lora_name}"
     if given is None or given in (base_model, pinned, lora_name):
         # A bare adapter name in ``model`` would be read by SGLang as a base model name and
@@ -134,14 +165,38 @@ def _openai_model(base_model: str, lora_name: str, given: Any) -> str:
     )
 
 
+def _vllm_model(base_model: str | None, lora_name: str, given: Any) -> str:
+    # The base model's name, or SGLang's explicit "<base>:<adapter>" form, can only mean this
+    # Session's adapter here; vLLM would answer the first without it and 404 the second.
+    same = {lora_name} if not base_model else {lora_name, base_model, f"{base_model}:{lora_name}"}
+    if given is None or given in same:
+        return lora_name
+    if not isinstance(given, str):
+        raise AdapterMismatchError("`model` must be a string", given=repr(given))
+    raise AdapterMismatchError(
+        f"request names model {given!r} but this Session is bound to {lora_name!r}",
+        given=given,
+        bound=lora_name,
+    )
+
+
 def pin_adapter(
-    route: Route, body: Mapping[str, Any], lora_name: str, base_model: str | None
+    route: Route,
+    body: Mapping[str, Any],
+    lora_name: str,
+    base_model: str | None,
+    *,
+    engine_kind: EngineKind = "sglang",
 ) -> dict[str, Any]:
     """``body`` with the bound adapter written in; a different adapter named by the caller raises.
 
-    ``/generate`` gets ``lora_path=lora_name``; OpenAI routes get ``model="<base>:<lora_name>"``
-    (SGLang gives the adapter in ``model`` precedence over ``lora_path``; an explicit
-    ``lora_path`` is still checked so the two can never disagree).
+    SGLang: ``/generate`` gets ``lora_path=lora_name``; OpenAI routes get
+    ``model="<base>:<lora_name>"`` (SGLang gives the adapter in ``model`` precedence over
+    ``lora_path``; an explicit ``lora_path`` is still checked so the two can never disagree).
+
+    vLLM: OpenAI routes get ``model=<lora_name>``; a ``lora_path`` is checked, then dropped (vLLM
+    ignores it, so it selects nothing); ``/generate`` raises InvalidRequestError (see
+    :func:`check_route`).
     """
     out = dict(body)
     given_path = out.get("lora_path")
@@ -151,6 +206,11 @@ def pin_adapter(
             given=given_path,
             bound=lora_name,
         )
+    check_route(route, engine_kind)
+    if engine_kind == "vllm":
+        out.pop("lora_path", None)
+        out["model"] = _vllm_model(base_model, lora_name, out.get("model"))
+        return out
     if route is Route.GENERATE:
         out["lora_path"] = lora_name
         return out
@@ -159,16 +219,28 @@ def pin_adapter(
             "OpenAI routes need the base model name to address an adapter",
             check="base_model_name",
         )
-    out["model"] = _openai_model(base_model, lora_name, out.get("model"))
+    out["model"] = _sglang_model(base_model, lora_name, out.get("model"))
     return out
 
 
 class AdapterPinMiddleware:
     """Writes the Session's bound adapter into every request (see :func:`pin_adapter`)."""
 
-    def __init__(self, next_dispatch: Dispatch, *, base_model: str | None) -> None:
+    def __init__(
+        self,
+        next_dispatch: Dispatch,
+        *,
+        base_model: str | None,
+        engine_kind: EngineKind = "sglang",
+    ) -> None:
+        if engine_kind not in ENGINE_KINDS:
+            raise ConfigurationError(
+                f"engine kind {engine_kind!r} is not one of {list(ENGINE_KINDS)}",
+                check="engine_kind",
+            )
         self._next = next_dispatch
         self._base_model = base_model
+        self._engine_kind: EngineKind = engine_kind
 
     async def __call__(self, call: EngineCall) -> EngineReply:
         binding = call.binding
@@ -178,7 +250,13 @@ class AdapterPinMiddleware:
                 "a versioned dispatch reached the adapter pin without a binding",
                 session=call.session_key,
             )
-        body = pin_adapter(call.route, call.body, binding.lora_name, self._base_model)
+        body = pin_adapter(
+            call.route,
+            call.body,
+            binding.lora_name,
+            self._base_model,
+            engine_kind=self._engine_kind,
+        )
         return await self._next(call.with_body(body))
 
 
@@ -225,17 +303,90 @@ class PeekGuard:
             )
 
 
-class DispatchGuardMiddleware:
-    """Refuses, before any engine sees it, a request for a version that is reclaiming or gone."""
+class AdapterInFlight:
+    """Requests in flight per adapter (lora name), with an event-driven wait for one to drain.
 
-    def __init__(self, next_dispatch: Dispatch, *, guard: DispatchGuard) -> None:
+    :class:`DispatchGuardMiddleware` counts a request from the moment it passed the guard until
+    its reply (or failure) is back. :meth:`wait_drained` is what a backend awaits before unloading
+    a version from an engine whose unload does not wait for its own in-flight requests (vLLM).
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        # One event per busy name, created when its count leaves zero and set when it returns
+        # there: a waiter never sees a later busy period's event, so it cannot miss its wake-up.
+        self._drained: dict[str, asyncio.Event] = {}
+
+    def count(self, lora_name: str) -> int:
+        """Requests on ``lora_name`` in flight now."""
+        return self._counts.get(lora_name, 0)
+
+    def busy(self) -> dict[str, int]:
+        """Every adapter with requests in flight, and how many."""
+        return dict(self._counts)
+
+    @contextlib.contextmanager
+    def track(self, lora_name: str) -> Iterator[None]:
+        """Count one request on ``lora_name`` for the duration of the block."""
+        n = self._counts.get(lora_name, 0)
+        if n == 0:
+            self._drained[lora_name] = asyncio.Event()
+        self._counts[lora_name] = n + 1
+        try:
+            yield
+        finally:
+            left = self._counts[lora_name] - 1
+            if left:
+                self._counts[lora_name] = left
+            else:
+                del self._counts[lora_name]
+                self._drained.pop(lora_name).set()
+
+    async def wait_drained(self, lora_name: str) -> None:
+        """Return at the first moment no request on ``lora_name`` is in flight (now if none is).
+
+        Call it once the version can no longer be dispatched (RECLAIMING): then no request on it
+        starts after the call, and the return means every one of them ended.
+        """
+        event = self._drained.get(lora_name)
+        if event is None:
+            return
+        logger.info(
+            "waiting for requests on %s to end",
+            lora_name,
+            extra={"version": lora_name, "in_flight": self._counts.get(lora_name, 0)},
+        )
+        await event.wait()
+
+
+class DispatchGuardMiddleware:
+    """Refuses, before any engine sees it, a request for a version that is reclaiming or gone.
+
+    With ``in_flight``, every request it lets through is counted on its adapter until it ends.
+    """
+
+    def __init__(
+        self,
+        next_dispatch: Dispatch,
+        *,
+        guard: DispatchGuard,
+        in_flight: AdapterInFlight | None = None,
+    ) -> None:
         self._next = next_dispatch
         self._guard = guard
+        self._in_flight = in_flight
 
     async def __call__(self, call: EngineCall) -> EngineReply:
-        if call.binding is not None:
-            self._guard.check(call.binding)
-        return await self._next(call)
+        binding = call.binding
+        if binding is None:
+            return await self._next(call)
+        self._guard.check(binding)
+        if self._in_flight is None:
+            return await self._next(call)
+        # No await between the check and the count: a reclaim claimed after the check finds this
+        # request counted and waits for it; one claimed before it is refused by the check.
+        with self._in_flight.track(binding.lora_name):
+            return await self._next(call)
 
 
 # --- routing and the endpoint -------------------------------------------------------------------

@@ -27,6 +27,16 @@ A Session's life (one transition table, :data:`TRANSITIONS`)::
 
 With the feature flag off a Session is a pass-through: no registry, no binding, and every body
 goes out exactly as the caller sent it (the legacy fixed adapter name included).
+
+Engine kinds (``engine_kind``): SGLang is the default. On vLLM a versioned Session sends only the
+OpenAI routes (``/generate`` is refused before binding, see
+:func:`~agentic_lora.middleware.check_route`), names its adapter as ``model=<lora_name>``, and
+cannot abort a request by id (vLLM has no such route): :meth:`Session.abort` raises, and close
+waits for in-flight requests to end instead of aborting them.
+
+:meth:`Versioning.wait_drained` waits until no request of this manager's Sessions is in flight on
+an adapter; the vLLM backend awaits it before unloading a reclaimed version, because vLLM's unload
+does not wait for requests still running on it.
 """
 
 from __future__ import annotations
@@ -54,17 +64,21 @@ from agentic_lora.errors import (
     SessionStateError,
 )
 from agentic_lora.middleware import (
+    ENGINE_KINDS,
+    AdapterInFlight,
     AdapterPinMiddleware,
     Dispatch,
     DispatchGuard,
     DispatchGuardMiddleware,
     EngineCall,
+    EngineKind,
     InFlight,
     Middleware,
     PeekGuard,
     RoutingMiddleware,
     TransportEndpoint,
     build_chain,
+    check_route,
 )
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import Binding, ReleaseResult, new_request_id
@@ -123,6 +137,7 @@ class _Runtime:
     """What every Session of one Versioning shares."""
 
     versioned: bool
+    engine_kind: EngineKind
     registry: RegistryAPI | None
     chain: Dispatch
     transport: EngineTransport
@@ -268,6 +283,8 @@ class Session:
         body = request_body(route, request, validate=versioned)
         binding: Binding | None = None
         if versioned:
+            # Before the bind: a request the engine cannot serve must not bind the Session.
+            check_route(route, self._rt.engine_kind)
             if body.get("stream"):
                 raise InvalidRequestError(
                     "streaming is not supported on a versioned Session; send stream=false",
@@ -298,8 +315,17 @@ class Session:
 
         Returns False when no such request is in flight here (already ended, or not yet routed).
         The aborted request ends with ``finish_reason.type == "abort"``; resume by dispatching
-        again, which carries the same ``lora_path``.
+        again, which carries the same ``lora_path``. On vLLM engines, which cannot abort a request
+        by id, this raises InvalidRequestError.
         """
+        if self._rt.engine_kind == "vllm":
+            raise InvalidRequestError(
+                "vLLM engines have no route to abort a request by id; nothing was sent",
+                session=self._key,
+                rid=rid,
+                engine_kind=self._rt.engine_kind,
+                reason="abort_unsupported",
+            )
         for flight in list(self._in_flight):
             if flight.rid == rid and flight.engine is not None:
                 await self._rt.transport.abort(flight.engine, rid)
@@ -369,6 +395,11 @@ class Session:
             if not bind_task.cancelled():
                 bind_task.exception()
         await self._abort_in_flight()
+        if self._in_flight:
+            logger.info(
+                "close waits for in-flight requests to end",
+                extra={"session": self._key, "in_flight": len(self._in_flight)},
+            )
         await self._drained.wait()
         result: ReleaseResult | None = None
         if registry is not None:
@@ -392,6 +423,8 @@ class Session:
         return result
 
     async def _abort_in_flight(self) -> None:
+        if self._rt.engine_kind == "vllm":
+            return  # no abort route: the drain that follows waits for them to end
         targets = [(f.engine, f.rid) for f in self._in_flight if f.engine and f.rid]
         for engine, rid in targets:
             try:
@@ -420,6 +453,7 @@ class Versioning:
         router: Router | None = None,
         guard: DispatchGuard | None = None,
         base_model: str | None = None,
+        engine_kind: EngineKind = "sglang",
         deployment_epoch: int = 0,
         middleware: Sequence[Middleware] = (),
         registry_attempts: int = 4,
@@ -431,7 +465,14 @@ class Versioning:
             raise ConfigurationError(
                 "registry_attempts must be at least 1", check="registry_attempts"
             )
+        if engine_kind not in ENGINE_KINDS:
+            raise ConfigurationError(
+                f"engine kind {engine_kind!r} is not one of {list(ENGINE_KINDS)}",
+                check="engine_kind",
+            )
         self._enabled = enabled
+        self._engine_kind: EngineKind = engine_kind
+        self._adapter_requests = AdapterInFlight()
         self._registry = registry
         self._transport = transport
         self._owns_transport = owns_transport
@@ -455,12 +496,13 @@ class Versioning:
                     )
                 guard = PeekGuard(peek)
             chain += [
-                Middleware(AdapterPinMiddleware, base_model=base_model),
-                Middleware(DispatchGuardMiddleware, guard=guard),
+                Middleware(AdapterPinMiddleware, base_model=base_model, engine_kind=engine_kind),
+                Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
             ]
         chain.append(Middleware(RoutingMiddleware, router=self._router, health=self._health))
         self._runtime = _Runtime(
             versioned=enabled,
+            engine_kind=engine_kind,
             registry=registry,
             chain=build_chain(TransportEndpoint(transport), chain),
             transport=transport,
@@ -511,6 +553,7 @@ class Versioning:
             enabled=settings.enable_versioned_lora_publication,
             router=load_router(settings.router),
             base_model=settings.base_model_name,
+            engine_kind=settings.engine_kind,
             deployment_epoch=settings.deployment_epoch,
             middleware=middleware,
             owns_transport=owns_transport,
@@ -523,9 +566,29 @@ class Versioning:
         return self._enabled
 
     @property
+    def engine_kind(self) -> EngineKind:
+        """How requests address an adapter (``"sglang"`` or ``"vllm"``)."""
+        return self._engine_kind
+
+    @property
     def registry(self) -> RegistryAPI | None:
         """The registry Sessions bind through (None in pass-through mode)."""
         return self._registry
+
+    def in_flight(self, lora_name: str) -> int:
+        """Requests of this manager's Sessions in flight on adapter ``lora_name``."""
+        return self._adapter_requests.count(lora_name)
+
+    async def wait_drained(self, lora_name: str) -> None:
+        """Return once no request of this manager's Sessions is in flight on ``lora_name``.
+
+        The drain hook of backends whose engine does not wait for in-flight requests on unload
+        (``VllmBackend(wait_drained=versioning.wait_drained)``). Event-driven: it returns at the
+        first moment the adapter's count reaches zero (at once if it is zero). It sees only this
+        process's Sessions; a reclaim awaits it after the version left the dispatchable states,
+        so no new request can start on it meanwhile.
+        """
+        await self._adapter_requests.wait_drained(lora_name)
 
     @property
     def engines(self) -> tuple[EngineRef, ...]:

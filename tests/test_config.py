@@ -85,6 +85,10 @@ def test_a_valid_configuration_parses_engines() -> None:
         (on(lora_name_prefix="policy@lora"), "lora_name_prefix"),
         (on(router="round-robin"), "router"),
         (on(backend="carrier-pigeon"), "backend"),
+        (on(engine_kind="vllm"), "engine_kind"),  # http-push loads through SGLang's routes
+        (on(engine_kind="vllm", backend="dcs"), "engine_kind"),
+        (on(backend="vllm"), "engine_kind"),  # the vLLM backend on an SGLang fleet
+        (on(engine_kind="trt"), "settings"),
         (on(journal_path="/nonexistent-dir/registry.db"), "journal_path"),
         (on(capacity="two"), "settings"),
         (on(engines=["e0=ftp://127.0.0.1:1"]), "settings"),
@@ -108,6 +112,19 @@ def test_flag_off_skips_the_versioned_rules_and_an_asserted_gateway_passes() -> 
     assert gw.gateway_retries_disabled
 
 
+def test_engine_kind_defaults_to_sglang_and_vllm_needs_the_vllm_backend() -> None:
+    assert AgenticLoRASettings(**on()).engine_kind == "sglang"
+    vllm = AgenticLoRASettings(
+        **on(
+            engine_kind="vllm",
+            backend="vllm",
+            engine_max_loaded_loras=None,
+            engine_max_loras_per_batch=None,
+        )
+    )
+    assert (vllm.engine_kind, vllm.backend) == ("vllm", "vllm")
+
+
 def test_environment_prefix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AGENTIC_LORA_ENABLE_VERSIONED_LORA_PUBLICATION", "true")
     monkeypatch.setenv(
@@ -121,6 +138,9 @@ def test_environment_prefix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert s.capacity == 3
     assert [e.name for e in s.engines] == ["e0", "e1"]
     assert s.journal_path == tmp_path / "j.db"
+    monkeypatch.setenv("AGENTIC_LORA_ENGINE_KIND", "vllm")
+    monkeypatch.setenv("AGENTIC_LORA_BACKEND", "vllm")
+    assert load_settings().engine_kind == "vllm"
     monkeypatch.setenv("AGENTIC_LORA_CAPACITY", "1")
     assert check_of() == "capacity"
 
@@ -171,6 +191,12 @@ def test_argparse_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch
             )
         )
     assert err.value.details["check"] == "capacity"
+    flags = ["--enable-versioned-lora-publication", "--versioned-lora-engine", FLEET[0]]
+    kind = ["--versioned-lora-engine-kind", "vllm", "--versioned-lora-backend", "vllm"]
+    vllm = from_args(parser.parse_args([*flags, *kind]))
+    assert (vllm.engine_kind, vllm.backend) == ("vllm", "vllm")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--versioned-lora-engine-kind", "trt"])
 
 
 def test_engine_server_info_is_checked_against_the_settings() -> None:
@@ -210,6 +236,10 @@ async def test_verify_fleet_reads_every_engine() -> None:
             e1.respond(200, json=good)
             await verify_fleet(s, t)
             await verify_fleet(AgenticLoRASettings(engines=FLEET), t)  # flag off: nothing to check
+            calls = mock.calls.call_count
+            # vLLM publishes no server info: nothing is read (the first publication proves LoRA).
+            await verify_fleet(AgenticLoRASettings(**on(engine_kind="vllm", backend="vllm")), t)
+            assert mock.calls.call_count == calls
     finally:
         await t.aclose()
 
@@ -227,3 +257,6 @@ async def test_versioning_from_settings_with_the_flag_on_and_off(tmp_path: Path)
     assert not off.enabled
     assert off.registry is None
     await off.aclose()
+    vllm = Versioning.from_settings(AgenticLoRASettings(**on(engine_kind="vllm", backend="vllm")))
+    assert vllm.engine_kind == "vllm"
+    await vllm.aclose()

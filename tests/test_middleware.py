@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,11 +11,13 @@ import pytest
 from agentic_lora.errors import (
     AdapterMismatchError,
     ConfigurationError,
+    InvalidRequestError,
     RequestRefusedError,
     SessionStateError,
     VersionNotDispatchableError,
 )
 from agentic_lora.middleware import (
+    AdapterInFlight,
     AdapterPinMiddleware,
     Dispatch,
     DispatchGuardMiddleware,
@@ -83,6 +86,106 @@ def test_openai_routes_need_a_base_model_name() -> None:
     with pytest.raises(ConfigurationError) as err:
         pin_adapter(Route.COMPLETIONS, {"prompt": "x"}, LORA, None)
     assert err.value.details["check"] == "base_model_name"
+
+
+@pytest.mark.parametrize("given", [None, BASE, f"{BASE}:{LORA}", LORA])
+@pytest.mark.parametrize("route", [Route.CHAT_COMPLETIONS, Route.COMPLETIONS])
+def test_vllm_openai_routes_name_the_adapter_itself_as_the_model(
+    route: Route, given: str | None
+) -> None:
+    body: dict[str, Any] = {"prompt": "x", "lora_path": LORA}
+    if given is not None:
+        body["model"] = given
+    out = pin_adapter(route, body, LORA, BASE, engine_kind="vllm")
+    assert out["model"] == LORA
+    assert "lora_path" not in out  # vLLM ignores it: never sent, so it cannot mislead a reader
+    assert body.get("model") == given  # the caller's body is not modified
+    assert body["lora_path"] == LORA
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "other-adapter"},
+        {"model": f"{BASE}:other-adapter"},
+        {"model": f"other-base:{LORA}"},
+        {"model": LORA, "lora_path": "other-adapter"},
+        {"model": 7},
+    ],
+)
+def test_vllm_requests_naming_another_adapter_are_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(AdapterMismatchError):
+        pin_adapter(Route.COMPLETIONS, {"prompt": "x", **body}, LORA, BASE, engine_kind="vllm")
+
+
+def test_vllm_pins_without_a_base_model_but_then_cannot_recognise_it() -> None:
+    assert pin_adapter(Route.COMPLETIONS, {"prompt": "x"}, LORA, None, engine_kind="vllm") == {
+        "prompt": "x",
+        "model": LORA,
+    }
+    with pytest.raises(AdapterMismatchError):
+        pin_adapter(
+            Route.COMPLETIONS, {"prompt": "x", "model": BASE}, LORA, None, engine_kind="vllm"
+        )
+
+
+def test_vllm_has_no_generate_route() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        pin_adapter(Route.GENERATE, {"text": "x"}, LORA, BASE, engine_kind="vllm")
+    assert err.value.details["reason"] == "route_unsupported"
+
+
+@pytest.mark.asyncio
+async def test_the_pin_middleware_addresses_the_adapter_per_engine_kind() -> None:
+    sglang = build_chain(endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE)])
+    vllm = build_chain(
+        endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE, engine_kind="vllm")]
+    )
+    call = EngineCall(Route.COMPLETIONS, {"prompt": "x", "model": BASE}, "s#1", BINDING)
+    assert (await sglang(call)).body["model"] == f"{BASE}:{LORA}"
+    assert (await vllm(call)).body["model"] == LORA
+    with pytest.raises(ConfigurationError) as err:
+        AdapterPinMiddleware(endpoint, base_model=BASE, engine_kind="tgi")  # type: ignore[arg-type]
+    assert err.value.details["check"] == "engine_kind"
+
+
+@pytest.mark.asyncio
+async def test_adapter_in_flight_counts_per_name_and_wakes_waiters_when_one_drains() -> None:
+    counter = AdapterInFlight()
+    await counter.wait_drained("a")  # nothing in flight: returns at once
+    log: list[str] = []
+    ends = {"a1": asyncio.Event(), "a2": asyncio.Event(), "b": asyncio.Event()}
+    started = {name: asyncio.Event() for name in ends}
+
+    async def request(key: str, lora_name: str) -> None:
+        with counter.track(lora_name):
+            started[key].set()
+            await ends[key].wait()
+            log.append(f"{key} ended")
+
+    async def drain(lora_name: str) -> None:
+        await counter.wait_drained(lora_name)
+        log.append(f"{lora_name} drained")
+
+    tasks = [
+        asyncio.create_task(request("a1", "a")),
+        asyncio.create_task(request("a2", "a")),
+        asyncio.create_task(request("b", "b")),
+    ]
+    await asyncio.gather(*(e.wait() for e in started.values()))
+    assert (counter.count("a"), counter.count("b"), counter.busy()) == (2, 1, {"a": 2, "b": 1})
+    waiters = [asyncio.create_task(drain("a")), asyncio.create_task(drain("b"))]
+    # Every event is set before the loop runs anything: the log shows who waited for whom.
+    ends["a1"].set()
+    ends["b"].set()
+    await tasks[0]
+    await tasks[2]
+    await waiters[1]
+    assert not waiters[0].done()  # a2 still runs on "a"
+    ends["a2"].set()
+    await asyncio.gather(*tasks, *waiters)
+    assert log == ["a1 ended", "b ended", "b drained", "a2 ended", "a drained"]
+    assert counter.busy() == {}
 
 
 class Recorder:

@@ -6,6 +6,8 @@
 * :class:`RecordingRegistry`: a thin wrapper around the real ``LocalRegistry`` that counts calls
   per verb, can hold a verb at a gate, and can fail a verb before or after it ran (a lost reply).
 * :func:`publish` / :func:`stage`: drive publications with the registry verbs directly.
+* :func:`log_signal`: an event set when the code under test logs that it started waiting, so a
+  test can act exactly while it waits.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,3 +329,30 @@ async def harness(*, enabled: bool = True, **versioning_options: Any) -> AsyncIt
                 await versioning.aclose()
             await transport.aclose()
             await inner.aclose()
+
+
+@contextlib.contextmanager
+def log_signal(logger_name: str, message: str, *, count: int = 1) -> Iterator[asyncio.Event]:
+    """An event set once ``count`` records starting with ``message`` were logged on the logger.
+
+    The logger passes INFO records for the duration of the block.
+    """
+    seen = asyncio.Event()
+    hits: list[logging.LogRecord] = []
+
+    class _Signal(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith(message):
+                hits.append(record)
+                if len(hits) >= count:
+                    seen.set()
+
+    target = logging.getLogger(logger_name)
+    handler, level = _Signal(logging.INFO), target.level
+    target.addHandler(handler)
+    target.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(level)
