@@ -15,13 +15,18 @@ version is unloaded as soon as its last Session is gone and its in-flight reques
 Frameworks that already have their own registry (a Ray actor shared by many workers) pass it in;
 then only the process that publishes needs a publisher, and every rollout worker only needs
 :attr:`Deployment.versioning`.
+
+On vLLM (``engine_kind="vllm"``) the backend's unload does not wait for requests still running on
+the version, so :meth:`Deployment.from_settings` hands the backend a drain hook bound to
+:meth:`Versioning.wait_drained`: a reclaim unloads only once this process's Sessions have no
+request in flight on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +35,7 @@ from agentic_lora.backends import Backend
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.discovery import load_backend
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.middleware import Middleware
 from agentic_lora.publisher import PhaseEvent, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimReport
 from agentic_lora.registry.api import RegistryAPI
@@ -41,6 +47,33 @@ from agentic_lora.transport import EngineTransport
 __all__ = ["Deployment"]
 
 logger = logging.getLogger(__name__)
+
+_DrainHook = Callable[[str], Awaitable[None]]
+
+
+class _SessionDrain:
+    """A backend drain hook bound, once it exists, to the Versioning built after the backend.
+
+    The backend is built first (so a backend that cannot be built leaves nothing else open);
+    a reclaim runs only once the Deployment exists, by which time the hook is bound. A hook the
+    caller passed in ``backend_options`` is awaited after the Sessions' own.
+    """
+
+    def __init__(self, extra: _DrainHook | None) -> None:
+        self._sessions: _DrainHook | None = None
+        self._extra = extra
+
+    def bind(self, sessions: _DrainHook) -> None:
+        self._sessions = sessions
+
+    async def __call__(self, lora_name: str) -> None:
+        if self._sessions is None:
+            raise ConfigurationError(
+                "the drain hook is not bound to a Versioning yet", check="vllm_drain_hook"
+            )
+        await self._sessions(lora_name)
+        if self._extra is not None:
+            await self._extra(lora_name)
 
 
 class Deployment:
@@ -79,9 +112,16 @@ class Deployment:
         backend_options: Mapping[str, Any] | None = None,
         registry: RegistryAPI | None = None,
         transport: EngineTransport | None = None,
+        middleware: Sequence[Middleware] = (),
         on_progress: Callable[[PhaseEvent], None] | None = None,
     ) -> Deployment:
-        """Build every part from validated settings (the flag must be on)."""
+        """Build every part from validated settings (the flag must be on).
+
+        ``middleware`` are framework middlewares for every Session's dispatch chain (see
+        :class:`Versioning`). With ``engine_kind="vllm"`` and no ``backend`` given, the loaded
+        backend gets ``wait_drained`` bound to :meth:`Versioning.wait_drained`; a ``backend`` passed
+        in must have been given its drain hook by the caller.
+        """
         if not settings.enable_versioned_lora_publication:
             raise ConfigurationError(
                 "a Deployment publishes versions; enable --enable-versioned-lora-publication "
@@ -89,9 +129,18 @@ class Deployment:
                 check="flag",
             )
         owns_backend = backend is None
+        drain: _SessionDrain | None = None
         if backend is None:
-            backend = load_backend(settings.backend, **dict(backend_options or {}))
-        versioning = Versioning.from_settings(settings, registry=registry, transport=transport)
+            options = dict(backend_options or {})
+            if settings.engine_kind == "vllm":
+                drain = _SessionDrain(options.pop("wait_drained", None))
+                options["wait_drained"] = drain
+            backend = load_backend(settings.backend, **options)
+        versioning = Versioning.from_settings(
+            settings, registry=registry, transport=transport, middleware=middleware
+        )
+        if drain is not None:
+            drain.bind(versioning.wait_drained)
         assert versioning.registry is not None
         return cls(
             settings=settings,

@@ -8,8 +8,8 @@ against the real engine:
 * ``/v1/unload_lora_adapter`` forgets the name at once (requests already running on it keep
   running) and answers 200 ``Success: ...``; an unknown name is 404 ``NotFoundError`` "... cannot
   be found."; with ``runtime_lora_updating=False`` neither route exists (404 ``{"detail": ...}``);
-* ``/v1/completions`` with ``model=<name>`` needs the name registered (else 404 "The model ...
-  does not exist.") and echoes the name as ``model``;
+* ``/v1/completions`` and ``/v1/chat/completions`` with ``model=<name>`` need the name registered
+  (else 404 "The model ... does not exist.") and echo the name as ``model``;
 * ``/metrics`` has ``process_start_time_seconds`` (new on every :meth:`restart`) and
   ``vllm:lora_requests_info`` samples, one label set per distinct report, newest value last;
 * ``/v1/models`` lists the base model and one card per registered adapter.
@@ -42,6 +42,7 @@ class VllmOp(enum.StrEnum):
     LOAD = "load"
     UNLOAD = "unload"
     COMPLETION = "completion"
+    CHAT = "chat"
     MODELS = "models"
     METRICS = "metrics"
 
@@ -99,6 +100,7 @@ class ScriptedVllmEngine:
             ("POST", "/v1/load_lora_adapter", self._load),
             ("POST", "/v1/unload_lora_adapter", self._unload),
             ("POST", "/v1/completions", self._completion),
+            ("POST", "/v1/chat/completions", self._chat),
             ("GET", "/v1/models", self._models),
             ("GET", "/metrics", self._metrics),
         ]
@@ -247,7 +249,13 @@ class ScriptedVllmEngine:
         return self._finish(fault, request, reply)
 
     async def _completion(self, request: httpx.Request) -> httpx.Response:
-        body, fault = await self._enter(VllmOp.COMPLETION, request)
+        return await self._generation(VllmOp.COMPLETION, request)
+
+    async def _chat(self, request: httpx.Request) -> httpx.Response:
+        return await self._generation(VllmOp.CHAT, request)
+
+    async def _generation(self, op: VllmOp, request: httpx.Request) -> httpx.Response:
+        body, fault = await self._enter(op, request)
         if (early := self._short_circuit(fault)) is not None:
             return early
         model = str(body.get("model"))
@@ -257,12 +265,17 @@ class ScriptedVllmEngine:
                 f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.",
                 "NotFoundError",
             )
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if op is VllmOp.CHAT:
+            choice["message"] = {"role": "assistant", "content": "x"}
+        else:
+            choice["text"] = "x"
         reply = httpx.Response(
             200,
             json={
-                "object": "text_completion",
+                "object": "chat.completion" if op is VllmOp.CHAT else "text_completion",
                 "model": model,
-                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "choices": [choice],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             },
         )
