@@ -1,17 +1,16 @@
-"""Publication, binding and reclaim end to end on two real vLLM engines.
+"""Publication, binding and reclaim end to end on two real vLLM engines, through real Sessions.
 
-The real registry, publisher, reclaimer and vLLM backend run against the real engines. Sessions
-are driven at the registry (``bind_first`` / ``begin_close`` / ``release``) and their requests
-carry the bound name as ``model``, because the Session middleware's OpenAI pin writes
-``<base>:<lora_name>``, which vLLM does not resolve (pinned in ``test_vllm_behaviour.py``). The
-per-adapter request count that the middleware will own is kept here by :class:`AdapterRequests`
-and handed to the backend as its drain hook.
+A :class:`~agentic_lora.deployment.Deployment` built from settings (``engine_kind="vllm"``,
+backend ``vllm``) runs the real registry, Sessions, publisher, background reclaimer and vLLM
+backend against the engines. Sessions name their adapter as ``model=<lora_name>`` (the adapter
+pin's vLLM form), and the backend's drain hook is the Sessions' own per-adapter in-flight count.
+Raw HTTP is used only to look at the engines (listings, a late request), never to generate for a
+Session.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,48 +18,41 @@ import httpx
 import pytest
 import pytest_asyncio
 from agentic_lora_harness.vllm_engines import VllmFleet
-from agentic_lora_vllm import VllmBackend
 
 from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import EngineRef
-from agentic_lora.publisher import PublicationOutcome, Publisher
-from agentic_lora.reclaimer import Reclaimer
-from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import Binding, VersionState, new_request_id
+from agentic_lora.config import load_settings
+from agentic_lora.deployment import Deployment
+from agentic_lora.errors import VersionNotDispatchableError
+from agentic_lora.middleware import Dispatch, EngineCall, Middleware
+from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.reclaimer import ReclaimOutcome
+from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.transport import EngineReply
+from tests.test_session_support import log_signal
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 
+TURN: dict[str, object] = {"prompt": "def add", "max_tokens": 8, "temperature": 0.0}
+# Long enough that generation outlasts a reclaim round trip by orders of magnitude (about 3 s on
+# this CPU against milliseconds), well inside max_model_len 1024.
+LONG_TOKENS = 500
+LONG_TURN: dict[str, object] = {**TURN, "max_tokens": LONG_TOKENS, "ignore_eos": True}
 
-class AdapterRequests:
-    """Requests in flight per adapter name; ``wait_drained`` returns when a name has none."""
 
-    def __init__(self) -> None:
-        self._count: Counter[str] = Counter()
-        self._changed = asyncio.Condition()
-        self.waited: list[str] = []
+class DispatchSignal:
+    """A framework middleware: ``passed`` is set when a request with ``max_tokens`` goes by.
 
-    async def send(
-        self, http: httpx.AsyncClient, base_url: str, lora_name: str, prompt: str
-    ) -> str:
-        async with self._changed:
-            self._count[lora_name] += 1
-        try:
-            reply = await http.post(
-                f"{base_url}/v1/completions",
-                json={"model": lora_name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0},
-            )
-        finally:
-            async with self._changed:
-                self._count[lora_name] -= 1
-                self._changed.notify_all()
-        reply.raise_for_status()
-        assert reply.json()["model"] == lora_name
-        return str(reply.json()["choices"][0]["text"])
+    It runs before the adapter pin and the in-flight count, which follow without an await, so
+    once a waiter on ``passed`` runs, the request is counted on its adapter.
+    """
 
-    async def wait_drained(self, lora_name: str) -> None:
-        self.waited.append(lora_name)
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._count[lora_name] == 0)
+    def __init__(self, next_dispatch: Dispatch, *, max_tokens: int, passed: asyncio.Event) -> None:
+        self._next, self._max_tokens, self._passed = next_dispatch, max_tokens, passed
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        if call.body.get("max_tokens") == self._max_tokens:
+            self._passed.set()
+        return await self._next(call)
 
 
 @pytest_asyncio.fixture
@@ -74,83 +66,117 @@ async def listed(http: httpx.AsyncClient, base: str) -> set[str]:
     return {c["id"] for c in cards if c.get("parent") is not None}
 
 
+async def text_on(http: httpx.AsyncClient, base: str, model: str) -> str:
+    reply = await http.post(f"{base}/v1/completions", json={**TURN, "model": model})
+    reply.raise_for_status()
+    return str(reply.json()["choices"][0]["text"])
+
+
+def text_of(reply: EngineReply) -> str:
+    return str(reply.body["choices"][0]["text"])
+
+
 @pytest.mark.asyncio
-async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_release(
+async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_its_requests(
     vllm_fleet: VllmFleet, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     fixture = vllm_fleet.fixture
-    engines = [EngineRef(name, url) for name, url in vllm_fleet.engines]
     urls = dict(vllm_fleet.engines)
-    registry = LocalRegistry(engines=vllm_fleet.names, capacity=2, prefix="e2e_vllm")
-    requests = AdapterRequests()
-    backend = VllmBackend(tmp_path / "store", wait_drained=requests.wait_drained)
-    publisher = Publisher(registry, backend, engines)
-    reclaimer = Reclaimer(registry, backend, engines)
-
-    async def bind(session: str) -> Binding:
-        return await registry.bind_first(request_id=new_request_id(), session_key=session)
-
-    async def generate(binding: Binding, engine: str, turn: int) -> str:
-        return await requests.send(client, urls[engine], binding.lora_name, f"turn {turn}: def")
-
+    store = tmp_path / "store"
+    settings = load_settings(
+        enable_versioned_lora_publication=True,
+        engines=[f"{name}={url}" for name, url in vllm_fleet.engines],
+        capacity=2,
+        base_model_name=fixture.served_model_name,
+        lora_name_prefix="e2e_vllm",
+        engine_kind="vllm",
+        backend="vllm",
+    )
+    long_passed = asyncio.Event()
+    signal = Middleware(DispatchSignal, max_tokens=LONG_TOKENS, passed=long_passed)
     names: list[str] = []
     try:
-        published_a = await publisher.publish(
-            "e2e-a", AdapterSnapshot.from_peft_dir(fixture.adapter("A"))
-        )
-        assert published_a.outcome is PublicationOutcome.PUBLISHED
-        assert published_a.lora_name is not None
-        names.append(published_a.lora_name)
-        old = await bind("old-episode")
-        assert old.lora_name == published_a.lora_name
-        old_turns = [await generate(old, engine, 1) for engine in vllm_fleet.names]
-        assert old_turns[0] == old_turns[1]  # both engines serve the same version
+        async with Deployment.from_settings(
+            settings, backend_options={"store_root": str(store)}, middleware=[signal]
+        ) as d:
+            a = await d.publish("e2e-a", AdapterSnapshot.from_peft_dir(fixture.adapter("A")))
+            assert a.outcome is PublicationOutcome.PUBLISHED
+            assert a.lora_name is not None
+            names.append(a.lora_name)
+            old = d.versioning.open_session("old-episode")
+            old_turn = await old.completions({**TURN, "model": fixture.served_model_name})
+            assert old_turn.body["model"] == a.lora_name  # vLLM names the adapter it ran
+            # Both engines serve the same version.
+            for url in urls.values():
+                assert await text_on(client, url, a.lora_name) == text_of(old_turn)
+            reference = await old.completions(LONG_TURN)  # what A answers to the long turn
 
-        published_b = await publisher.publish(
-            "e2e-b", AdapterSnapshot.from_peft_dir(fixture.adapter("B"))
-        )
-        assert published_b.outcome is PublicationOutcome.PUBLISHED
-        assert published_b.lora_name is not None
-        names.append(published_b.lora_name)
+            b = await d.publish("e2e-b", AdapterSnapshot.from_peft_dir(fixture.adapter("B")))
+            assert b.outcome is PublicationOutcome.PUBLISHED
+            assert b.lora_name is not None
+            names.append(b.lora_name)
 
-        # The old Session keeps A on every engine and every later turn; a new one gets B.
-        assert await bind("old-episode") == old
-        for engine in vllm_fleet.names:
-            assert await generate(old, engine, 1) == old_turns[0]
-        new = await bind("new-episode")
-        assert new.lora_name == published_b.lora_name
-        new_turn = await generate(new, "E1", 1)
-        assert new_turn != old_turns[0]
+            # The old Session keeps A on every later turn; a new one gets B.
+            tool_turn = await old.completions(TURN)
+            assert (tool_turn.body["model"], text_of(tool_turn)) == (a.lora_name, text_of(old_turn))
+            new = d.versioning.open_session("new-episode")
+            new_turn = await new.completions(TURN)
+            assert new_turn.body["model"] == b.lora_name
+            assert text_of(new_turn) != text_of(old_turn)
 
-        # A is retired but bound: a reclaim round leaves it loaded.
-        await reclaimer.reclaim_once()
-        for url in urls.values():
-            assert published_a.lora_name in await listed(client, url)
-        assert requests.waited == []
+            # A is retired but bound: a reclaim round leaves it loaded.
+            assert (await d.reclaim()).reclaimed == ()
+            for url in urls.values():
+                assert a.lora_name in await listed(client, url)
 
-        await registry.begin_close(request_id=new_request_id(), session_key="old-episode")
-        await registry.release(request_id=new_request_id(), session_key="old-episode")
-        report = await reclaimer.reclaim_once()
-        assert report.reclaimed == ("e2e-a",)
-        assert requests.waited == [published_a.lora_name] * len(engines)
+            # A long turn of the old Session is running on A when the registry drops the
+            # Session's ref (as a supervisor releasing a worker's Sessions through a shared
+            # registry would). vLLM's unload would return at once; the reclaim must wait for it.
+            long_passed.clear()  # the reference turn went by already
+            long_turn = asyncio.create_task(old.completions(LONG_TURN))
+            await long_passed.wait()
+            assert d.versioning.in_flight(a.lora_name) == 1
+            ended: list[str] = []
+            long_turn.add_done_callback(lambda _: ended.append("long turn"))
+            with log_signal("agentic_lora.middleware", "waiting for requests on", count=2) as w:
+                await d.registry.begin_close(request_id=new_request_id(), session_key=old.key)
+                await d.registry.release(request_id=new_request_id(), session_key=old.key)
+                reclaim = asyncio.create_task(d.reclaimer.reclaim_version("e2e-a"))
+                reclaim.add_done_callback(lambda _: ended.append("reclaim"))
+                waiting = asyncio.create_task(w.wait())  # both engines' reclaims wait for it
+                done, _ = await asyncio.wait(
+                    {reclaim, waiting, long_turn}, return_when=asyncio.FIRST_COMPLETED
+                )
+            assert done == {waiting}, "the reclaim did not wait for the request in flight"
+            assert d.registry.peek_version("e2e-a").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
+            for url in urls.values():
+                assert a.lora_name in await listed(client, url)
 
-        status = await registry.status()
-        states = {v.version_id: v.state for v in status.versions}
-        assert states == {"e2e-a": VersionState.RECLAIMED, "e2e-b": VersionState.PUBLISHED}
-        assert status.slots_in_use == 1
-        for url in urls.values():
-            assert await listed(client, url) >= {published_b.lora_name}
-            assert published_a.lora_name not in await listed(client, url)
-            late = await client.post(
-                f"{url}/v1/completions", json={"model": published_a.lora_name, "prompt": "x"}
-            )
-            assert late.status_code == 404
-        assert not (tmp_path / "store" / "E0" / published_a.lora_name).exists()
-        assert await generate(new, "E1", 1) == new_turn  # B is untouched
+            finished = await long_turn
+            assert finished.body["model"] == a.lora_name
+            assert text_of(finished) == text_of(reference)  # all of it, on A's weights
+            result = await reclaim
+            assert result.outcome is ReclaimOutcome.RECLAIMED
+            assert ended == ["long turn", "reclaim"]
+
+            status = await d.status()
+            states = {v.version_id: v.state for v in status.versions}
+            assert states == {"e2e-a": VersionState.RECLAIMED, "e2e-b": VersionState.PUBLISHED}
+            assert status.slots_in_use == 1
+            for name, url in urls.items():
+                assert a.lora_name not in await listed(client, url)
+                assert b.lora_name in await listed(client, url)
+                late = await client.post(
+                    f"{url}/v1/completions", json={**TURN, "model": a.lora_name}
+                )
+                assert late.status_code == 404
+                assert not (store / name / a.lora_name).exists()
+            # The old Session can no longer reach A; the new one is untouched.
+            with pytest.raises(VersionNotDispatchableError):
+                await old.completions(TURN)
+            assert text_of(await new.completions(TURN)) == text_of(new_turn)
     finally:
         # Leave the session-wide fleet as it was found.
         for url in urls.values():
             for name in names:
                 await client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
-        await backend.aclose()
-        await registry.aclose()
