@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapter_backend import DrainHook
 from agentic_lora.backends import Backend
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.discovery import load_backend
@@ -48,8 +49,6 @@ __all__ = ["Deployment"]
 
 logger = logging.getLogger(__name__)
 
-_DrainHook = Callable[[str], Awaitable[None]]
-
 
 class _SessionDrain:
     """A backend drain hook bound, once it exists, to the Versioning built after the backend.
@@ -59,11 +58,11 @@ class _SessionDrain:
     caller passed in ``backend_options`` is awaited after the Sessions' own.
     """
 
-    def __init__(self, extra: _DrainHook | None) -> None:
-        self._sessions: _DrainHook | None = None
+    def __init__(self, extra: DrainHook | None) -> None:
+        self._sessions: DrainHook | None = None
         self._extra = extra
 
-    def bind(self, sessions: _DrainHook) -> None:
+    def bind(self, sessions: DrainHook) -> None:
         self._sessions = sessions
 
     async def __call__(self, lora_name: str) -> None:

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import os
 import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -54,9 +55,17 @@ from agentic_lora.errors import (
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.store import AdapterStore
 
-__all__ = ["AdapterAdmin", "AdapterDirectoryBackend"]
+__all__ = ["AdapterAdmin", "AdapterDirectoryBackend", "DrainHook"]
 
 logger = logging.getLogger(__name__)
+
+DrainHook = Callable[[str], Awaitable[None]]
+"""``await wait_drained(lora_name)`` returns once no request using ``lora_name`` is in flight.
+
+What a backend for an engine whose unload does not wait for in-flight requests (vLLM) awaits in
+:meth:`AdapterDirectoryBackend._before_reclaim_unload`; the Session middleware's is
+:meth:`agentic_lora.session.Versioning.wait_drained`.
+"""
 
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

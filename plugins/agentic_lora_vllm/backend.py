@@ -49,12 +49,12 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from agentic_lora.adapter_backend import AdapterDirectoryBackend
+from agentic_lora.adapter_backend import AdapterDirectoryBackend, DrainHook
 from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.engine_admin import AdminTimeouts
 from agentic_lora.errors import (
@@ -68,9 +68,6 @@ from agentic_lora_vllm.admin import VllmAdminClient
 __all__ = ["DrainHook", "VllmBackend"]
 
 logger = logging.getLogger(__name__)
-
-DrainHook = Callable[[str], Awaitable[None]]
-"""``await wait_drained(lora_name)`` returns once no request using ``lora_name`` is in flight."""
 
 
 class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
