@@ -441,7 +441,9 @@ class Versioning:
     """The manager a rollout worker holds: opens Sessions and owns the dispatch chain.
 
     ``enabled=False`` (the framework flag off) makes every Session a pass-through that sends the
-    caller's body untouched; then ``registry`` is not used.
+    caller's body untouched; then ``registry`` is not used. ``engine_kind`` (``"sglang"`` or
+    ``"vllm"``) decides how a request names its adapter (see
+    :func:`~agentic_lora.middleware.pin_adapter`).
     """
 
     def __init__(
