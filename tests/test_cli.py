@@ -342,7 +342,8 @@ async def running_server(root: Path) -> AsyncIterator[Running]:
 
         stop = asyncio.Event()
         task = asyncio.ensure_future(cli.serve(options, on_ready=on_ready, stop=stop))
-        await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        first: set[asyncio.Future[Any]] = {task, ready}
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()  # start-up failed: raise it here
         served = ready.result()
@@ -416,8 +417,8 @@ async def test_serve_publish_status_reclaim_and_an_openai_agent_over_real_http(
         code, out, _ = await srv.cli("reclaim")
         assert (code, out) == (0, "A  RECLAIMED  unloaded on e0, e1\n")
         a_name = srv.served.gateway.deployment.registry.peek_version("A").lora_name  # type: ignore[attr-defined]
-        for engine in srv.fleet.engines.values():
-            assert engine.physical_unloads[a_name] == 1
+        for scripted in srv.fleet.engines.values():
+            assert scripted.physical_unloads[a_name] == 1
 
         code, out, _ = await srv.cli("status", "--json")
         payload = json.loads(out)

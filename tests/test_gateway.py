@@ -21,6 +21,7 @@ import httpx
 import httpx2
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from agentic_lora.config import load_settings
 from agentic_lora.errors import (
@@ -712,7 +713,9 @@ async def test_openai_client_pinned_across_a_publication_on_real_engines(
         capacity=2,
         base_model_name=base,
     )
-    prompt = [{"role": "user", "content": "policy version engine"}]
+    prompt: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "policy version engine"}
+    ]
 
     async def direct(client: httpx.AsyncClient, url: str, adapter: str) -> str:
         body = {"model": f"{base}:{adapter}", "messages": prompt, "max_tokens": 8, "temperature": 0}
