@@ -555,12 +555,15 @@ def _report_publication(result: Mapping[str, Any], out: IO[str], *, quiet: bool)
             cleaned = {True: ", cleaned", False: ", cleanup UNCONFIRMED", None: ""}[
                 engine.get("cleaned")
             ]
+            code = engine.get("error_code")
+            text = _one_line(engine.get("error") or "")
+            # Error texts usually start with their code already ("CODE: message").
             error = (
-                f" ({engine['error_code']}: {engine.get('error')})"
-                if engine.get("error_code")
-                else ""
+                ""
+                if not code
+                else f" ({text if text.startswith(str(code)) else f'{code}: {text}'})"
             )
-            out.write(f"  {engine.get('engine')}: {state}{cleaned}{_one_line(error)}\n")
+            out.write(f"  {engine.get('engine')}: {state}{cleaned}{error}\n")
     reason = result.get("reason")
     if outcome == "FAILED_CLEAN":
         raise BackendRefusedError(

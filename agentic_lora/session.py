@@ -673,7 +673,12 @@ class Versioning:
         del self._unforgotten[: len(keys)]
 
     async def aclose(self) -> None:
-        """Close every live Session, then the transport and registry if this manager made them."""
+        """Close every live Session, then the transport and registry if this manager made them.
+
+        If a Session's release is not confirmed, raises its SessionReleaseError *before* closing
+        anything, on purpose: the registry and transport stay open so ``aclose()`` can be called
+        again and the release retried (closing them would strand the Session's ref for good).
+        """
         errors: list[SessionReleaseError] = []
         for s in list(self._live.values()):
             try:

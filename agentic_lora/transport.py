@@ -41,6 +41,7 @@ from agentic_lora.backends import EngineRef
 from agentic_lora.errors import (
     ConfigurationError,
     DispatchError,
+    InvalidRequestError,
     RequestIndeterminateError,
     RequestRefusedError,
     UnknownEngineError,
@@ -157,7 +158,13 @@ class EngineReply:
 
 
 def _encode(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    # Before anything is sent: a body JSON cannot carry (NaN, Infinity, odd types) is refused.
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"the request body cannot be sent as JSON: {exc}", reason="not_json"
+        ) from exc
 
 
 def _decode(response: httpx.Response) -> Any:

@@ -34,7 +34,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.deployment import Deployment
-from agentic_lora.discovery import load_backend
 from agentic_lora.errors import (
     AccessDeniedError,
     AgenticLoRAError,
@@ -185,28 +184,16 @@ class Gateway:
 
             metrics = Metrics()
             progress.subscribe(metrics.observe_phase)
-        owns_backend = backend is None
-        if backend is None:
-            backend = load_backend(settings.backend, **dict(backend_options or {}))
-        try:
-            versioning = Versioning.from_settings(
-                settings, middleware=[metrics.dispatch_middleware()] if metrics else ()
-            )
-        except BaseException:
-            if owns_backend:
-                await backend.aclose()
-            raise
-        assert versioning.registry is not None
-        if metrics is not None:
-            metrics.watch_registry(versioning.registry)
-        deployment = Deployment(
-            settings=settings,
-            versioning=versioning,
+        # One construction path for every engine kind (a vLLM backend gets the Sessions' drain hook).
+        deployment = Deployment.from_settings(
+            settings,
             backend=backend,
-            registry=versioning.registry,
+            backend_options=backend_options,
+            middleware=[metrics.dispatch_middleware()] if metrics else (),
             on_progress=progress,
-            owns_backend=owns_backend,
         )
+        if metrics is not None:
+            metrics.watch_registry(deployment.registry)
         return cls(
             deployment,
             admin_token=admin_token,
