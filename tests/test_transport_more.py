@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -189,3 +190,37 @@ async def test_without_httpx_aiohttp_it_falls_back_to_the_httpx_transport(
         assert route.call_count == 1
     finally:
         await t.aclose()
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Equal client and server keep-alive (5 s) loses generations to connections the server is
+    # closing (bench/keepalive_race.py); the transport must expire idle connections earlier.
+    import agentic_lora.transport as transport_module
+    from agentic_lora.backends import EngineRef
+    from agentic_lora.errors import ConfigurationError
+    from agentic_lora.transport import EngineTransport
+
+    seen: list[httpx.Limits] = []
+    real = transport_module._make_client
+
+    def spy(kind: Any, timeout: httpx.Timeout, limits: httpx.Limits) -> Any:
+        seen.append(limits)
+        return real(kind, timeout, limits)
+
+    monkeypatch.setattr(transport_module, "_make_client", spy)
+    engines = [EngineRef("e0", "http://127.0.0.1:1")]
+    for given, expected in ((None, 2.0), (1.5, 1.5)):
+        made = (
+            EngineTransport(engines)
+            if given is None
+            else EngineTransport(engines, keepalive_expiry=given)
+        )
+        await made.aclose()
+        assert seen[-1].keepalive_expiry == expected
+    for bad in (0.0, 5.0, 30.0):
+        with pytest.raises(ConfigurationError) as err:
+            EngineTransport(engines, keepalive_expiry=bad)
+        assert err.value.details["check"] == "keepalive"
