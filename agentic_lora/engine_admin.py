@@ -41,6 +41,7 @@ from typing import Any, Self
 import httpx
 
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
+from agentic_lora.http_limits import engine_limits
 
 __all__ = [
     "AdminHttpClient",
@@ -163,7 +164,8 @@ class AdminHttpClient:
         self.timeouts = timeouts or AdminTimeouts()
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect)
+            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
+            limits=engine_limits(),
         )
 
     async def aclose(self) -> None:

@@ -46,6 +46,7 @@ from agentic_lora.errors import (
     RequestRefusedError,
     UnknownEngineError,
 )
+from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
 
 __all__ = [
     "GENERATION_STOP",
@@ -217,7 +218,7 @@ class EngineTransport:
         connect_timeout: float = 5.0,
         http_transport: HttpTransportKind = "aiohttp",
         max_connections: int = 512,
-        keepalive_expiry: float = 2.0,
+        keepalive_expiry: float = ENGINE_KEEPALIVE_EXPIRY,
         control_attempts: int = 3,
         control_wait: wait_base | None = None,
     ) -> None:
@@ -234,20 +235,7 @@ class EngineTransport:
             )
         self._engines: dict[str, EngineRef] = {e.name: e for e in engines}
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=connect_timeout)
-        # keepalive_expiry well below the engines' server keep-alive (uvicorn's 5 s for SGLang and
-        # vLLM): at equal timeouts a burst after ~5 s idle is written onto connections the server
-        # is closing, and those generations fail as indeterminate (measured: up to 168 of 256 in
-        # bench/keepalive_race.py; none at 2 s). No retry may paper over it, so never reuse a
-        # connection the server might be closing.
-        if not 0 < keepalive_expiry < 5:
-            raise ConfigurationError(
-                "keepalive_expiry must be below the engines' 5 s keep-alive", check="keepalive"
-            )
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=keepalive_expiry,
-        )
+        limits = engine_limits(max_connections, keepalive_expiry)  # see agentic_lora.http_limits
         self._client, self._kind = _make_client(http_transport, timeout, limits)
         self._control_attempts = control_attempts
         self._control_wait: wait_base = (

@@ -201,6 +201,7 @@ async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them
     import agentic_lora.transport as transport_module
     from agentic_lora.backends import EngineRef
     from agentic_lora.errors import ConfigurationError
+    from agentic_lora.http_limits import engine_limits
     from agentic_lora.transport import EngineTransport
 
     seen: list[httpx.Limits] = []
@@ -224,3 +225,4 @@ async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them
         with pytest.raises(ConfigurationError) as err:
             EngineTransport(engines, keepalive_expiry=bad)
         assert err.value.details["check"] == "keepalive"
+    assert engine_limits().keepalive_expiry == 2.0  # the admin and sidecar clients' pools too

@@ -52,6 +52,7 @@ from agentic_lora.errors import (
     ConfigurationError,
     VersionConflictError,
 )
+from agentic_lora.http_limits import engine_limits
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.store import AdapterStore
 
@@ -116,7 +117,8 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         self.timeouts = timeouts or AdminTimeouts()
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect)
+            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
+            limits=engine_limits(),
         )
         self._admins: dict[str, AdminT] = {}
         self._stores: dict[str, AdapterStore] = {}

@@ -35,6 +35,7 @@ import httpx
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.http_limits import engine_limits
 from agentic_lora.identity import thaw_json
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora_dcs.attempts import AttemptState
@@ -107,7 +108,9 @@ class DcsBackend:
         #: Collectives this process entered, per (lora_name, attempt).
         self.collectives = CollectiveCounter()
         self._owns_client = client is None
-        self._http = client or httpx.AsyncClient(timeout=httpx.Timeout(http_timeout))
+        self._http = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(http_timeout), limits=engine_limits()
+        )
         self._sidecars = {
             name: SidecarClient(url, engine=name, client=self._http, end_timeout=end_timeout)
             for name, url in sidecars.items()
