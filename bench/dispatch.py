@@ -116,6 +116,7 @@ class Samples:
     later: list[float] = field(default_factory=list)
     lifecycle: list[float] = field(default_factory=list)  # Session open + close
     block_p50: list[float] = field(default_factory=list)
+    block_p99: list[float] = field(default_factory=list)
     wall: float = 0.0
     cpu: float = 0.0
     failures: list[str] = field(default_factory=list)
@@ -124,7 +125,7 @@ class Samples:
 # --- one worker per variant -------------------------------------------------------------------
 
 
-async def _timed(out: Samples, send: Callable[[], Awaitable[object]], turn: int | None) -> None:
+async def _timed(out: Samples, send: Callable[[], Awaitable[object]], turn: int) -> None:
     """Time one dispatch. A failure is counted (with its message) and the worker goes on, as an
     agent would with its next turn; only successful dispatches enter the latency figures."""
     start = time.perf_counter()
@@ -135,8 +136,7 @@ async def _timed(out: Samples, send: Callable[[], Awaitable[object]], turn: int 
         return
     elapsed = time.perf_counter() - start
     out.latencies.append(elapsed)
-    if turn is not None:
-        (out.first if turn == 0 else out.later).append(elapsed)
+    (out.first if turn == 0 else out.later).append(elapsed)
 
 
 async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
@@ -149,15 +149,17 @@ async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) 
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}")
 
-    for _ in range(sessions * turns):
-        await _timed(out, send, None)
+    for _ in range(sessions):
+        for turn in range(turns):
+            await _timed(out, send, turn)
 
 
 async def _transport(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     body = t.legacy_body
     transport = t.passthrough.transport
-    for _ in range(sessions * turns):
-        await _timed(out, lambda: transport.send(t.engine.name, "/generate", body), None)
+    for _ in range(sessions):
+        for turn in range(turns):
+            await _timed(out, lambda: transport.send(t.engine.name, "/generate", body), turn)
 
 
 async def _sessions(
@@ -221,7 +223,9 @@ async def _block(
     out.later += block.later
     out.lifecycle += block.lifecycle
     out.failures += block.failures
-    out.block_p50.append(summarize(block.latencies).p50)
+    summary = summarize(block.latencies)
+    out.block_p50.append(summary.p50)
+    out.block_p99.append(summary.p99)
 
 
 async def measure(
@@ -248,10 +252,14 @@ async def measure(
 def _report(samples: dict[str, Samples]) -> dict[str, Any]:
     direct = samples["direct"]
     d = summarize(direct.latencies).scaled(US)
+    d_first = summarize(direct.first).scaled(US)
+    d_later = summarize(direct.later).scaled(US)
     d_cpu = direct.cpu / max(len(direct.latencies), 1) * US
     out: dict[str, Any] = {}
     for variant, s in samples.items():
         lat = summarize(s.latencies).scaled(US)
+        first = summarize(s.first).scaled(US)
+        later = summarize(s.later).scaled(US)
         cpu_us = s.cpu / max(len(s.latencies), 1) * US
         paired = [
             b / a for a, b in zip(direct.block_p50, s.block_p50, strict=False) if a > 0 and b == b
@@ -259,8 +267,8 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
         out[variant] = {
             "dispatches": len(s.latencies),
             "latency_us": lat.as_dict(),
-            "first_dispatch_us": summarize(s.first).scaled(US).as_dict() if s.first else None,
-            "later_dispatch_us": summarize(s.later).scaled(US).as_dict() if s.later else None,
+            "first_dispatch_us": first.as_dict(),
+            "later_dispatch_us": later.as_dict(),
             "session_open_close_us": (
                 summarize(s.lifecycle).scaled(US).as_dict() if s.lifecycle else None
             ),
@@ -270,7 +278,22 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
             "added_p99_us": lat.p99 - d.p99,
             "added_cpu_us_per_dispatch": cpu_us - d_cpu,
             "ratio_of_medians": lat.p50 / d.p50 if d.p50 else float("nan"),
+            "ratio_of_means": lat.mean / d.mean if d.mean else float("nan"),
+            # A Session's first dispatch (binds) and its later ones, each against the same turn
+            # of the direct variant: a burst of first dispatches and the trickle after it are two
+            # modes, and a pooled median can fall on either.
+            "first_ratio_of_medians": first.p50 / d_first.p50 if d_first.p50 else float("nan"),
+            "later_ratio_of_medians": later.p50 / d_later.p50 if d_later.p50 else float("nan"),
+            "added_later_p50_us": later.p50 - d_later.p50,
+            "added_later_p99_us": later.p99 - d_later.p99,
             "median_block_ratio": summarize(paired).p50,
+            # Each block's own p99, then the median over blocks: one stalled block (a
+            # neighbour's burst on a shared machine) moves the pooled p99, not this.
+            "median_block_p99_us": summarize(s.block_p99).p50 * US,
+            "added_median_block_p99_us": (
+                summarize(s.block_p99).p50 - summarize(direct.block_p99).p50
+            )
+            * US,
             "failures": len(s.failures),
             "failure_examples": s.failures[:3],
         }
@@ -291,6 +314,8 @@ def _print(engine: str, report: dict[int, dict[str, Any]]) -> None:
                     r["added_p50_us"],
                     r["added_p99_us"],
                     r["ratio_of_medians"],
+                    r["first_ratio_of_medians"],
+                    r["later_ratio_of_medians"],
                     r["client_cpu_us_per_dispatch"],
                     r["throughput_per_s"],
                     r["failures"],
@@ -304,6 +329,8 @@ def _print(engine: str, report: dict[int, dict[str, Any]]) -> None:
             "+p50",
             "+p99",
             "p50 ratio",
+            "1st",
+            "later",
             "cpu/dispatch",
             "req/s",
             "fail",
@@ -533,7 +560,7 @@ class Plan:
 
 
 INSTANT_PLANS = {1: Plan(12, 25, 8), 64: Plan(12, 2, 8), 256: Plan(12, 1, 8)}
-SGLANG_PLANS = {1: Plan(8, 4, 4), 64: Plan(6, 1, 4), 256: Plan(6, 1, 2)}
+SGLANG_PLANS = {1: Plan(8, 4, 4), 64: Plan(6, 1, 4), 256: Plan(6, 1, 4)}
 
 
 async def run_engine(

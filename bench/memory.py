@@ -96,7 +96,8 @@ async def run(
                 *(worker(w, per + (1 if w < extra else 0)) for w in range(concurrency))
             )
             seconds = time.perf_counter() - t0
-            sample()
+            if done % sample_every:
+                sample()
             types_end = _type_counts()
     finally:
         await versioning.aclose()
