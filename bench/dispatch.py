@@ -79,6 +79,17 @@ from agentic_lora.transport import GENERATION_STOP, EngineReply, EngineTransport
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "VARIANTS",
+    "Plan",
+    "Target",
+    "breakdown",
+    "check_targets",
+    "main",
+    "measure",
+    "run_engine",
+]
+
 VARIANTS: tuple[str, ...] = ("direct", "transport", "passthrough", "full")
 INSTANT_BODY: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
 SGLANG_BODY: dict[str, Any] = {

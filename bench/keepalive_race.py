@@ -34,6 +34,8 @@ from httpx_aiohttp import AiohttpTransport
 from agentic_lora.backends import EngineRef
 from agentic_lora.transport import EngineTransport
 
+__all__ = ["app", "main", "run"]
+
 IDLE_SECONDS = (4.6, 4.7, 4.8, 4.85, 4.9, 4.95, 5.0, 5.1)
 SERVER_KEEP_ALIVE = 5
 

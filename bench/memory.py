@@ -39,6 +39,8 @@ from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
 from agentic_lora.transport import EngineTransport
 
+__all__ = ["main", "run"]
+
 ENGINE_URL = "http://noop-engine.invalid"
 BODY: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
 REPLY: dict[str, Any] = {

@@ -28,6 +28,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+__all__ = ["main", "plot_dispatch", "plot_memory", "plot_publication"]
+
 IMG_DIR = REPO_ROOT / "docs" / "img"
 VARIANT_COLOURS = {
     "direct": "#7f7f7f",
@@ -52,7 +54,7 @@ VERSION_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377
 def _load(name: str) -> dict[str, Any] | None:
     path = OUT_DIR / f"{name}.json"
     if not path.exists():
-        print(f"skipped: {path} not found (run bench/{name.split('_')[0]}... first)")
+        print(f"skipped: {path} not found (run the benchmark that writes it first)")
         return None
     data: dict[str, Any] = json.loads(path.read_text())
     return data

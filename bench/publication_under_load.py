@@ -79,6 +79,8 @@ from agentic_lora_agent import (  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Run", "agent_loop", "analyse", "main", "pooled", "window_stats"]
+
 RFC_GPU = {
     "failed": 0,
     "max_gap_s": 0.335,
