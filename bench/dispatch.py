@@ -59,6 +59,7 @@ from httpx_aiohttp import AiohttpTransport
 from tenacity import AsyncRetrying
 
 from agentic_lora.backends import EngineRef
+from agentic_lora.http_limits import engine_limits
 from agentic_lora.middleware import (
     AdapterPinMiddleware,
     Dispatch,
@@ -481,10 +482,10 @@ async def breakdown(n: int = 20_000) -> dict[str, float]:
 
 
 def _direct_client() -> httpx.AsyncClient:
-    # The same transport and limits EngineTransport builds, without anything of ours on top.
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    # The same transport and pool limits EngineTransport builds (idle connections dropped before
+    # the engine's keep-alive ends), without anything of ours on top.
     return httpx.AsyncClient(
-        transport=AiohttpTransport(retries=0, limits=limits, trust_env=False),
+        transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
         timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
         follow_redirects=False,
         trust_env=False,
@@ -571,7 +572,7 @@ class Plan:
 
 
 INSTANT_PLANS = {1: Plan(12, 25, 8), 64: Plan(12, 2, 8), 256: Plan(12, 1, 8)}
-SGLANG_PLANS = {1: Plan(8, 4, 4), 64: Plan(6, 1, 4), 256: Plan(6, 1, 4)}
+SGLANG_PLANS = {1: Plan(12, 4, 4), 64: Plan(12, 1, 4), 256: Plan(10, 1, 4)}
 
 
 async def run_engine(

@@ -1,17 +1,19 @@
 """Stale keep-alive connections: generations lost when the client's keep-alive matches the engine's.
 
 SGLang serves HTTP with uvicorn and closes a connection idle for ``SGLANG_TIMEOUT_KEEP_ALIVE``
-(5 s). The product's :class:`~agentic_lora.transport.EngineTransport` pools connections with
-httpx's default ``keepalive_expiry`` (also 5 s). A burst of generations that starts just before
-5 s of idleness picks pooled connections the server is closing at that moment; each such request
-fails with "Server disconnected" or "Can not write request body", which the transport rightly
-classifies as indeterminate (the bytes may have reached the engine), so it cannot be resent.
-Agents see this after any pause of about 5 s: tool calls, a slow environment step, a quiet phase.
+(5 s). A client that keeps idle connections just as long (httpx's default ``keepalive_expiry``,
+which the product's engine clients used until ``agentic_lora.http_limits`` set 2 s) sends a burst
+that starts just before 5 s of idleness onto connections the server is closing at that moment;
+each such request fails with "Server disconnected" or "Can not write request body", which the
+transport rightly classifies as indeterminate (the bytes may have reached the engine), so it
+cannot be resent. Agents meet this after any pause of about 5 s: a tool call, a slow environment
+step, a quiet phase.
 
-The probe: a uvicorn server with ``--timeout-keep-alive 5`` (the engine's server stack), and per
+The probe: a uvicorn server with ``--timeout-keep-alive 5`` (the engines' server stack), and per
 trial one client that opens ``--burst`` connections with one burst, idles for a given time, then
-sends a second burst. Rows: the product's transport as shipped, and a plain httpx client on the
-same aiohttp transport with ``keepalive_expiry`` 5 s and 2 s.
+sends a second burst. Rows: the product's :class:`~agentic_lora.transport.EngineTransport` as it
+is now, and a plain httpx client on the same aiohttp transport with ``keepalive_expiry`` 5 s and
+2 s.
 
 Prints the failures per idle time and writes ``bench/out/keepalive_race.json``.
 
@@ -141,7 +143,7 @@ class Server:
 async def run(burst: int) -> dict[str, Any]:
     """Every client row at every idle time; returns failures per (row, idle)."""
     rows: dict[str, Callable[[str, float], Awaitable[list[str]]]] = {
-        "EngineTransport (as shipped)": lambda url, idle: trial_product(url, idle, burst),
+        "EngineTransport": lambda url, idle: trial_product(url, idle, burst),
         "httpx, keepalive_expiry=5": lambda url, idle: trial_httpx(url, idle, burst, 5.0),
         "httpx, keepalive_expiry=2": lambda url, idle: trial_httpx(url, idle, burst, 2.0),
     }
