@@ -148,7 +148,9 @@ class BackendConformance(RuleBasedStateMachine):
 
     async def make_harness(self) -> ConformanceHarness:
         """Build the backend and its scripted engines (called once per example)."""
-        raise NotImplementedError
+        raise TypeError(
+            f"{type(self).__name__} must override make_harness() to return the plugin's harness"
+        )
 
     def __init__(self) -> None:
         super().__init__()
