@@ -423,6 +423,7 @@ async def serve(
             )
         )
         for sig in (signal.SIGINT, signal.SIGTERM):
+            # Platforms without loop signal handlers raise NotImplementedError; serve still runs.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)

@@ -301,6 +301,14 @@ class _Run:
         )
 
 
+def fixed_fleet(engines: Sequence[EngineRef]) -> tuple[EngineRef, ...]:
+    """The fixed fleet a publisher or reclaimer drives: non-empty, distinct engine names."""
+    names = [e.name for e in engines]
+    if not names or len(set(names)) != len(names):
+        raise ConfigurationError(f"the fleet needs distinct engines, got {names}", engines=names)
+    return tuple(engines)
+
+
 class Publisher:
     """Publishes versions through ``backend`` onto the fixed fleet ``engines`` (one at a time).
 
@@ -320,14 +328,9 @@ class Publisher:
         registry_retry: RegistryRetry | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        names = [e.name for e in engines]
-        if not names or len(set(names)) != len(names):
-            raise ConfigurationError(
-                f"the fleet needs distinct engines, got {names}", engines=names
-            )
         self.registry = registry
         self.backend = backend
-        self.engines: tuple[EngineRef, ...] = tuple(engines)
+        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
         self.reclaimer = reclaimer
         self.on_progress = on_progress
         self.retry = registry_retry or RegistryRetry()

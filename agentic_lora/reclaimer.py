@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 from agentic_lora.backends import Backend, EngineRef
 from agentic_lora.errors import AgenticLoRAError, ConfigurationError, SessionStillBoundError
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseRecorder, PhaseTiming, RegistryRetry
+from agentic_lora.publisher import (
+    Phase,
+    PhaseEvent,
+    PhaseRecorder,
+    PhaseTiming,
+    RegistryRetry,
+    fixed_fleet,
+)
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
 
@@ -93,14 +100,9 @@ class Reclaimer:
         retry_interval: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        names = [e.name for e in engines]
-        if not names or len(set(names)) != len(names):
-            raise ConfigurationError(
-                f"the fleet needs distinct engines, got {names}", engines=names
-            )
         self.registry = registry
         self.backend = backend
-        self.engines: tuple[EngineRef, ...] = tuple(engines)
+        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
         self.retry = registry_retry or RegistryRetry()
         self.on_progress = on_progress
         self.retry_interval = retry_interval
