@@ -13,6 +13,8 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── PublicationBlockedError    PUBLICATION_BLOCKED   another publication is pending or unresolved
     │   ├── NoPublishedVersionError    NO_PUBLISHED_VERSION  bind before the first commit
     │   ├── SessionClosedError         SESSION_CLOSED        the Session is closing or closed
+    │   ├── SessionExpiredError        SESSION_EXPIRED       the Session's lease expired; its ref was released
+    │   ├── LeaseExpiredError          LEASE_EXPIRED         an owner's lease expired or was superseded by a restart
     │   ├── NotReadyError              NOT_READY             commit without READY from every engine
     │   ├── ReadyMismatchError         READY_MISMATCH        receipt for another version, digest or engine
     │   ├── StaleAttemptError          STALE_ATTEMPT         message of a superseded publication attempt
@@ -24,6 +26,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   └── SessionStillBoundError     SESSION_STILL_BOUND   reclaim/forget while a Session holds it
     ├── JournalError                   (the durable journal)
     │   ├── JournalCorruptError        JOURNAL_CORRUPT       unreadable or inconsistent journal
+    │   ├── JournalLockedError         JOURNAL_LOCKED        another process holds the journal (single writer)
     │   └── JournalForeignError        JOURNAL_FOREIGN       journal of another deployment or format
     ├── DispatchError                  (the generation path)
     │   ├── VersionNotDispatchableError VERSION_NOT_DISPATCHABLE  version is reclaiming or gone
@@ -31,6 +34,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── SessionStateError          SESSION_STATE         Session cannot dispatch in its state
     │   ├── InvalidRequestError        INVALID_REQUEST       malformed generation request; nothing was sent
     │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
+    │   │   └── VersionUnavailableError VERSION_UNAVAILABLE  no engine holds the bound version right now; nothing sent
     │   └── RequestIndeterminateError  REQUEST_INDETERMINATE engine may have accepted the request
     ├── SessionReleaseError            SESSION_RELEASE_FAILED release not confirmed; record kept for retry
     ├── AccessDeniedError              ACCESS_DENIED         missing or wrong token on a gateway route
@@ -64,6 +68,8 @@ __all__ = [
     "JournalCorruptError",
     "JournalError",
     "JournalForeignError",
+    "JournalLockedError",
+    "LeaseExpiredError",
     "NoPublishedVersionError",
     "NotReadyError",
     "PublicationBlockedError",
@@ -73,6 +79,7 @@ __all__ = [
     "RequestRefusedError",
     "RevisionConflictError",
     "SessionClosedError",
+    "SessionExpiredError",
     "SessionReleaseError",
     "SessionStateError",
     "SessionStillBoundError",
@@ -81,6 +88,7 @@ __all__ = [
     "UnknownVersionError",
     "VersionConflictError",
     "VersionNotDispatchableError",
+    "VersionUnavailableError",
     "error_from_code",
 ]
 
@@ -153,6 +161,19 @@ class SessionClosedError(RegistryError):
     code = "SESSION_CLOSED"
 
 
+class SessionExpiredError(RegistryError):
+    """The Session's lease expired (its owner stopped renewing, or restarted) and its ref was
+    released; it can only be closed. Nothing was sent to an engine."""
+
+    code = "SESSION_EXPIRED"
+
+
+class LeaseExpiredError(RegistryError):
+    """An owner's lease is gone: it expired, or a newer incarnation of the owner replaced it."""
+
+    code = "LEASE_EXPIRED"
+
+
 class NotReadyError(RegistryError):
     code = "NOT_READY"
 
@@ -201,6 +222,12 @@ class JournalForeignError(JournalError):
     code = "JOURNAL_FOREIGN"
 
 
+class JournalLockedError(JournalError):
+    """Another process holds the journal open (``details["holder"]`` names it): one writer only."""
+
+    code = "JOURNAL_LOCKED"
+
+
 class DispatchError(AgenticLoRAError):
     code = "DISPATCH_ERROR"
 
@@ -227,6 +254,13 @@ class RequestRefusedError(DispatchError):
     """The engine provably did not accept the request (nothing ran); safe to send again."""
 
     code = "REQUEST_REFUSED"
+
+
+class VersionUnavailableError(RequestRefusedError):
+    """No engine holds the Session's bound version right now (an engine restarted and the
+    version is not loaded on it again yet). Nothing was sent; sending again later is safe."""
+
+    code = "VERSION_UNAVAILABLE"
 
 
 class RequestIndeterminateError(DispatchError):

@@ -1,6 +1,6 @@
 """The registry as its callers see it: one async Protocol, whatever runs behind it.
 
-Three implementations share this shape: :class:`~agentic_lora.registry.local.LocalRegistry`
+Two implementations share this shape: :class:`~agentic_lora.registry.local.LocalRegistry`
 (in-process, optionally journaled), and the Ray actor client
 (:class:`~agentic_lora.registry.ray_actor.RayRegistryClient`). The Session middleware, the
 publisher and the reclaimer only ever talk to this Protocol.
@@ -19,12 +19,15 @@ from typing import Protocol, runtime_checkable
 from agentic_lora.registry.types import (
     Binding,
     CommitReceipt,
+    LeaseGrant,
+    NamedSession,
     ReadyReceipt,
     ReclaimClaim,
     RegistryStatus,
     ReleaseResult,
     Reservation,
     SessionStatus,
+    SweepResult,
     VersionStatus,
 )
 
@@ -65,8 +68,13 @@ class RegistryAPI(Protocol):
         ...
 
     # --- Sessions ----------------------------------------------------------------------------
-    async def bind_first(self, *, request_id: str, session_key: str) -> Binding:
-        """Bind to the current default and take a Session ref (a second call: the same answer)."""
+    async def bind_first(
+        self, *, request_id: str, session_key: str, lease: str | None = None
+    ) -> Binding:
+        """Bind to the current default and take a Session ref (a second call: the same answer).
+
+        With ``lease`` the ref is held under that owner lease and released when it ends.
+        """
         ...
 
     async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
@@ -79,6 +87,44 @@ class RegistryAPI(Protocol):
 
     async def forget_sessions(self, *, request_id: str, session_keys: Sequence[str]) -> int:
         """Drop CLOSED tombstones once the local records are gone (bounded memory)."""
+        ...
+
+    # --- leases and durable names ------------------------------------------------------------
+    async def open_lease(
+        self,
+        *,
+        request_id: str,
+        owner: str,
+        incarnation: str,
+        ttl: float,
+        on_restart: str = "release",
+    ) -> LeaseGrant:
+        """Start (or renew) ``owner``'s lease for this incarnation; a new incarnation ends the
+        previous one at once, releasing (``"release"``) or adopting (``"adopt"``) its Sessions."""
+        ...
+
+    async def renew_lease(self, *, request_id: str, owner: str, incarnation: str) -> LeaseGrant:
+        """Extend a live lease by its TTL (LEASE_EXPIRED once it expired or was superseded)."""
+        ...
+
+    async def close_lease(
+        self, *, request_id: str, owner: str, incarnation: str
+    ) -> tuple[str, ...]:
+        """End a lease on purpose; Sessions still on it are expired (their refs released)."""
+        ...
+
+    async def resume_leases(self, *, request_id: str) -> int:
+        """Give every live lease a full TTL from now (the registry host was down)."""
+        ...
+
+    async def sweep(self, *, request_id: str, name_ttl: float) -> SweepResult:
+        """Expire leases past their deadline; forget name tombstones older than ``name_ttl``."""
+        ...
+
+    async def open_named(
+        self, *, request_id: str, name: str, session_key: str, lease: str | None
+    ) -> NamedSession:
+        """The Session behind a client-chosen name (created on first use; never re-bound)."""
         ...
 
     # --- reclaim -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ and no randomness inside. That gives three properties the rest of the system lea
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -26,12 +27,14 @@ from agentic_lora.errors import (
     CapacityError,
     EngineRestartedError,
     InvalidStateError,
+    LeaseExpiredError,
     NoPublishedVersionError,
     NotReadyError,
     PublicationBlockedError,
     ReadyMismatchError,
     RevisionConflictError,
     SessionClosedError,
+    SessionExpiredError,
     SessionStillBoundError,
     StaleAttemptError,
     UnknownEngineError,
@@ -44,6 +47,9 @@ from agentic_lora.registry.types import (
     Binding,
     CommitReceipt,
     EngineStatus,
+    LeaseGrant,
+    LeaseStatus,
+    NamedSession,
     ReadyReceipt,
     ReclaimClaim,
     RegistryStatus,
@@ -52,13 +58,14 @@ from agentic_lora.registry.types import (
     ReserveOutcome,
     SessionState,
     SessionStatus,
+    SweepResult,
     VersionState,
     VersionStatus,
     from_wire,
     to_wire,
 )
 
-__all__ = ["MUTATING_VERBS", "RegistryCore"]
+__all__ = ["MUTATING_VERBS", "ON_RESTART", "TIMED_VERBS", "RegistryCore"]
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -77,8 +84,29 @@ MUTATING_VERBS: frozenset[str] = frozenset(
         "forget_sessions",
         "claim_reclaim",
         "confirm_reclaim",
+        "open_lease",
+        "renew_lease",
+        "close_lease",
+        "resume_leases",
+        "sweep",
+        "open_named",
     }
 )
+
+#: Verbs that take ``now`` (seconds on the registry host's clock). The front end passes it in, so
+#: the core stays clock-free: a journal replays every expiry exactly as it first happened. ``now``
+#: is not part of a call's idempotency fingerprint (a replay carries a later time).
+TIMED_VERBS: frozenset[str] = frozenset(
+    {"open_lease", "renew_lease", "resume_leases", "sweep", "open_named"}
+)
+
+#: What a new incarnation of an owner does with its predecessor's Sessions: a rollout worker's
+#: Sessions died with it ("release"); a gateway's belong to agents that outlive it ("adopt").
+ON_RESTART: frozenset[str] = frozenset({"release", "adopt"})
+
+_MAX_NAME = 256
+#: Dead lease ids remembered so a late call from a dead incarnation is refused, not revived.
+_DEAD_LEASE_MEMORY = 4096
 
 
 class _Version:
@@ -113,11 +141,73 @@ class _Version:
 
 
 class _Session:
-    __slots__ = ("binding", "state")
+    __slots__ = ("binding", "lease", "state")
 
-    def __init__(self, state: SessionState, binding: Binding | None) -> None:
+    def __init__(
+        self, state: SessionState, binding: Binding | None, lease: str | None = None
+    ) -> None:
         self.state = state
         self.binding = binding
+        self.lease = lease
+
+
+class _Lease:
+    """One owner incarnation's lease and what hangs on it."""
+
+    __slots__ = ("expires_at", "incarnation", "lease_id", "names", "owner", "sessions", "ttl")
+
+    def __init__(self, owner: str, incarnation: str, ttl: float, expires_at: float) -> None:
+        self.lease_id = _lease_id(owner, incarnation)
+        self.owner = owner
+        self.incarnation = incarnation
+        self.ttl = ttl
+        self.expires_at = expires_at
+        self.sessions: set[str] = set()
+        self.names: set[str] = set()
+
+
+class _Name:
+    """A client-chosen Session name; ``closed_at`` set makes it a tombstone (kept by age)."""
+
+    __slots__ = ("closed_at", "lease", "session_key", "why")
+
+    def __init__(self, session_key: str, lease: str | None) -> None:
+        self.session_key = session_key
+        self.lease = lease
+        self.closed_at: float | None = None
+        self.why: str | None = None
+
+
+def _lease_id(owner: str, incarnation: str) -> str:
+    return f"{owner}/{incarnation}"
+
+
+def _check_token(value: object, what: str) -> str:
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > _MAX_NAME
+        or not value.isprintable()
+        or any(c.isspace() for c in value)
+    ):
+        raise InvalidStateError(
+            f"{what} must be a printable string of 1-{_MAX_NAME} characters without whitespace",
+            reason=f"bad_{what}",
+        )
+    return value
+
+
+def _check_time(value: object, what: str, *, positive: bool = False) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        raise InvalidStateError(
+            f"{what} must be a finite number{' above 0' if positive else ''}", reason=f"bad_{what}"
+        )
+    return float(value)
 
 
 class RegistryCore:
@@ -154,6 +244,14 @@ class RegistryCore:
         self._default_revision = 0
         self._pending: str | None = None
         self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
+        self._leases: dict[str, _Lease] = {}  # live leases by id
+        self._owners: dict[str, str] = {}  # owner -> its current lease id
+        self._dead_leases: OrderedDict[str, str] = OrderedDict()  # lease id -> why it ended
+        self._names: dict[str, _Name] = {}
+        self._name_of: dict[str, str] = {}  # session key -> name
+        # The latest ``now`` any timed verb brought: the time of untimed transitions (a close
+        # tombstones a name at this time). Never goes backwards.
+        self._now = 0.0
         # request_id -> (verb, args, result); bounded FIFO so memory stays flat.
         self._done: OrderedDict[str, tuple[str, tuple[Any, ...], Any]] = OrderedDict()
         #: Number of state-changing calls applied so far (the journal's sequence number).
@@ -170,7 +268,9 @@ class RegistryCore:
         """
         if not request_id:
             raise InvalidStateError("request_id must be a non-empty string", reason="no_request_id")
-        fingerprint = tuple(tuple(a) if isinstance(a, list) else a for a in args.values())
+        fingerprint = tuple(
+            tuple(a) if isinstance(a, list) else a for k, a in args.items() if k != "now"
+        )
         seen = self._done.get(request_id)
         if seen is not None:
             if seen[0] != verb or seen[1] != fingerprint:
@@ -318,17 +418,30 @@ class RegistryCore:
 
     def observe_incarnation(self, engine: str, incarnation: str) -> bool:
         self._engine(engine)
+        _check_token(incarnation, "incarnation")
         known = self._incarnations[engine]
         if known == incarnation:
             return False
         self._incarnations[engine] = incarnation
-        # An engine that restarted lost whatever it had prepared: its READY for a pending
-        # version no longer proves anything, so commit must wait for a fresh one.
+        if known is None:
+            return True  # the first sighting: nothing was recorded against an older process
+        # A new incarnation is a new process: it holds no adapter at all. Everything recorded
+        # against the old one is void, in whichever direction that cuts.
         for v in self._versions.values():
-            if v.state is VersionState.LOADING:
+            if v.state is VersionState.LOADING or v.state.dispatchable:
+                # LOADING: its READY no longer proves anything, commit must wait for a fresh
+                # one. PUBLISHED/RETIRED: the engine no longer holds it, so no request for it may
+                # be routed there until it is loaded again (repair) and its READY recorded.
                 r = v.ready.get(engine)
                 if r is not None and r.incarnation != incarnation:
                     del v.ready[engine]
+            elif v.state is VersionState.ABORTED:
+                # The restart is the proof of cleanup the aborted attempt was waiting for.
+                self._cleaned(v, engine)
+            elif v.state is VersionState.RECLAIMING:
+                # Nothing loads a RECLAIMING version again (repair refuses it), so the restarted
+                # engine provably holds nothing of it.
+                self._reclaimed(v, engine)
         return True
 
     def record_ready(self, receipt: ReadyReceipt) -> VersionStatus:
@@ -343,8 +456,15 @@ class RegistryCore:
                 digest=receipt.digest,
             )
         if v.state is not VersionState.LOADING:
-            if v.commit_receipt is not None and receipt.attempt == v.commit_receipt.attempt:
-                return self._vstatus(v)  # a late duplicate of a READY that was already used
+            committed = v.commit_receipt is not None and receipt.attempt == v.commit_receipt.attempt
+            if committed and v.state.dispatchable:
+                # A repair (the engine restarted and got the version again), or a late duplicate
+                # of the READY commit used: either way it counts only for the current process.
+                self._current_incarnation(v, receipt)
+                v.ready[receipt.engine] = receipt
+                return self._vstatus(v)
+            if committed:
+                return self._vstatus(v)  # a late duplicate; the version is on its way out
             if receipt.attempt < v.attempt:
                 self._attempt(v, receipt.attempt)
             raise InvalidStateError(
@@ -353,6 +473,11 @@ class RegistryCore:
                 state=v.state.value,
             )
         self._attempt(v, receipt.attempt)
+        self._current_incarnation(v, receipt)
+        v.ready[receipt.engine] = receipt
+        return self._vstatus(v)
+
+    def _current_incarnation(self, v: _Version, receipt: ReadyReceipt) -> None:
         known = self._incarnations[receipt.engine]
         if known is None:
             self._incarnations[receipt.engine] = receipt.incarnation
@@ -365,8 +490,6 @@ class RegistryCore:
                 incarnation=receipt.incarnation,
                 current_incarnation=known,
             )
-        v.ready[receipt.engine] = receipt
-        return self._vstatus(v)
 
     def commit(
         self, version_id: str, attempt: int, expected_default_revision: int
@@ -434,26 +557,34 @@ class RegistryCore:
                 version=version_id,
                 state=v.state.value,
             )
+        self._cleaned(v, engine)
+        return self._vstatus(v)
+
+    def _cleaned(self, v: _Version, engine: str) -> None:
         v.cleaned.add(engine)
         if len(v.cleaned) == len(self.engines):
             # Only now is it proven that no engine holds the candidate: free the slot.
-            v.state = advance(version_id, v.state, VersionEvent.ALL_CLEANED)
-            self._pending = None
-        return self._vstatus(v)
+            v.state = advance(v.version_id, v.state, VersionEvent.ALL_CLEANED)
+            if self._pending == v.version_id:
+                self._pending = None
 
     # --- Sessions -------------------------------------------------------------------------------
 
-    def bind_first(self, session_key: str) -> Binding:
+    def bind_first(self, session_key: str, lease: str | None = None) -> Binding:
         s = self._sessions.get(session_key)
         if s is not None:
             if s.state is SessionState.BOUND:
                 assert s.binding is not None
-                return s.binding
-            raise SessionClosedError(
-                f"session {session_key!r} is {s.state.value}; it cannot bind",
-                session=session_key,
-                state=s.state.value,
-            )
+                return s.binding  # the first answer, whatever the default is now
+            raise self._refusal(session_key, s.state)
+        name = self._name_of.get(session_key)
+        if name is not None:
+            # A named Session binds under its name's lease (a gateway may have adopted it).
+            rec = self._names[name]
+            if rec.closed_at is not None:
+                raise self._name_refusal(name, rec)
+            lease = rec.lease
+        owner = self._live_lease(lease) if lease is not None else None
         if self._default is None:
             raise NoPublishedVersionError("no version has been published yet", session=session_key)
         v = self._versions[self._default]
@@ -465,8 +596,23 @@ class RegistryCore:
             digest=v.digest,
             default_revision=self._default_revision,
         )
-        self._sessions[session_key] = _Session(SessionState.BOUND, binding)
+        self._sessions[session_key] = _Session(SessionState.BOUND, binding, lease)
+        if owner is not None:
+            owner.sessions.add(session_key)
         return binding
+
+    def _refusal(self, session_key: str, state: SessionState) -> Exception:
+        if state is SessionState.EXPIRED:
+            return SessionExpiredError(
+                f"session {session_key!r} expired with its owner's lease; it can only be closed",
+                session=session_key,
+                state=state.value,
+            )
+        return SessionClosedError(
+            f"session {session_key!r} is {state.value}; it cannot bind",
+            session=session_key,
+            state=state.value,
+        )
 
     def begin_close(self, session_key: str) -> SessionStatus:
         s = self._sessions.get(session_key)
@@ -475,9 +621,11 @@ class RegistryCore:
             s = self._sessions[session_key] = _Session(SessionState.CLOSING, None)
         elif s.state is SessionState.BOUND:
             s.state = SessionState.CLOSING
-        return SessionStatus(
-            session_key, s.state, s.binding.version_id if s.binding is not None else None
-        )
+        name = self._name_of.get(session_key)
+        if name is not None:
+            # From now on the name can never open a second lifecycle (on any gateway replica).
+            self._tombstone(name, "closed")
+        return self._sstatus(session_key, s)
 
     def release(self, session_key: str) -> ReleaseResult:
         s = self._sessions.get(session_key)
@@ -488,7 +636,8 @@ class RegistryCore:
                 reason="unknown_session",
             )
         version_id = s.binding.version_id if s.binding is not None else None
-        if s.state is SessionState.CLOSED:
+        if s.state in (SessionState.CLOSED, SessionState.EXPIRED):
+            # EXPIRED: the lease expiry already dropped the ref; closing it late changes nothing.
             return ReleaseResult(session_key, version_id, released_now=False)
         if s.state is not SessionState.CLOSING:
             raise InvalidStateError(
@@ -499,15 +648,12 @@ class RegistryCore:
         s.state = SessionState.CLOSED
         if version_id is not None:
             self._versions[version_id].session_refs -= 1
+        self._detach(session_key, s)
         return ReleaseResult(session_key, version_id, released_now=True)
 
     def forget_sessions(self, session_keys: Sequence[str]) -> int:
         keys = list(session_keys)
-        live = [
-            k
-            for k in keys
-            if (s := self._sessions.get(k)) is not None and s.state is not SessionState.CLOSED
-        ]
+        live = [k for k in keys if (s := self._sessions.get(k)) is not None and s.state.holds_ref]
         if live:
             raise SessionStillBoundError(
                 f"{len(live)} session(s) are not released yet", sessions=live[:8]
@@ -516,7 +662,229 @@ class RegistryCore:
         for k in keys:
             if self._sessions.pop(k, None) is not None:
                 forgotten += 1
+        # A named Session's name (and its key mapping) outlives the record: it is a tombstone
+        # kept by age (see sweep), so the name can never open a second lifecycle meanwhile.
         return forgotten
+
+    def _sstatus(self, session_key: str, s: _Session) -> SessionStatus:
+        return SessionStatus(
+            session_key,
+            s.state,
+            s.binding.version_id if s.binding is not None else None,
+            s.lease,
+        )
+
+    def _detach(self, session_key: str, s: _Session) -> None:
+        if s.lease is not None and (lease := self._leases.get(s.lease)) is not None:
+            lease.sessions.discard(session_key)
+
+    def _expire_session(self, session_key: str) -> bool:
+        """Drop a Session's ref because its lease ended; True if it held one."""
+        s = self._sessions.get(session_key)
+        if s is None or not s.state.holds_ref:
+            return False
+        if s.binding is not None:
+            self._versions[s.binding.version_id].session_refs -= 1
+        s.state = SessionState.EXPIRED
+        self._detach(session_key, s)
+        return True
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def _live_lease(self, lease_id: str) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            why = self._dead_leases.get(lease_id, "unknown")
+            raise LeaseExpiredError(
+                f"lease {lease_id!r} is not live ({why})", lease=lease_id, reason=why
+            )
+        return lease
+
+    def _tick(self, now: float) -> float:
+        now = _check_time(now, "now")
+        self._now = max(self._now, now)
+        return now
+
+    def _end_lease(self, lease: _Lease, why: str) -> tuple[str, ...]:
+        """Expire every Session and name of ``lease`` and forget it; the keys that held a ref."""
+        released = tuple(k for k in sorted(lease.sessions) if self._expire_session(k))
+        for name in sorted(lease.names):
+            self._tombstone(name, why)
+        del self._leases[lease.lease_id]
+        if self._owners.get(lease.owner) == lease.lease_id:
+            del self._owners[lease.owner]
+        self._dead_leases[lease.lease_id] = why
+        while len(self._dead_leases) > _DEAD_LEASE_MEMORY:
+            self._dead_leases.popitem(last=False)
+        return released
+
+    def _grant(
+        self, lease: _Lease, released: tuple[str, ...] = (), adopted: tuple[str, ...] = ()
+    ) -> LeaseGrant:
+        return LeaseGrant(
+            lease_id=lease.lease_id,
+            owner=lease.owner,
+            incarnation=lease.incarnation,
+            ttl=lease.ttl,
+            expires_at=lease.expires_at,
+            released=released,
+            adopted=adopted,
+        )
+
+    def open_lease(
+        self, owner: str, incarnation: str, ttl: float, now: float, on_restart: str = "release"
+    ) -> LeaseGrant:
+        _check_token(owner, "owner")
+        _check_token(incarnation, "incarnation")
+        ttl = _check_time(ttl, "ttl", positive=True)
+        now = self._tick(now)
+        if on_restart not in ON_RESTART:
+            raise InvalidStateError(
+                f"on_restart must be one of {sorted(ON_RESTART)}", reason="bad_on_restart"
+            )
+        lease_id = _lease_id(owner, incarnation)
+        current = self._leases.get(lease_id)
+        if current is not None:
+            current.ttl = ttl
+            current.expires_at = now + ttl
+            return self._grant(current)
+        if lease_id in self._dead_leases:
+            self._live_lease(lease_id)  # raises: an incarnation never comes back
+        lease = _Lease(owner, incarnation, ttl, now + ttl)
+        released: tuple[str, ...] = ()
+        adopted: tuple[str, ...] = ()
+        previous_id = self._owners.get(owner)
+        if previous_id is not None:
+            previous = self._leases[previous_id]
+            if on_restart == "adopt":
+                # The agents behind a gateway outlive it: their Sessions move to the new lease.
+                adopted = tuple(sorted(previous.sessions))
+                for key in adopted:
+                    self._sessions[key].lease = lease_id
+                for name in previous.names:
+                    self._names[name].lease = lease_id
+                lease.sessions, lease.names = previous.sessions, previous.names
+                previous.sessions, previous.names = set(), set()
+            # A worker's Sessions died with it: release them now instead of after the TTL.
+            released = self._end_lease(previous, "owner_restarted")
+        self._leases[lease_id] = lease
+        self._owners[owner] = lease_id
+        return self._grant(lease, released, adopted)
+
+    def renew_lease(self, owner: str, incarnation: str, now: float) -> LeaseGrant:
+        now = self._tick(now)
+        lease = self._live_lease(_lease_id(owner, incarnation))
+        lease.expires_at = now + lease.ttl
+        return self._grant(lease)
+
+    def close_lease(self, owner: str, incarnation: str) -> tuple[str, ...]:
+        """End a lease on purpose (an owner shutting down); returns the Sessions it released."""
+        lease = self._leases.get(_lease_id(owner, incarnation))
+        if lease is None:
+            return ()  # already ended (expired, superseded, or a replayed close)
+        return self._end_lease(lease, "owner_closed")
+
+    def resume_leases(self, now: float) -> int:
+        """Give every live lease a full TTL from ``now`` (after the registry itself was down:
+        its owners could not renew while it was gone). Returns how many leases it extended."""
+        now = self._tick(now)
+        for lease in self._leases.values():
+            lease.expires_at = max(lease.expires_at, now + lease.ttl)
+        return len(self._leases)
+
+    def sweep(self, now: float, name_ttl: float) -> SweepResult:
+        """Expire every lease past its deadline; forget name tombstones older than ``name_ttl``."""
+        now = self._tick(now)
+        name_ttl = _check_time(name_ttl, "name_ttl", positive=True)
+        expired = sorted(lid for lid, lease in self._leases.items() if lease.expires_at <= now)
+        sessions: list[str] = []
+        for lease_id in expired:
+            sessions.extend(self._end_lease(self._leases[lease_id], "expired"))
+        stale = [
+            n
+            for n, rec in self._names.items()
+            if rec.closed_at is not None and rec.closed_at + name_ttl <= now
+        ]
+        for name in stale:
+            rec = self._names.pop(name)
+            if self._name_of.get(rec.session_key) == name:
+                del self._name_of[rec.session_key]
+        return SweepResult(tuple(expired), tuple(sessions), len(stale))
+
+    # --- durable Session names ---------------------------------------------------------------
+
+    def open_named(
+        self, name: str, session_key: str, lease: str | None, now: float
+    ) -> NamedSession:
+        """The registry Session behind a client's Session ``name``, created on first use.
+
+        A known, live name answers its existing Session (moved to ``lease`` if another lease
+        held it); its binding, if any, is the one it had: a restarted gateway can never re-bind
+        a running agent to a newer version. A closed or expired name is refused.
+        """
+        _check_token(name, "name")
+        _check_token(session_key, "session_key")
+        self._tick(now)
+        owner = self._live_lease(lease) if lease is not None else None
+        rec = self._names.get(name)
+        if rec is not None:
+            if rec.closed_at is not None:
+                raise self._name_refusal(name, rec)
+            adopted = rec.lease != lease
+            if adopted:
+                self._move_name(name, rec, owner)
+            s = self._sessions.get(rec.session_key)
+            return NamedSession(
+                name,
+                rec.session_key,
+                rec.lease,
+                s.binding if s is not None else None,
+                adopted=adopted,
+            )
+        if session_key in self._sessions or session_key in self._name_of:
+            raise InvalidStateError(
+                f"session key {session_key!r} is already in use", reason="session_key_in_use"
+            )
+        self._names[name] = _Name(session_key, lease)
+        self._name_of[session_key] = name
+        if owner is not None:
+            owner.names.add(name)
+        return NamedSession(name, session_key, lease)
+
+    def _move_name(self, name: str, rec: _Name, owner: _Lease | None) -> None:
+        if rec.lease is not None and (old := self._leases.get(rec.lease)) is not None:
+            old.names.discard(name)
+            old.sessions.discard(rec.session_key)
+        rec.lease = owner.lease_id if owner is not None else None
+        if owner is not None:
+            owner.names.add(name)
+        s = self._sessions.get(rec.session_key)
+        if s is not None:
+            s.lease = rec.lease
+            if owner is not None and s.state.holds_ref:
+                owner.sessions.add(rec.session_key)
+
+    def _tombstone(self, name: str, why: str) -> None:
+        rec = self._names.get(name)
+        if rec is None or rec.closed_at is not None:
+            return
+        rec.closed_at = self._now
+        rec.why = why
+        if rec.lease is not None and (lease := self._leases.get(rec.lease)) is not None:
+            lease.names.discard(name)
+
+    def _name_refusal(self, name: str, rec: _Name) -> Exception:
+        if rec.why == "closed":
+            return SessionClosedError(
+                f"session {name!r} was closed; start a new Session with a new id",
+                session=name,
+                reason="closed",
+            )
+        return SessionExpiredError(
+            f"session {name!r} expired ({rec.why}); start a new Session with a new id",
+            session=name,
+            reason=rec.why,
+        )
 
     # --- reclaim --------------------------------------------------------------------------------
 
@@ -546,10 +914,13 @@ class RegistryCore:
             )
         if v.state is VersionState.RECLAIMED:
             return self._vstatus(v)
+        self._reclaimed(v, engine)
+        return self._vstatus(v)
+
+    def _reclaimed(self, v: _Version, engine: str) -> None:
         v.reclaimed.add(engine)
         if len(v.reclaimed) == len(self.engines):
-            v.state = advance(version_id, v.state, VersionEvent.ALL_RECLAIMED)
-        return self._vstatus(v)
+            v.state = advance(v.version_id, v.state, VersionEvent.ALL_RECLAIMED)
 
     # --- reads (no request id, never journaled) ------------------------------------------------
 
@@ -567,11 +938,42 @@ class RegistryCore:
 
     def session(self, session_key: str) -> SessionStatus | None:
         s = self._sessions.get(session_key)
-        if s is None:
-            return None
-        return SessionStatus(
-            session_key, s.state, s.binding.version_id if s.binding is not None else None
+        return None if s is None else self._sstatus(session_key, s)
+
+    def sweep_due(self, now: float, name_ttl: float) -> bool:
+        """Whether :meth:`sweep` at ``now`` would change anything (a read: nothing journaled)."""
+        return any(lease.expires_at <= now for lease in self._leases.values()) or any(
+            rec.closed_at is not None and rec.closed_at + name_ttl <= now
+            for rec in self._names.values()
         )
+
+    def named(self, name: str) -> NamedSession | None:
+        """The live Session behind ``name`` (None if unknown or tombstoned)."""
+        rec = self._names.get(name)
+        if rec is None or rec.closed_at is not None:
+            return None
+        s = self._sessions.get(rec.session_key)
+        return NamedSession(name, rec.session_key, rec.lease, s.binding if s else None)
+
+    def lease(self, lease_id: str) -> LeaseStatus | None:
+        lease = self._leases.get(lease_id)
+        return None if lease is None else self._lstatus(lease)
+
+    def _lstatus(self, lease: _Lease) -> LeaseStatus:
+        return LeaseStatus(
+            lease_id=lease.lease_id,
+            owner=lease.owner,
+            incarnation=lease.incarnation,
+            ttl=lease.ttl,
+            expires_at=lease.expires_at,
+            sessions=len(lease.sessions),
+            names=len(lease.names),
+        )
+
+    @property
+    def now(self) -> float:
+        """The latest time a timed verb brought (the registry's notion of "now" for replay)."""
+        return self._now
 
     @property
     def default_revision(self) -> int:
@@ -595,9 +997,9 @@ class RegistryCore:
             slots_in_use=self._slots_in_use(),
             pending_version=self._pending,
             versions=tuple(self._vstatus(v) for v in self._versions.values()),
-            live_sessions=sum(
-                1 for s in self._sessions.values() if s.state is not SessionState.CLOSED
-            ),
+            live_sessions=sum(1 for s in self._sessions.values() if s.state.holds_ref),
+            leases=tuple(self._lstatus(lease) for lease in self._leases.values()),
+            named_sessions=sum(1 for rec in self._names.values() if rec.closed_at is None),
         )
 
     # --- snapshot (journal compaction) ---------------------------------------------------------
@@ -626,7 +1028,27 @@ class RegistryCore:
                 }
                 for v in self._versions.values()
             ],
-            "sessions": [[k, s.state.value, to_wire(s.binding)] for k, s in self._sessions.items()],
+            "sessions": [
+                [k, s.state.value, to_wire(s.binding), s.lease] for k, s in self._sessions.items()
+            ],
+            "now": self._now,
+            "leases": [
+                [
+                    lease.owner,
+                    lease.incarnation,
+                    lease.ttl,
+                    lease.expires_at,
+                    sorted(lease.sessions),
+                    sorted(lease.names),
+                ]
+                for lease in self._leases.values()
+            ],
+            "owners": self._owners,
+            "dead_leases": [[k, why] for k, why in self._dead_leases.items()],
+            "names": [
+                [n, rec.session_key, rec.lease, rec.closed_at, rec.why]
+                for n, rec in self._names.items()
+            ],
             "done": [
                 [rid, verb, to_wire(list(fp)), to_wire(res)]
                 for rid, (verb, fp, res) in self._done.items()
@@ -655,8 +1077,26 @@ class RegistryCore:
             v.commit_receipt = from_wire(raw["commit_receipt"])
             self._versions[v.version_id] = v
         self._sessions = {
-            k: _Session(SessionState(st), from_wire(b)) for k, st, b in state["sessions"]
+            k: _Session(SessionState(st), from_wire(b), lease)
+            for k, st, b, lease in state["sessions"]
         }
+        self._now = float(state["now"])
+        self._leases = {}
+        for owner, incarnation, ttl, expires_at, sessions, names in state["leases"]:
+            lease = _Lease(owner, incarnation, float(ttl), float(expires_at))
+            lease.sessions = set(sessions)
+            lease.names = set(names)
+            self._leases[lease.lease_id] = lease
+        self._owners = dict(state["owners"])
+        self._dead_leases = OrderedDict((k, why) for k, why in state["dead_leases"])
+        self._names = {}
+        self._name_of = {}
+        for n, key, lease_id, closed_at, why in state["names"]:
+            rec = _Name(key, lease_id)
+            rec.closed_at = closed_at
+            rec.why = why
+            self._names[n] = rec
+            self._name_of[key] = n
         self._done = OrderedDict(
             (rid, (verb, _freeze(from_wire(fp)), from_wire(res)))
             for rid, verb, fp, res in state["done"]

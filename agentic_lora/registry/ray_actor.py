@@ -147,8 +147,10 @@ class RayRegistryClient(RegistryVerbs):
     async def _read(self, what: str, version_id: str | None = None) -> Any:
         return _unwrap(await self._actor.read.remote(what, version_id))
 
-    async def bind_first(self, *, request_id: str, session_key: str) -> Binding:
-        r = await super().bind_first(request_id=request_id, session_key=session_key)
+    async def bind_first(
+        self, *, request_id: str, session_key: str, lease: str | None = None
+    ) -> Binding:
+        r = await super().bind_first(request_id=request_id, session_key=session_key, lease=lease)
         if r.version_id not in self._versions:
             await self.fetch_version(r.version_id)
         return r

@@ -17,6 +17,9 @@ __all__ = [
     "Binding",
     "CommitReceipt",
     "EngineStatus",
+    "LeaseGrant",
+    "LeaseStatus",
+    "NamedSession",
     "ReadyReceipt",
     "ReclaimClaim",
     "RegistryStatus",
@@ -25,6 +28,7 @@ __all__ = [
     "ReserveOutcome",
     "SessionState",
     "SessionStatus",
+    "SweepResult",
     "VersionKey",
     "VersionState",
     "VersionStatus",
@@ -58,11 +62,22 @@ class VersionState(enum.StrEnum):
 
 
 class SessionState(enum.StrEnum):
-    """The registry's view of a Session (the middleware has its own, finer one)."""
+    """The registry's view of a Session (the middleware has its own, finer one).
+
+    CLOSED and EXPIRED are both tombstones: the ref is gone and nothing can bind the key again.
+    CLOSED came from the Session's own close; EXPIRED from its owner's lease (it expired, the
+    owner restarted, or the owner closed its lease with the Session still open).
+    """
 
     BOUND = "BOUND"
     CLOSING = "CLOSING"
     CLOSED = "CLOSED"
+    EXPIRED = "EXPIRED"
+
+    @property
+    def holds_ref(self) -> bool:
+        """Whether a Session in this state still holds its version's ref (BOUND or CLOSING)."""
+        return self in (SessionState.BOUND, SessionState.CLOSING)
 
 
 class ReserveOutcome(enum.StrEnum):
@@ -140,10 +155,74 @@ class SessionStatus:
     session_key: str
     state: SessionState
     version_id: str | None
+    lease: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """An owner's lease: the Sessions it binds stay held while it is renewed.
+
+    ``released`` lists the Session keys of the owner's previous incarnation that this grant
+    released at once (``on_restart="release"``); ``adopted`` those it took over (``"adopt"``).
+    ``expires_at`` is on the registry host's clock; a holder should rely on its own clock and
+    the ``ttl`` measured from when it *sent* the call (see :class:`~agentic_lora.leases.LeaseKeeper`).
+    """
+
+    lease_id: str
+    owner: str
+    incarnation: str
+    ttl: float
+    expires_at: float
+    released: tuple[str, ...] = ()
+    adopted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStatus:
+    lease_id: str
+    owner: str
+    incarnation: str
+    ttl: float
+    expires_at: float
+    sessions: int
+    names: int
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """What one expiry sweep did."""
+
+    expired_leases: tuple[str, ...] = ()
+    expired_sessions: tuple[str, ...] = ()
+    forgotten_names: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NamedSession:
+    """A client-chosen Session name (the gateway's Session id) and the registry Session behind it.
+
+    ``binding`` is None until the Session's first generation binds it. ``adopted`` is True when
+    this call moved the name from another lease (a restarted gateway, or another replica) to the
+    caller's.
+    """
+
+    name: str
+    session_key: str
+    lease: str | None
+    binding: Binding | None = None
+    adopted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class VersionStatus:
+    """One version as the registry sees it.
+
+    ``ready_engines``: while LOADING, the engines whose READY for this attempt counts; once
+    PUBLISHED or RETIRED, the engines that hold the version under their *current* incarnation,
+    so the only ones a request for it may be routed to (an engine that restarted drops out until
+    the version is loaded onto it again and its READY recorded).
+    """
+
     version_id: str
     digest: str
     lora_name: str
@@ -174,6 +253,8 @@ class RegistryStatus:
     pending_version: str | None
     versions: tuple[VersionStatus, ...] = field(default_factory=tuple)
     live_sessions: int = 0
+    leases: tuple[LeaseStatus, ...] = field(default_factory=tuple)
+    named_sessions: int = 0
 
 
 # --- wire form ----------------------------------------------------------------------------------
@@ -217,6 +298,10 @@ _register(
     EngineStatus,
     RegistryStatus,
     VersionKey,
+    LeaseGrant,
+    LeaseStatus,
+    SweepResult,
+    NamedSession,
 )
 
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {

@@ -14,11 +14,14 @@ from typing import Any
 from agentic_lora.registry.types import (
     Binding,
     CommitReceipt,
+    LeaseGrant,
+    NamedSession,
     ReadyReceipt,
     ReclaimClaim,
     ReleaseResult,
     Reservation,
     SessionStatus,
+    SweepResult,
     VersionStatus,
 )
 
@@ -84,8 +87,13 @@ class RegistryVerbs(abc.ABC):
 
     # --- Sessions ------------------------------------------------------------------------------
 
-    async def bind_first(self, *, request_id: str, session_key: str) -> Binding:
-        r: Binding = await self._call("bind_first", request_id, {"session_key": session_key})
+    async def bind_first(
+        self, *, request_id: str, session_key: str, lease: str | None = None
+    ) -> Binding:
+        args: dict[str, Any] = {"session_key": session_key}
+        if lease is not None:
+            args["lease"] = lease
+        r: Binding = await self._call("bind_first", request_id, args)
         return r
 
     async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
@@ -99,6 +107,56 @@ class RegistryVerbs(abc.ABC):
     async def forget_sessions(self, *, request_id: str, session_keys: Sequence[str]) -> int:
         r: int = await self._call(
             "forget_sessions", request_id, {"session_keys": list(session_keys)}
+        )
+        return r
+
+    # --- leases and durable names --------------------------------------------------------------
+
+    async def open_lease(
+        self,
+        *,
+        request_id: str,
+        owner: str,
+        incarnation: str,
+        ttl: float,
+        on_restart: str = "release",
+    ) -> LeaseGrant:
+        r: LeaseGrant = await self._call(
+            "open_lease",
+            request_id,
+            {"owner": owner, "incarnation": incarnation, "ttl": ttl, "on_restart": on_restart},
+        )
+        return r
+
+    async def renew_lease(self, *, request_id: str, owner: str, incarnation: str) -> LeaseGrant:
+        r: LeaseGrant = await self._call(
+            "renew_lease", request_id, {"owner": owner, "incarnation": incarnation}
+        )
+        return r
+
+    async def close_lease(
+        self, *, request_id: str, owner: str, incarnation: str
+    ) -> tuple[str, ...]:
+        r: tuple[str, ...] = tuple(
+            await self._call(
+                "close_lease", request_id, {"owner": owner, "incarnation": incarnation}
+            )
+        )
+        return r
+
+    async def resume_leases(self, *, request_id: str) -> int:
+        r: int = await self._call("resume_leases", request_id, {})
+        return r
+
+    async def sweep(self, *, request_id: str, name_ttl: float) -> SweepResult:
+        r: SweepResult = await self._call("sweep", request_id, {"name_ttl": name_ttl})
+        return r
+
+    async def open_named(
+        self, *, request_id: str, name: str, session_key: str, lease: str | None
+    ) -> NamedSession:
+        r: NamedSession = await self._call(
+            "open_named", request_id, {"name": name, "session_key": session_key, "lease": lease}
         )
         return r
 

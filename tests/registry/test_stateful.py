@@ -257,10 +257,25 @@ class RegistryMachine(RuleBasedStateMachine):
         )
         self._expect(result, None)
         assert result is True
+        first_sighting = not m.known[engine]
         m.known[engine] = True
-        for v in m.versions.values():
-            if v.state == "LOADING" and v.ready.get(engine) not in (None, m.incarnation[engine]):
-                del v.ready[engine]
+        if first_sighting:
+            return
+        # A new process holds nothing: what was recorded against the old one is void.
+        for vid, v in m.versions.items():
+            if v.state in ("LOADING", "PUBLISHED", "RETIRED"):
+                if v.ready.get(engine) not in (None, m.incarnation[engine]):
+                    del v.ready[engine]
+            elif v.state == "ABORTED":  # the restart proves the cleanup
+                v.cleaned.add(engine)
+                if v.cleaned == set(ENGINES):
+                    v.state = "FAILED_CLEAN"
+                    if m.pending == vid:
+                        m.pending = None
+            elif v.state == "RECLAIMING":  # nothing reloads a reclaiming version
+                v.reclaimed.add(engine)
+                if v.reclaimed == set(ENGINES):
+                    v.state = "RECLAIMED"
 
     # --- Sessions ------------------------------------------------------------------------------
 
