@@ -454,7 +454,7 @@ class AdapterSnapshot:
             )
         try:
             config = json.loads(config_path.read_bytes(), parse_constant=_reject_json_constant)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise _invalid(
                 AdapterProblem.BAD_CONFIG, f"{config_path} is not valid JSON: {exc}", path=str(path)
             ) from exc

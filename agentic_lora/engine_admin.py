@@ -166,6 +166,11 @@ class AdminHttpClient:
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
             limits=engine_limits(),
+            # An HTTP(S)_PROXY from the environment would put one more hop, which may retry or
+            # log credentials, between the control plane and the engine: engines are reached
+            # directly, as the generation transport does.
+            trust_env=False,
+            follow_redirects=False,
         )
 
     async def aclose(self) -> None:

@@ -44,6 +44,7 @@ from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError
 __all__ = [
     "DIGEST_PREFIX_LENGTH",
     "MANIFEST_FORMAT",
+    "MAX_JSON_DEPTH",
     "LoraName",
     "Manifest",
     "ManifestEntry",
@@ -200,14 +201,21 @@ def _bad_json(message: str, path: str) -> InvalidIdentityError:
     return InvalidIdentityError(f"{message} at {path or '<root>'}", field="json", path=path)
 
 
-def freeze_json(value: object, _path: str = "") -> Any:
+#: Deepest nesting of objects and arrays a JSON value may have (adapter configs, manifests).
+#: Real adapter configs nest 2-3 levels; the bound keeps recursion far from Python's limit.
+MAX_JSON_DEPTH = 64
+
+
+def freeze_json(value: object, _path: str = "", _depth: int = 0) -> Any:
     """A deep, read-only, canonical copy of a JSON value.
 
     Objects become read-only dicts (string keys only), arrays become tuples, ``str``
     subclasses (such as str-valued enums) become plain ``str`` and integral floats become
-    ``int``. NaN, infinities and any non-JSON type raise
-    :class:`~agentic_lora.errors.InvalidIdentityError`.
+    ``int``. NaN, infinities, any non-JSON type and nesting deeper than :data:`MAX_JSON_DEPTH`
+    raise :class:`~agentic_lora.errors.InvalidIdentityError`.
     """
+    if _depth > MAX_JSON_DEPTH:
+        raise _bad_json(f"nested deeper than {MAX_JSON_DEPTH} levels", _path[:200])
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -225,10 +233,10 @@ def freeze_json(value: object, _path: str = "") -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise _bad_json(f"object key {key!r} is not a string", _path)
-            out[str.__str__(key)] = freeze_json(item, f"{_path}.{key}")
+            out[str.__str__(key)] = freeze_json(item, f"{_path}.{key}", _depth + 1)
         return _FrozenDict(out)
     if isinstance(value, list | tuple):
-        return tuple(freeze_json(item, f"{_path}[{i}]") for i, item in enumerate(value))
+        return tuple(freeze_json(item, f"{_path}[{i}]", _depth + 1) for i, item in enumerate(value))
     raise _bad_json(f"{type(value).__name__} is not a JSON type", _path)
 
 
@@ -404,7 +412,7 @@ class Manifest:
         """Rebuild a manifest from JSON text such as :attr:`canonical`."""
         try:
             parsed = json.loads(data, parse_constant=_reject_constant)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise _bad_manifest(f"not JSON ({exc})") from exc
         return cls.from_dict(parsed)
 

@@ -171,7 +171,7 @@ def _is_index(value: object) -> bool:
 def _parse_header(raw: bytes, data_len: int) -> tuple[list[_Slot], dict[str, str]]:
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except ValueError as exc:  # includes UnicodeDecodeError and JSONDecodeError
+    except (ValueError, RecursionError) as exc:  # Unicode/JSON errors; absurdly deep nesting
         raise _bad(f"header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise _bad("header is not a JSON object")

@@ -31,7 +31,7 @@ from agentic_lora.adapter import (
     TensorBlob,
     normalize_config,
 )
-from agentic_lora.errors import InvalidAdapterError, error_from_code
+from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError, error_from_code
 from agentic_lora.identity import Manifest, compute_digest, thaw_json
 from tests.adapters_util import (
     TinyDecoder,
@@ -569,6 +569,31 @@ def test_unreadable_config_files(good_dir: Path, text: bytes) -> None:
     (good_dir / CONFIG_FILE).write_bytes(text)
     with invalid(AdapterProblem.BAD_CONFIG):
         AdapterSnapshot.from_peft_dir(good_dir)
+
+
+@pytest.mark.parametrize("depth", [100, 200_000])
+def test_a_deeply_nested_config_is_invalid_not_a_crash(good_dir: Path, depth: int) -> None:
+    # 100 levels parse but exceed MAX_JSON_DEPTH; 200,000 exceed the JSON parser's own recursion
+    # limit (a RecursionError inside json.loads). Both are bad input: INVALID_ADAPTER.
+    config = json.loads((good_dir / CONFIG_FILE).read_text())
+    nested = "[" * depth + "]" * depth
+    text = json.dumps(config)[:-1] + ', "extra": ' + nested + "}"
+    (good_dir / CONFIG_FILE).write_text(text)
+    with invalid(AdapterProblem.BAD_CONFIG):
+        AdapterSnapshot.from_peft_dir(good_dir)
+
+
+def test_a_deeply_nested_safetensors_header_is_invalid_not_a_crash(good_dir: Path) -> None:
+    depth = 200_000
+    header = b'{"__metadata__": {"x": ' + b"[" * depth + b"]" * depth + b"}}"
+    (good_dir / WEIGHTS_FILE).write_bytes(struct.pack("<Q", len(header)) + header)
+    with invalid(AdapterProblem.BAD_SAFETENSORS):
+        AdapterSnapshot.from_peft_dir(good_dir)
+
+
+def test_a_deeply_nested_manifest_is_invalid_identity() -> None:
+    with pytest.raises(InvalidIdentityError):
+        Manifest.from_json("[" * 200_000 + "]" * 200_000)
 
 
 def test_a_corrupt_weights_file(good_dir: Path) -> None:

@@ -119,6 +119,8 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
             limits=engine_limits(),
+            trust_env=False,  # no environment proxy between the control plane and an engine
+            follow_redirects=False,
         )
         self._admins: dict[str, AdminT] = {}
         self._stores: dict[str, AdapterStore] = {}

@@ -109,7 +109,10 @@ class DcsBackend:
         self.collectives = CollectiveCounter()
         self._owns_client = client is None
         self._http = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(http_timeout), limits=engine_limits()
+            timeout=httpx.Timeout(http_timeout),
+            limits=engine_limits(),
+            trust_env=False,  # no environment proxy between the control plane and a sidecar
+            follow_redirects=False,
         )
         self._sidecars = {
             name: SidecarClient(url, engine=name, client=self._http, end_timeout=end_timeout)
