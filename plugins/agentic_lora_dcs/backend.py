@@ -33,6 +33,7 @@ from typing import TypeVar
 import httpx
 
 from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.auth import read_token
 from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
 from agentic_lora.http_limits import engine_limits
@@ -50,6 +51,7 @@ from agentic_lora_dcs.collective import (
 from agentic_lora_dcs.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_for_snapshot
 from agentic_lora_dcs.protocol import (
     PROTOCOL_VERSION,
+    SIDECAR_TOKEN_ENV,
     BeginReply,
     BeginRequest,
     BucketRequest,
@@ -88,6 +90,8 @@ class DcsBackend:
         end_timeout: float | None = 600.0,
         control_replays: int = 1,
         client: httpx.AsyncClient | None = None,
+        sidecar_token: str | None = None,
+        sidecar_token_file: str | None = None,
     ) -> None:
         if not sidecars:
             raise ConfigurationError("the DCS backend needs one sidecar URL per engine")
@@ -100,6 +104,15 @@ class DcsBackend:
             raise ConfigurationError(
                 f"collective backend {backend!r} is not available here "
                 f"(available: {SUPPORTED_BACKENDS})"
+            )
+        token = sidecar_token or read_token(
+            path=sidecar_token_file, env=SIDECAR_TOKEN_ENV, what="sidecar"
+        )
+        if not token:
+            raise ConfigurationError(
+                "the DCS backend needs the sidecars' control token: sidecar_token, "
+                f"sidecar_token_file or ${SIDECAR_TOKEN_ENV}",
+                check="sidecar_token",
             )
         self.bucket_bytes = bucket_bytes
         self.collective_backend: CollectiveName = "nccl" if backend == "nccl" else "gloo"
@@ -115,7 +128,9 @@ class DcsBackend:
             follow_redirects=False,
         )
         self._sidecars = {
-            name: SidecarClient(url, engine=name, client=self._http, end_timeout=end_timeout)
+            name: SidecarClient(
+                url, engine=name, client=self._http, end_timeout=end_timeout, token=token
+            )
             for name, url in sidecars.items()
         }
         self._drivers: dict[_DriverKey, asyncio.Task[ReadyReceipt]] = {}

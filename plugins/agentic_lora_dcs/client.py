@@ -73,6 +73,7 @@ class SidecarClient:
         engine: str,
         client: httpx.AsyncClient,
         end_timeout: float | None,
+        token: str,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"sidecar URL must be http(s): {base_url!r}")
@@ -80,6 +81,8 @@ class SidecarClient:
         self.engine = engine
         self._client = client
         self._end_timeout = end_timeout
+        # Sent on every call; never logged (the client's repr and our log lines omit it).
+        self._auth = {"authorization": f"Bearer {token}"}
 
     async def incarnation(self) -> IncarnationReply:
         return await self._call("GET", "incarnation", None, IncarnationReply)
@@ -125,13 +128,13 @@ class SidecarClient:
             )
         try:
             if message is None:
-                response = await self._client.request(method, url, **kwargs)
+                response = await self._client.request(method, url, headers=self._auth, **kwargs)
             else:
                 response = await self._client.request(
                     method,
                     url,
                     content=message.model_dump_json(),
-                    headers={"content-type": "application/json"},
+                    headers={"content-type": "application/json", **self._auth},
                     **kwargs,
                 )
         except httpx.TransportError as exc:

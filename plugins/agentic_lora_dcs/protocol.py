@@ -28,6 +28,7 @@ from agentic_lora_dcs.plan import BucketPlan
 __all__ = [
     "PATHS",
     "PROTOCOL_VERSION",
+    "SIDECAR_TOKEN_ENV",
     "AttemptView",
     "BeginReply",
     "BeginRequest",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+
+#: Where a sidecar and the DCS backend read the shared control token from (else a token file).
+SIDECAR_TOKEN_ENV = "AGENTIC_LORA_SIDECAR_TOKEN"
 
 PATHS = {
     "incarnation": "/incarnation",
@@ -93,6 +97,7 @@ class Reason(enum.StrEnum):
     PROTOCOL_MISMATCH = "PROTOCOL_MISMATCH"
     BAD_REQUEST = "BAD_REQUEST"
     UNSUPPORTED_BACKEND = "UNSUPPORTED_BACKEND"
+    UNAUTHORIZED = "UNAUTHORIZED"  # no or wrong control token; nothing was done
     # not clean: something may exist
     TRANSPORT_FAILED = "TRANSPORT_FAILED"  # a collective failed after the attempt was armed
     ENGINE_UNCERTAIN = "ENGINE_UNCERTAIN"  # the engine's answer to load/unload is unknown

@@ -3,7 +3,12 @@
 Run one beside each engine::
 
     python -m agentic_lora_dcs.sidecar --engine-url http://127.0.0.1:30000 \\
-        --store-dir /var/lib/agentic-lora/adapters --host 127.0.0.1 --port 31000
+        --store-dir /var/lib/agentic-lora/adapters --host 127.0.0.1 --port 31000 \\
+        --token-file /etc/agentic-lora/sidecar.token
+
+Every control route but ``/health`` needs ``Authorization: Bearer <token>``: the token comes from
+``--token-file`` or ``$AGENTIC_LORA_SIDECAR_TOKEN`` (never the command line), is compared in
+constant time, and the sidecar does not start without one (``/reclaim`` unloads adapters).
 
 It writes verified adapters under ``--store-dir`` (immutable directories the engine loads from,
 so that directory must be readable by the engine) and talks to the engine's HTTP control
@@ -27,13 +32,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
-from pydantic import BaseModel, ValidationError, field_validator
+from pydantic import BaseModel, SecretStr, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
+from agentic_lora.auth import BearerTokenMiddleware, read_token
 from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
 from agentic_lora.store import AdapterStore
@@ -41,6 +47,7 @@ from agentic_lora_dcs.attempts import Refused
 from agentic_lora_dcs.collective import RendezvousServer
 from agentic_lora_dcs.protocol import (
     PATHS,
+    SIDECAR_TOKEN_ENV,
     BeginRequest,
     BucketRequest,
     CleanupRequest,
@@ -51,7 +58,18 @@ from agentic_lora_dcs.protocol import (
 )
 from agentic_lora_dcs.receiver import Receiver
 
-__all__ = ["SidecarConfig", "build_receiver", "create_app", "main", "parse_args", "serve"]
+__all__ = [
+    "TOKEN_ENV",
+    "SidecarConfig",
+    "build_receiver",
+    "create_app",
+    "main",
+    "parse_args",
+    "serve",
+]
+
+#: The environment variable a sidecar (and the DCS backend) read the control token from.
+TOKEN_ENV = SIDECAR_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +85,7 @@ class SidecarConfig(BaseModel):
 
     engine_url: str
     store_dir: Path
+    token: SecretStr
     host: str = "127.0.0.1"
 
     @field_validator("host")
@@ -136,8 +155,14 @@ def _endpoint(
     return endpoint
 
 
-def create_app(receiver: Receiver, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
-    """The control server for ``receiver`` (``extra_routes`` lets a host add its own)."""
+def create_app(
+    receiver: Receiver, *, token: str, extra_routes: Sequence[BaseRoute] = ()
+) -> ASGIApp:
+    """The control server for ``receiver`` (``extra_routes`` lets a host add its own).
+
+    Every route but ``/health`` is behind the bearer ``token``; a request without it is refused
+    with 401 and an ``UNAUTHORIZED`` refusal (clean: nothing was done).
+    """
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "sidecar_id": receiver.sidecar_id})
@@ -192,7 +217,16 @@ def create_app(receiver: Receiver, *, extra_routes: Sequence[BaseRoute] = ()) ->
         finally:
             await receiver.aclose()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return BearerTokenMiddleware(
+        Starlette(routes=routes, lifespan=lifespan),
+        token=token,
+        open_paths=(PATHS["health"],),
+        refusal=lambda: RefusalReply(
+            reason=Reason.UNAUTHORIZED,
+            message="missing or wrong control token (Authorization: Bearer <token>)",
+            clean=True,
+        ).model_dump(mode="json"),
+    )
 
 
 def build_receiver(
@@ -255,6 +289,12 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
     parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--no-probe", action="store_true", help="skip the one-token probe")
     parser.add_argument("--ready-file", type=Path, default=None, help="write the port here")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"file holding the control token (else ${TOKEN_ENV}; required)",
+    )
     parser.add_argument("--log-level", default="INFO")
     ns = parser.parse_args(argv)
     try:
@@ -264,7 +304,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
 
 
 def _config(ns: argparse.Namespace) -> SidecarConfig:
+    token = read_token(path=ns.token_file, env=TOKEN_ENV, what="sidecar")
+    if token is None:
+        raise ConfigurationError(
+            f"the sidecar needs a control token: --token-file PATH or ${TOKEN_ENV}",
+            check="sidecar_token",
+        )
     return SidecarConfig(
+        token=SecretStr(token),
         engine_url=ns.engine_url,
         engine_name=ns.engine_name,
         store_dir=ns.store_dir,
@@ -285,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     receiver, engine = build_receiver(config)
-    app = create_app(receiver)
+    app = create_app(receiver, token=config.token.get_secret_value())
 
     def ready(port: int) -> None:
         logger.info(

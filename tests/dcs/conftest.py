@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 from agentic_lora_dcs import DcsBackend
 
-from tests.dcs.util import BUCKET_BYTES, EdgeTransport, SidecarProcess
+from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, EdgeTransport, SidecarProcess
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,10 @@ def sidecars(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sid
 
 @pytest_asyncio.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=30.0) as client:
+    # Test requests that talk to sidecars directly carry the control token, as the backend does.
+    async with httpx.AsyncClient(
+        timeout=30.0, headers={"authorization": f"Bearer {SIDECAR_TOKEN}"}
+    ) as client:
         yield client
 
 
@@ -42,6 +45,7 @@ class Publisher:
             bucket_bytes=bucket_bytes,
             collective_backend="gloo",
             client=self.client,
+            sidecar_token=SIDECAR_TOKEN,
         )
 
     async def aclose(self) -> None:

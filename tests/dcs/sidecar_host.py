@@ -23,14 +23,16 @@ from typing import Any
 import respx
 from agentic_lora_dcs.receiver import Receiver
 from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, serve
+from pydantic import SecretStr
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentic_lora.engine_admin import EngineAdminClient
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from tests.dcs.util import SIDECAR_TOKEN
 
 
 class _ObservedCalls(list[tuple[EngineOp, dict[str, Any]]]):
@@ -50,7 +52,7 @@ class _Generation:
     engine: ScriptedSGLangEngine
     admin: EngineAdminClient
     receiver: Receiver
-    app: Starlette
+    app: ASGIApp
 
 
 class Host:
@@ -96,10 +98,11 @@ class Host:
             engine_name=self.name,
             store_dir=store,
             collective_timeout_s=self.timeout,
+            token=SecretStr(SIDECAR_TOKEN),
         )
         admin = EngineAdminClient(engine.base_url, engine=self.name)
         receiver, _ = build_receiver(config, engine_client=admin)
-        return _Generation(engine, admin, receiver, create_app(receiver))
+        return _Generation(engine, admin, receiver, create_app(receiver, token=SIDECAR_TOKEN))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/_test/"):
@@ -198,7 +201,11 @@ def main() -> int:
         # Only the scripted engines' URLs are mocked; any other request would be a test bug.
         with respx.mock(assert_all_called=False, assert_all_mocked=True) as router:
             host = Host(args.name, args.store_dir, args.collective_timeout, router)
-            config = SidecarConfig(engine_url="http://127.0.0.1:9/", store_dir=args.store_dir)
+            config = SidecarConfig(
+                engine_url="http://127.0.0.1:9/",
+                store_dir=args.store_dir,
+                token=SecretStr(SIDECAR_TOKEN),
+            )
 
             def ready(port: int) -> None:
                 line = {

@@ -14,7 +14,9 @@ from tests.dcs.util import make_snapshot, target_for
 
 @pytest.mark.asyncio
 async def test_the_dcs_entry_point_builds_a_backend() -> None:
-    backend = load_backend("dcs", sidecars={"E0": "http://127.0.0.1:1"}, collective_backend="gloo")
+    backend = load_backend(
+        "dcs", sidecars={"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t"
+    )
     try:
         assert isinstance(backend, DcsBackend)
         assert isinstance(backend, Backend)
@@ -43,9 +45,9 @@ def test_settings_that_cannot_work_are_configuration_errors(
 async def test_nccl_is_accepted_only_where_cuda_and_nccl_exist() -> None:
     if "nccl" not in SUPPORTED_BACKENDS:
         with pytest.raises(ConfigurationError, match="nccl"):
-            DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl")
+            DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl", sidecar_token="t")
         return
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl")
+    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl", sidecar_token="t")
     try:
         assert backend.collective_backend == "nccl"
     finally:
@@ -54,7 +56,7 @@ async def test_nccl_is_accepted_only_where_cuda_and_nccl_exist() -> None:
 
 @pytest.mark.asyncio
 async def test_an_engine_without_a_sidecar_is_a_configuration_error() -> None:
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo")
+    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t")
     snapshot = make_snapshot(seed=91)
     try:
         with pytest.raises(ConfigurationError, match="E7"):
@@ -68,7 +70,7 @@ async def test_an_engine_without_a_sidecar_is_a_configuration_error() -> None:
 @pytest.mark.asyncio
 async def test_an_unreachable_sidecar_is_a_clean_refusal_before_anything_is_sent() -> None:
     # Port 1 on loopback: nothing listens, the connection is refused before any byte is sent.
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo")
+    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t")
     snapshot = make_snapshot(seed=92)
     try:
         with pytest.raises(BackendRefusedError) as refused:

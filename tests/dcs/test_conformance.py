@@ -23,7 +23,7 @@ from agentic_lora.testing.backend_conformance import (
     Failure,
     Operation,
 )
-from tests.dcs.util import SidecarProcess
+from tests.dcs.util import SIDECAR_TOKEN, SidecarProcess
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(120)]
 
@@ -83,7 +83,9 @@ class DcsHarness:
     """A DcsBackend over two freshly reset sidecar hosts."""
 
     def __init__(self, hosts: dict[str, SidecarProcess]) -> None:
-        self._http = httpx.Client(timeout=30.0)
+        self._http = httpx.Client(
+            timeout=30.0, headers={"authorization": f"Bearer {SIDECAR_TOKEN}"}
+        )
         for host in hosts.values():
             host.reset(self._http)
         self._doubles = [
@@ -93,6 +95,7 @@ class DcsHarness:
             {name: host.url for name, host in hosts.items()},
             bucket_bytes=32,  # the suite's tiny adapters still move in two buckets
             collective_backend="gloo",
+            sidecar_token=SIDECAR_TOKEN,
         )
 
     @property

@@ -17,7 +17,7 @@ from agentic_lora_dcs.protocol import (
 
 from agentic_lora.errors import BackendRefusedError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, SidecarProcess, make_snapshot, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -114,7 +114,7 @@ async def test_messages_of_an_older_attempt_never_seen_here_are_refused_as_stale
     incarnation = await publisher.backend.incarnation(e1.engine)
 
     # Attempt 1's messages were delayed in the network and only arrive now.
-    client = SidecarClient(e1.url, engine="E1", client=http, end_timeout=30.0)
+    client = SidecarClient(e1.url, engine="E1", client=http, end_timeout=30.0, token=SIDECAR_TOKEN)
     plan = plan_for_snapshot(snapshot, BUCKET_BYTES)
     begin = BeginRequest(
         driver="1a7e0001",

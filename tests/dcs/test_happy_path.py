@@ -10,7 +10,7 @@ from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.plan import plan_for_snapshot
 
 from agentic_lora.adapter import AdapterSnapshot
-from tests.dcs.util import SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import SIDECAR_TOKEN, SidecarProcess, make_snapshot, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -30,6 +30,7 @@ async def test_prepare_on_two_engines_reaches_ready_with_the_snapshot_bytes(
         {n: s.url for n, s in sidecars.items()},
         bucket_bytes=BUCKET_BYTES,
         collective_backend="gloo",
+        sidecar_token=SIDECAR_TOKEN,
     )
     try:
         receipts = await asyncio.gather(

@@ -18,7 +18,7 @@ from agentic_lora.publisher import PublicationOutcome, Publisher
 from agentic_lora.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt, VersionState, new_request_id
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, state_of
+from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, SidecarProcess, make_snapshot, state_of
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -34,6 +34,7 @@ class Fleet:
             {n: s.url for n, s in sidecars.items()},
             bucket_bytes=BUCKET_BYTES,
             collective_backend="gloo",
+            sidecar_token=SIDECAR_TOKEN,
         )
         self.reclaimer = Reclaimer(self.registry, self.backend, self.engines)
         self.publisher = Publisher(self.registry, self.backend, self.engines)

@@ -23,7 +23,14 @@ from agentic_lora_dcs.protocol import (
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.identity import thaw_json
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, state_of, target_for
+from tests.dcs.util import (
+    BUCKET_BYTES,
+    SIDECAR_TOKEN,
+    SidecarProcess,
+    make_snapshot,
+    state_of,
+    target_for,
+)
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -54,7 +61,7 @@ async def test_corrupted_bytes_in_transit_are_a_clean_refusal_and_nothing_is_loa
     target = target_for(snapshot, "corrupt-in-transit")
     plan = plan_for_snapshot(snapshot, BUCKET_BYTES)
     last = plan.buckets[-1].index
-    client = SidecarClient(e0.url, engine="E0", client=http, end_timeout=30.0)
+    client = SidecarClient(e0.url, engine="E0", client=http, end_timeout=30.0, token=SIDECAR_TOKEN)
     incarnation = (await client.incarnation()).incarnation
 
     # A sender that follows the protocol but whose last bucket loses one bit on the way.
@@ -124,7 +131,7 @@ async def test_a_manifest_that_does_not_hash_to_the_digest_is_refused_at_begin(
     claimed = make_snapshot(seed=32)
     other = make_snapshot(seed=33)
     target = target_for(claimed, "manifest-mismatch")
-    client = SidecarClient(e1.url, engine="E1", client=http, end_timeout=30.0)
+    client = SidecarClient(e1.url, engine="E1", client=http, end_timeout=30.0, token=SIDECAR_TOKEN)
     incarnation = (await client.incarnation()).incarnation
 
     with pytest.raises(BackendRefusedError) as wrong_manifest:

@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
 #: Small enough that every test adapter moves in several buckets (several collectives).
 BUCKET_BYTES = 4096
+#: The control token every test sidecar is started with (tests only; never a real secret).
+SIDECAR_TOKEN = "dcs-test-control-token"
 
 
 def make_snapshot(
