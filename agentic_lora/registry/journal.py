@@ -8,6 +8,17 @@ args, checksum)``, plus, from time to time, a snapshot of the whole core that le
 SQLite runs in WAL mode with ``synchronous=FULL``: a transaction that returned is on disk. The
 journal's owner decides how many rows go into one transaction (one per call, or a group).
 
+One writer only. :meth:`Journal.open` first takes an exclusive ``flock`` on ``<journal>.lock`` and
+holds it until :meth:`Journal.close` (the OS drops it when the process dies, even by ``kill -9``).
+A second opener, in this process or another, gets :class:`~agentic_lora.errors.JournalLockedError`
+naming the holder (pid, host, since when), which the holder writes into the lock file. The lock is
+taken before anything else is touched, so two processes can never both create or both write.
+
+A new journal is built in ``<journal>.creating`` (tables and identity committed and fsynced), then
+renamed onto the journal path and the directory fsynced. A crash before the rename leaves only the
+temporary file, which the next opener (holding the lock) deletes; after the rename the journal is
+complete. A missing or zero-length journal file counts as new.
+
 A journal that is not ours (another format, another fleet or epoch) or that fails its checks
 (unreadable file, a row whose checksum or sequence number is off) stops start-up with a typed
 error. It is never reset silently: losing it would lose bindings and capacity accounting.
@@ -15,20 +26,44 @@ error. It is never reset silently: losing it would lose bindings and capacity ac
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
+import os
+import socket
 import sqlite3
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.errors import JournalCorruptError, JournalForeignError
+from agentic_lora.errors import (
+    JournalCorruptError,
+    JournalError,
+    JournalForeignError,
+    JournalLockedError,
+)
 
 __all__ = ["Journal", "JournalEntry", "Recovered"]
 
+logger = logging.getLogger(__name__)
+
 MAGIC = "agentic-lora/registry-journal"
 FORMAT = 1
+
+_SCHEMA = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE events (seq INTEGER PRIMARY KEY, request_id TEXT NOT NULL, "
+    "verb TEXT NOT NULL, args TEXT NOT NULL, checksum TEXT NOT NULL)",
+    "CREATE TABLE snapshots (seq INTEGER PRIMARY KEY, state TEXT NOT NULL)",
+)
+
+#: The files SQLite keeps next to a database while it writes to it.
+_SQLITE_SIDECARS = ("-journal", "-wal", "-shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +87,57 @@ def _checksum(seq: int, request_id: str, verb: str, args: str) -> str:
     return h.hexdigest()[:32]
 
 
+# --- the single-writer lock ---------------------------------------------------------------------
+
+# Lock fds this process holds. A child made by fork() shares each one's open file description, and
+# flock() is released only when every fd on it is closed: a forked child outliving a killed parent
+# would keep the journal locked. The child therefore closes its copies right after fork (the parent
+# keeps the lock), and its Journal objects know by pid that they no longer own one.
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+def _release_lock(fd: int, owner_pid: int) -> None:
+    # Also runs from a weakref finalizer (a Journal dropped without close()): no reference to it.
+    if os.getpid() != owner_pid:
+        return  # a forked child: its copy was closed at fork
+    _HELD_LOCKS.discard(fd)
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)  # nobody holds it now; a killed holder's record stays, unlocked
+    os.close(fd)
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    """The holder record in a lock file, or None if it is empty or unreadable.
+
+    Empty happens in the instant between the holder's flock() and its write, and after a clean
+    close; a record from a holder that was killed stays in the file but no longer holds the lock.
+    """
+    try:
+        raw = os.pread(fd, 4096, 0)
+        holder = json.loads(raw.decode())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Journal:
     """One SQLite journal file. Not thread-safe: one thread uses it at a time."""
 
@@ -59,29 +145,47 @@ class Journal:
         self.path = Path(path)
         self.identity = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
         self._conn: sqlite3.Connection | None = None
+        self._unlock: weakref.finalize[[int, int], Journal] | None = None
+
+    @property
+    def lock_path(self) -> Path:
+        """The sidecar file whose ``flock`` makes this process the journal's only writer."""
+        return self.path.with_name(self.path.name + ".lock")
+
+    @property
+    def creating_path(self) -> Path:
+        """Where a new journal is built before it is renamed onto :attr:`path`."""
+        return self.path.with_name(self.path.name + ".creating")
 
     # --- open / recover ------------------------------------------------------------------------
 
     def open(self) -> Recovered:
-        """Create or open the journal, check it is ours and intact, and return what to replay."""
-        fresh = not self.path.exists() or self.path.stat().st_size == 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Lock, create if new, check it is ours and intact, and return what to replay.
+
+        Raises :class:`JournalLockedError` if another opener holds it, and closes everything it
+        took on any error.
+        """
+        if self._unlock is not None:
+            raise RuntimeError("journal is already open")
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-        except sqlite3.DatabaseError as exc:
-            raise JournalCorruptError(
-                f"journal {self.path} is not a readable SQLite database: {exc}", path=str(self.path)
-            ) from exc
-        self._conn = conn
-        try:
-            if fresh:
-                self._create(conn)
-                return Recovered(None, [])
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock()
+            self._discard_partial_creation()
+            if self._is_new():
+                self._create()
+            try:
+                conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                self._conn = conn
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.DatabaseError as exc:
+                raise JournalCorruptError(
+                    f"journal {self.path} is not a readable SQLite database: {exc}",
+                    path=str(self.path),
+                ) from exc
             self._check_identity(conn)
             return self._recover(conn)
-        except (JournalCorruptError, JournalForeignError):
+        except JournalError:
             self.close()
             raise
         except sqlite3.DatabaseError as exc:
@@ -89,20 +193,108 @@ class Journal:
             raise JournalCorruptError(
                 f"journal {self.path} cannot be read: {exc}", path=str(self.path)
             ) from exc
+        except OSError as exc:
+            self.close()
+            raise JournalError(f"journal {self.path}: {exc}", path=str(self.path)) from exc
+        except BaseException:
+            self.close()
+            raise
 
-    def _create(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        conn.execute(
-            "CREATE TABLE events (seq INTEGER PRIMARY KEY, request_id TEXT NOT NULL, "
-            "verb TEXT NOT NULL, args TEXT NOT NULL, checksum TEXT NOT NULL)"
-        )
-        conn.execute("CREATE TABLE snapshots (seq INTEGER PRIMARY KEY, state TEXT NOT NULL)")
-        conn.executemany(
-            "INSERT INTO meta VALUES (?, ?)",
-            [("magic", MAGIC), ("format", str(FORMAT)), ("identity", self.identity)],
-        )
-        conn.execute("COMMIT")
+    def _lock(self) -> None:
+        lock_path = self.lock_path
+        # Never unlinked: removing a lock file that others may have open would let two
+        # processes lock two different files of the same name.
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by exec (PEP 446)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if holder is None:
+                who = "another process (it has not written its name yet)"
+            else:
+                who = (
+                    f"pid {holder.get('pid')} on {holder.get('hostname')} "
+                    f"since {holder.get('since')}"
+                )
+                if holder.get("pid") == os.getpid() and holder.get("hostname") == (
+                    socket.gethostname()
+                ):
+                    who += " (this process: another Journal or LocalRegistry has it open)"
+            raise JournalLockedError(
+                f"journal {self.path} is held by {who}: one registry process per journal "
+                f"(lock file {lock_path})",
+                path=str(self.path),
+                lock_path=str(lock_path),
+                holder=holder,
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        _HELD_LOCKS.add(fd)
+        self._unlock = weakref.finalize(self, _release_lock, fd, os.getpid())
+        holder = {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "since": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder, sort_keys=True).encode(), 0)
+
+    def _discard_partial_creation(self) -> None:
+        # Holding the lock, so no creator is running: whatever is here is left by a crash.
+        tmp = self.creating_path
+        for path in (tmp, *(Path(f"{tmp}{suffix}") for suffix in _SQLITE_SIDECARS)):
+            if path.exists():
+                logger.warning(
+                    "removing a journal left half-created by a crash",
+                    extra={"journal": str(self.path), "file": str(path)},
+                )
+                path.unlink()
+
+    def _is_new(self) -> bool:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size > 0:
+            return False
+        wal = Path(f"{self.path}-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            # Committed rows may live only in the write-ahead log: never start over on them.
+            raise JournalCorruptError(
+                f"journal {self.path} is missing or empty but its write-ahead log {wal} is not: "
+                "restore the journal file, or move both away to start a new deployment epoch",
+                path=str(self.path),
+            )
+        return True
+
+    def _create(self) -> None:
+        """Build the journal in :attr:`creating_path`, durably, and rename it onto :attr:`path`."""
+        tmp = self.creating_path
+        # Rollback-journal mode (SQLite's default): a committed transaction is in the file itself,
+        # so after close() the temporary file is complete on its own (no -wal to carry along).
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.executemany(
+                "INSERT INTO meta VALUES (?, ?)",
+                [("magic", MAGIC), ("format", str(FORMAT)), ("identity", self.identity)],
+            )
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        _fsync_path(tmp)
+        # An empty journal file (or none) may still have an empty -wal and an -shm beside it:
+        # they belong to no data, and SQLite must not pair them with the new file.
+        for suffix in ("-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        os.replace(tmp, self.path)
+        _fsync_path(self.path.parent)  # the rename itself is durable
+        logger.info("registry journal created", extra={"journal": str(self.path)})
 
     def _check_identity(self, conn: sqlite3.Connection) -> None:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -202,9 +394,14 @@ class Journal:
         conn.execute("COMMIT")
 
     def close(self) -> None:
+        """Close the database, then release the lock (idempotent)."""
+        # In this order: another process may open the journal the moment the lock is free.
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
 
     def _require(self) -> sqlite3.Connection:
         if self._conn is None:

@@ -14,30 +14,41 @@ Reads (``status``, ``version``, ``peek_version``) may observe a change whose row
 written. That is safe for every reader here: nobody acts on such a change before its own
 mutating call (which is ordered after it in the journal) comes back durable.
 
+A replayed request id (a retry after a lost reply) is answered from the core's memory, but only
+once every change applied so far is durable: the original call's row may still be queued.
+
 If a write fails, the in-memory state is ahead of the disk: the registry stops (fail-stop) and
-every later call raises :class:`~agentic_lora.errors.JournalError`. Restart it to replay the
-journal.
+every later call raises :class:`~agentic_lora.errors.JournalError`; :attr:`LocalRegistry.failed`
+holds the cause. Restart it to replay the journal. A caller whose row was committed before the
+failure still gets its answer; only callers whose rows were not get the error.
+
+The journal is locked for this registry's lifetime (one writer per journal; a second opener gets
+:class:`~agentic_lora.errors.JournalLockedError`). :meth:`LocalRegistry.aclose` refuses new calls,
+writes every queued row, and then releases it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from agentic_lora.errors import AgenticLoRAError, JournalCorruptError, JournalError
-from agentic_lora.registry.core import RegistryCore
+from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.journal import Journal, JournalEntry
 from agentic_lora.registry.types import (
     RegistryStatus,
+    SweepResult,
     VersionState,
     VersionStatus,
     from_wire,
+    new_request_id,
     to_wire,
 )
 from agentic_lora.registry.verbs import RegistryVerbs
@@ -67,7 +78,18 @@ class LocalRegistry(RegistryVerbs):
         group_commit: bool = False,
         compact_every: int = 50_000,
         idempotency_window: int = 16384,
+        clock: Callable[[], float] = time.time,
+        sweep_interval: float | None = 1.0,
+        name_ttl: float = 3600.0,
     ) -> None:
+        if sweep_interval is not None and not sweep_interval > 0:
+            raise ValueError("sweep_interval must be above 0 (or None: sweep only on request)")
+        if not name_ttl > 0:
+            raise ValueError("name_ttl must be above 0")
+        self._clock = clock
+        self._sweep_interval = sweep_interval
+        self._name_ttl = name_ttl
+        self._sweeper: asyncio.Task[None] | None = None
         self._core = RegistryCore(
             engines=engines,
             capacity=capacity,
@@ -86,6 +108,10 @@ class LocalRegistry(RegistryVerbs):
         self._executor: ThreadPoolExecutor | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
+        self._resume_pending = False
+        # Highest seq whose row is committed; below ``core.seq`` while rows are queued or in flight.
+        self._durable_seq = 0
         if journal_path is not None:
             self._journal = Journal(
                 journal_path,
@@ -97,6 +123,10 @@ class LocalRegistry(RegistryVerbs):
                 },
             )
             self._replay(self._journal)
+            self._durable_seq = self._core.seq
+            # Owners could not renew while this registry was down: their leases get a full TTL
+            # from the first call after the restart (a journaled resume_leases, see _call).
+            self._resume_pending = bool(self._core.status().leases)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-journal")
 
     def _replay(self, journal: Journal) -> None:
@@ -122,6 +152,9 @@ class LocalRegistry(RegistryVerbs):
         except (KeyError, TypeError, ValueError) as exc:
             journal.close()
             raise JournalCorruptError(f"journal does not replay: {exc!r}") from exc
+        except BaseException:
+            journal.close()  # releases the lock: nothing may keep it after a failed start
+            raise
         self._since_snapshot = len(recovered.entries)
         logger.info(
             "registry recovered from journal",
@@ -139,6 +172,16 @@ class LocalRegistry(RegistryVerbs):
         """The state machine itself (read it; mutate only through the async verbs)."""
         return self._core
 
+    @property
+    def failed(self) -> BaseException | None:
+        """None while healthy; else the exception that fail-stopped the registry (for readiness)."""
+        return self._failed
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` was called: every later call is refused."""
+        return self._closed
+
     def add_listener(self, listener: RegistryListener) -> None:
         self._listeners.append(listener)
 
@@ -149,6 +192,14 @@ class LocalRegistry(RegistryVerbs):
             ) from self._failed
         if self._closed:
             raise JournalError("registry is closed")
+        if self._resume_pending:
+            self._resume_pending = False
+            await self._call("resume_leases", new_request_id(), {})
+            # Start over: the registry may have closed or failed during that await.
+            return await self._call(verb, request_id, args)
+        if verb in TIMED_VERBS:
+            # The registry host's clock, never the caller's: expiry is decided in one place.
+            args = {**args, "now": self._clock()}
         result, applied = self._core.execute(request_id, verb, args)
         if applied:
             if self._journal is not None:
@@ -165,75 +216,202 @@ class LocalRegistry(RegistryVerbs):
                     listener(verb, result)
                 except Exception:
                     logger.exception("registry listener failed", extra={"verb": verb})
+            if verb == "open_lease":
+                self._ensure_sweeper()
+        elif self._journal is not None and self._durable_seq < self._core.seq:
+            # A replay whose original row may still be queued or being written: answer only
+            # once everything applied so far is durable (JournalError if it never will be).
+            await self._flush()
         return result
 
     async def _persist(self, entry: JournalEntry) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._queue.append((entry, fut))
+        fut = self._enqueue(entry)
         self._since_snapshot += 1
         if self._since_snapshot >= self._compact_every:
-            # Queued behind the rows it covers, so it is written only after they are.
+            # Queued behind the rows it covers (no await since), so written only after them.
             self._queue.append(((self._core.seq, self._core.to_state()), None))
             self._since_snapshot = 0
+        await fut
+
+    async def _flush(self) -> None:
+        """Return once every row queued so far is durable; JournalError if one never will be."""
+        await self._enqueue(None)
+
+    def _enqueue(self, item: _Item) -> asyncio.Future[None]:
+        # Callers reach here with no await since their own _failed/_closed check, so the writer
+        # is running (or not yet started) and will drain this item.
+        if self._writer is not None and self._writer.done():
+            self._stop(JournalError("the journal writer has stopped"))
+            raise JournalError("the journal writer has stopped") from self._failed
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._queue.append((item, fut))
         if self._writer is None:
             self._wakeup = asyncio.Event()
             self._writer = loop.create_task(self._write_loop(), name="lora-registry-journal")
         assert self._wakeup is not None
         self._wakeup.set()
-        await fut
+        return fut
 
     async def _write_loop(self) -> None:
         assert self._journal is not None
         assert self._wakeup is not None
-        journal = self._journal
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                if self._group_commit:
-                    batch, self._queue = self._queue, []
-                else:
-                    batch = [self._queue.pop(0)]
-                    # A snapshot never travels alone: it is written right after its rows.
-                    while self._queue and isinstance(self._queue[0][0], tuple):
-                        batch.append(self._queue.pop(0))
+        assert self._executor is not None
+        journal, wakeup, executor = self._journal, self._wakeup, self._executor
+        try:
+            while True:
+                if not self._queue:
+                    if self._closed:
+                        return  # aclose() waits for this: every row queued before it is written
+                    await wakeup.wait()
+                    wakeup.clear()
+                    continue
+                batch = self._next_batch()
+                written = asyncio.wrap_future(
+                    executor.submit(_write_batch, journal, [item for item, _ in batch])
+                )
                 try:
-                    await loop.run_in_executor(self._executor, _write_batch, journal, batch)
-                except BaseException as exc:  # fail-stop: memory is now ahead of disk
-                    self._failed = exc
-                    logger.critical("registry journal write failed; registry stopped", exc_info=exc)
-                    for _, fut in batch + self._queue:
-                        if fut is not None and not fut.done():
-                            fut.set_exception(JournalError(f"journal write failed: {exc!r}"))
-                    self._queue.clear()
+                    # Shielded: cancelling this task must not detach the batch from its outcome.
+                    durable, error = await asyncio.shield(written)
+                except asyncio.CancelledError:
+                    # The thread still finishes the batch: its callers get its real outcome
+                    # when it does, not this cancellation.
+                    written.add_done_callback(functools.partial(self._settle_late, batch))
+                    raise
+                self._settle(batch, durable, error)
+                if error is not None:
+                    self._stop(error)
                     return
-                for _, fut in batch:
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
+        except asyncio.CancelledError:
+            # Cancelled from outside (aclose() never cancels). Nothing will write the rows still
+            # queued, nor those of later calls: unless closed and drained, memory is (or would
+            # get) ahead of disk, so fail-stop.
+            if self._queue or not self._closed:
+                self._stop(JournalError("the journal writer was cancelled"))
+            raise
+
+    def _next_batch(self) -> list[tuple[_Item, asyncio.Future[None] | None]]:
+        if self._group_commit:
+            batch, self._queue = self._queue, []
+            return batch
+        batch = [self._queue.pop(0)]
+        # A snapshot never travels alone (it is written right after its rows); a flush marker
+        # rides with the row before it.
+        while self._queue and not isinstance(self._queue[0][0], JournalEntry):
+            batch.append(self._queue.pop(0))
+        return batch
+
+    def _settle(
+        self,
+        batch: list[tuple[_Item, asyncio.Future[None] | None]],
+        durable: int,
+        error: BaseException | None,
+    ) -> None:
+        """Answer the first ``durable`` items of ``batch`` (committed); fail the rest with
+        ``error``."""
+        for i, (item, fut) in enumerate(batch):
+            if fut is not None and fut.done():
+                continue  # its caller was cancelled
+            if i < durable:
+                if isinstance(item, JournalEntry):
+                    self._durable_seq = max(self._durable_seq, item.seq)
+                if fut is not None:
+                    fut.set_result(None)
+            elif fut is not None:
+                err = JournalError(f"journal write failed, row not written: {error!r}")
+                err.__cause__ = error
+                fut.set_exception(err)
+
+    def _settle_late(
+        self,
+        batch: list[tuple[_Item, asyncio.Future[None] | None]],
+        written: asyncio.Future[tuple[int, BaseException | None]],
+    ) -> None:
+        if written.cancelled() or written.exception() is not None:
+            self._settle(batch, 0, JournalError("the journal write's outcome is unknown"))
+        else:
+            self._settle(batch, *written.result())
+
+    def _stop(self, exc: BaseException) -> None:
+        """Fail-stop: memory is now ahead of disk. Fail every row still queued."""
+        if self._failed is None:
+            self._failed = exc
+            logger.critical(
+                "registry journal write failed; registry stopped",
+                exc_info=exc,
+                extra={"journal": str(self._journal.path) if self._journal else None},
+            )
+        queued, self._queue = self._queue, []
+        for _, fut in queued:
+            if fut is not None and not fut.done():
+                err = JournalError(f"journal write failed, row not written: {exc!r}")
+                err.__cause__ = exc
+                fut.set_exception(err)
 
     async def aclose(self) -> None:
-        """Flush pending journal rows and close the journal (idempotent)."""
-        if self._closed:
-            return
-        if self._writer is not None and not self._writer.done() and self._failed is None:
-            # A flush marker queued behind every pending row: resolved once they are durable.
+        """Refuse new calls, write every queued row, close the journal and release its lock.
+
+        Every caller still waiting gets the truth: its answer if its row was committed, a
+        :class:`JournalError` only if it was not. A journal failure is not raised here (see
+        :attr:`failed`). Idempotent; concurrent calls, and a call after an earlier one was
+        cancelled, all wait for the same close, which a cancellation does not interrupt.
+        """
+        if self._closing is None:
+            self._closed = True  # from here on _call refuses: nothing new is queued
+            if self._sweeper is not None:
+                self._sweeper.cancel()  # a sweep is a call like any other: refused from now on
+            self._closing = asyncio.get_running_loop().create_task(
+                self._close(), name="lora-registry-close"
+            )
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        if self._writer is not None and not self._writer.done():
             assert self._wakeup is not None
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._queue.append((None, fut))
-            self._wakeup.set()
-            with contextlib.suppress(JournalError):
-                await fut
-        self._closed = True
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+            self._wakeup.set()  # the writer drains the queue, sees _closed, and returns
+            await asyncio.wait([self._writer])  # never cancelled by us: no batch is cut off
         if self._executor is not None:
+            # Idle unless the writer was cancelled from outside mid-batch: then this waits for
+            # that batch, which must end before the connection closes.
             self._executor.shutdown(wait=True)
         if self._journal is not None:
             self._journal.close()
+
+    # --- lease expiry -----------------------------------------------------------------------------
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweep_interval is None or (self._sweeper is not None and not self._sweeper.done()):
+            return
+        self._sweeper = asyncio.get_running_loop().create_task(
+            self._sweep_loop(self._sweep_interval), name="lora-registry-lease-sweeper"
+        )
+
+    async def _sweep_loop(self, interval: float) -> None:
+        # Started by the first lease; runs until aclose. A sweep is journaled only when due, so an
+        # idle registry writes nothing.
+        while not self._closed and self._failed is None:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep_if_due()
+            except JournalError:
+                return  # fail-stopped or closed: nothing more to decide
+            except Exception:
+                logger.exception("lease sweep failed; retried next interval")
+
+    async def sweep_if_due(self) -> SweepResult | None:
+        """Run one journaled :meth:`sweep` if some lease or name tombstone is due; else None."""
+        if not self._core.sweep_due(self._clock(), self._name_ttl):
+            return None
+        result = await self.sweep(request_id=new_request_id(), name_ttl=self._name_ttl)
+        if result.expired_leases:
+            logger.warning(
+                "leases expired; their Sessions' refs are released",
+                extra={
+                    "leases": list(result.expired_leases),
+                    "sessions": len(result.expired_sessions),
+                },
+            )
+        return result
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -252,15 +430,32 @@ class LocalRegistry(RegistryVerbs):
         return self._core.state_of(version_id)
 
 
-def _write_batch(journal: Journal, batch: list[tuple[_Item, asyncio.Future[None] | None]]) -> None:
+def _write_batch(journal: Journal, items: list[_Item]) -> tuple[int, BaseException | None]:
+    """Write ``items`` in order (runs on the writer thread; never raises).
+
+    Returns ``(durable, error)``: ``items[:durable]`` are committed, and ``error`` (None if all
+    are) stopped the rest. A batch may take several transactions (rows, snapshot, rows), so a
+    failure can come after some of its items are on disk. A flush marker counts as committed
+    once everything before it is. A failed COMMIT counts as not committed.
+    """
+    durable = 0
     rows: list[JournalEntry] = []
-    for item, _ in batch:
-        if isinstance(item, JournalEntry):
-            rows.append(item)
-        elif item is not None:
-            if rows:
-                journal.append(rows)
-                rows = []
-            journal.write_snapshot(item[0], item[1])
-    if rows:
-        journal.append(rows)
+    try:
+        for i, item in enumerate(items):
+            if isinstance(item, JournalEntry):
+                rows.append(item)
+            elif item is None:
+                if not rows:
+                    durable = i + 1
+            else:
+                if rows:
+                    journal.append(rows)
+                    rows = []
+                durable = i
+                journal.write_snapshot(item[0], item[1])
+                durable = i + 1
+        if rows:
+            journal.append(rows)
+    except BaseException as exc:
+        return durable, exc
+    return len(items), None

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +17,7 @@ from agentic_lora.errors import (
     JournalError,
     JournalForeignError,
 )
+from agentic_lora.registry.journal import Journal, JournalEntry
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt, SessionState, VersionState, new_request_id
 
@@ -201,11 +205,15 @@ async def test_a_write_failure_stops_the_registry(tmp_path: Path) -> None:
     await _publish(reg, "A")
     assert reg._journal is not None
     reg._journal.close()  # the disk goes away under the registry
+    assert reg.failed is None
     with pytest.raises(JournalError):
         await reg.bind_first(request_id=new_request_id(), session_key="s")
+    assert isinstance(reg.failed, RuntimeError)  # "journal is not open"
+    assert not reg.closed
     with pytest.raises(JournalError, match="stopped"):
         await reg.bind_first(request_id=new_request_id(), session_key="t")
     await reg.aclose()
+    assert reg.closed
     # What reached the disk is intact and replays.
     again = _registry(path)
     assert again.core.version("A").state is VersionState.PUBLISHED
@@ -267,8 +275,6 @@ async def test_a_well_formed_row_that_does_not_replay_stops_start_up(
 
 
 async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(tmp_path: Path) -> None:
-    from agentic_lora.registry.journal import Journal, JournalEntry
-
     j = Journal(tmp_path / "j.sqlite", identity={"x": 1})
     assert j.open().entries == []
     j.append([JournalEntry(1, "a", "bind_first", "{}")])
@@ -285,3 +291,236 @@ async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(tmp_path
     again = Journal(tmp_path / "j.sqlite", identity={"x": 1})
     assert [e.seq for e in again.open().entries] == [1, 2]
     again.close()
+
+
+# --- answers only from durable rows; aclose never misreports ------------------------------------
+
+
+class _Gate:
+    """Holds the journal writer thread inside ``Journal.append`` until :meth:`open` is called."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self.fail: BaseException | None = None
+        original = Journal.append
+        gate = self
+
+        def append(journal: Journal, entries: Iterable[JournalEntry]) -> None:
+            if gate.armed:
+                gate.entered.set()
+                gate.released.wait()
+                if gate.fail is not None:
+                    raise gate.fail
+            original(journal, entries)
+
+        monkeypatch.setattr(Journal, "append", append)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    async def writing(self) -> None:
+        """Return once the writer thread is held inside an append."""
+        assert await asyncio.to_thread(self.entered.wait, 30), "the writer never reached append"
+
+    def open(self, fail: BaseException | None = None) -> None:
+        self.fail = fail
+        self.released.set()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
+    g = _Gate(monkeypatch)
+    yield g
+    g.released.set()  # never leave the writer thread parked (aclose would wait for it)
+
+
+async def _spin() -> None:
+    """Let every ready task on the loop run several times (no wall clock involved)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def _assert_truthful(path: Path, calls: Mapping[str, asyncio.Task[Any]]) -> None:
+    """Each ``bind_first`` that answered is durable; each that raised JournalError is not."""
+    again = _registry(path)
+    try:
+        for session_key, task in calls.items():
+            durable = again.core.session(session_key) is not None
+            if task.exception() is None:
+                assert durable, f"{session_key} was answered but is not in the journal"
+            else:
+                assert isinstance(task.exception(), JournalError)
+                assert not durable, f"{session_key} was reported failed but is in the journal"
+    finally:
+        await again.aclose()
+
+
+def _bind(reg: LocalRegistry, key: str, request_id: str | None = None) -> asyncio.Task[Any]:
+    return asyncio.create_task(reg.bind_first(request_id=request_id or key, session_key=key))
+
+
+@pytest.mark.parametrize("group_commit", [False, True])
+@pytest.mark.parametrize("original_row", ["being written", "queued"])
+async def test_a_replay_is_answered_only_once_the_original_row_is_durable(
+    tmp_path: Path, gate: _Gate, group_commit: bool, original_row: str
+) -> None:
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path, group_commit=group_commit)
+    await _publish(reg, "A")
+    gate.arm()
+    calls = {}
+    if original_row == "queued":
+        calls["other"] = _bind(reg, "other")
+        await gate.writing()  # the writer is busy with another row; the original queues behind
+    calls["s"] = original = _bind(reg, "s", "b")
+    if original_row == "being written":
+        await gate.writing()
+    await _spin()
+    replay = _bind(reg, "s", "b")
+    await _spin()
+    assert not original.done()
+    assert not replay.done(), "a replay was answered before its original row was durable"
+    gate.open()
+    await asyncio.wait([*calls.values(), replay])
+    assert replay.result() == original.result()
+    assert reg.core.version("A").session_refs == len(calls)  # the replay took no second ref
+    await reg.aclose()
+    await _assert_truthful(path, calls)
+
+
+async def test_a_replay_raises_when_the_original_row_is_never_written(
+    tmp_path: Path, gate: _Gate
+) -> None:
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path)
+    await _publish(reg, "A")
+    gate.arm()
+    original = _bind(reg, "s", "b")
+    await gate.writing()
+    replay = _bind(reg, "s", "b")
+    await _spin()
+    assert not replay.done()
+    disk_full = OSError(28, "No space left on device")
+    gate.open(fail=disk_full)
+    await asyncio.wait([original, replay])
+    assert isinstance(original.exception(), JournalError)
+    assert isinstance(replay.exception(), JournalError)
+    assert reg.failed is disk_full
+    with pytest.raises(JournalError, match="stopped"):
+        await reg.bind_first(request_id="b", session_key="s")  # a later replay too
+    await reg.aclose()
+    await _assert_truthful(path, {"s": original})
+
+
+@pytest.mark.parametrize("group_commit", [False, True])
+async def test_a_call_racing_aclose_is_told_the_truth(
+    tmp_path: Path, gate: _Gate, group_commit: bool
+) -> None:
+    # Formerly: aclose() flushed, then cancelled the writer while it wrote a row that arrived
+    # during the flush; that row reached the disk and its caller got JournalError.
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path, group_commit=group_commit)
+    await _publish(reg, "A")
+    gate.arm()
+    calls = {"s1": _bind(reg, "s1")}
+    await gate.writing()
+    calls["s2"] = _bind(reg, "s2")  # queued behind s1
+    await _spin()
+    closing = asyncio.create_task(reg.aclose())
+    await _spin()
+    calls["s3"] = _bind(reg, "s3")  # during the close
+    await _spin()
+    assert not closing.done()
+    assert not calls["s1"].done()
+    gate.open()
+    await asyncio.wait([*calls.values(), closing])
+    assert calls["s1"].exception() is None
+    assert calls["s2"].exception() is None
+    await _assert_truthful(path, calls)
+    assert isinstance(calls["s3"].exception(), JournalError)  # refused: nothing applied
+    assert reg.closed
+    assert reg.failed is None
+
+
+@pytest.mark.parametrize("group_commit", [False, True])
+async def test_rows_committed_before_a_failed_snapshot_are_answered(
+    tmp_path: Path, gate: _Gate, monkeypatch: pytest.MonkeyPatch, group_commit: bool
+) -> None:
+    # A batch may be several transactions: rows, then a snapshot, then (group commit) more rows.
+    # Formerly one failure anywhere failed every caller of the batch.
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path, group_commit=group_commit, compact_every=2)
+    await _publish(reg, "A")  # 4 rows: a snapshot after every second one
+    gate.arm()
+    calls = {"s1": _bind(reg, "s1")}
+    await gate.writing()
+    calls["s2"] = _bind(reg, "s2")  # a snapshot is queued right behind this row
+    calls["s3"] = _bind(reg, "s3")
+    await _spin()
+    broken = OSError(5, "Input/output error")
+
+    def write_snapshot(journal: Journal, seq: int, state: Mapping[str, Any]) -> None:
+        raise broken
+
+    monkeypatch.setattr(Journal, "write_snapshot", write_snapshot)
+    gate.open()
+    await asyncio.wait(calls.values())
+    assert calls["s1"].exception() is None
+    assert calls["s2"].exception() is None, "a committed row was reported failed"
+    assert isinstance(calls["s3"].exception(), JournalError)
+    assert reg.failed is broken
+    await reg.aclose()
+    await _assert_truthful(path, calls)
+
+
+async def test_a_cancelled_writer_still_reports_the_batch_it_was_writing(
+    tmp_path: Path, gate: _Gate
+) -> None:
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path)
+    await _publish(reg, "A")
+    gate.arm()
+    calls = {"s1": _bind(reg, "s1")}
+    await gate.writing()
+    calls["s2"] = _bind(reg, "s2")  # queued: the cancelled writer never takes it
+    await _spin()
+    assert reg._writer is not None
+    reg._writer.cancel()
+    await _spin()
+    assert isinstance(calls["s2"].exception(), JournalError)
+    assert not calls["s1"].done(), "answered before the thread finished its batch"
+    assert isinstance(reg.failed, JournalError)
+    with pytest.raises(JournalError, match="stopped"):
+        await reg.bind_first(request_id="s4", session_key="s4")
+    gate.open()
+    await asyncio.wait(calls.values())
+    assert calls["s1"].exception() is None
+    await reg.aclose()
+    await _assert_truthful(path, calls)
+
+
+async def test_a_cancelled_aclose_still_closes_and_releases_the_journal(
+    tmp_path: Path, gate: _Gate
+) -> None:
+    path = tmp_path / "registry.sqlite"
+    reg = _registry(path)
+    await _publish(reg, "A")
+    gate.arm()
+    calls = {"s1": _bind(reg, "s1")}
+    await gate.writing()
+    first = asyncio.create_task(reg.aclose())
+    second = asyncio.create_task(reg.aclose())
+    await _spin()
+    first.cancel()
+    await _spin()
+    assert first.cancelled()
+    assert not second.done()  # the close goes on, waiting for s1's row
+    gate.open()
+    await asyncio.wait([calls["s1"], second])
+    assert calls["s1"].exception() is None
+    assert second.exception() is None
+    await reg.aclose()
+    assert reg.failed is None
+    await _assert_truthful(path, calls)  # reopening proves the lock was released
