@@ -700,10 +700,10 @@ class RegistryCore:
             )
         return lease
 
-    def _tick(self, now: float) -> float:
-        now = _check_time(now, "now")
+    def _tick(self, now: float) -> None:
+        # Called only once the verb can no longer be refused: a refused call is not journaled, so
+        # if it moved the clock, a replay would tombstone names at another time than the live run.
         self._now = max(self._now, now)
-        return now
 
     def _end_lease(self, lease: _Lease, why: str) -> tuple[str, ...]:
         """Expire every Session and name of ``lease`` and forget it; the keys that held a ref."""
@@ -737,7 +737,7 @@ class RegistryCore:
         _check_token(owner, "owner")
         _check_token(incarnation, "incarnation")
         ttl = _check_time(ttl, "ttl", positive=True)
-        now = self._tick(now)
+        now = _check_time(now, "now")
         if on_restart not in ON_RESTART:
             raise InvalidStateError(
                 f"on_restart must be one of {sorted(ON_RESTART)}", reason="bad_on_restart"
@@ -745,11 +745,13 @@ class RegistryCore:
         lease_id = _lease_id(owner, incarnation)
         current = self._leases.get(lease_id)
         if current is not None:
+            self._tick(now)
             current.ttl = ttl
             current.expires_at = now + ttl
             return self._grant(current)
         if lease_id in self._dead_leases:
             self._live_lease(lease_id)  # raises: an incarnation never comes back
+        self._tick(now)
         lease = _Lease(owner, incarnation, ttl, now + ttl)
         released: tuple[str, ...] = ()
         adopted: tuple[str, ...] = ()
@@ -772,8 +774,9 @@ class RegistryCore:
         return self._grant(lease, released, adopted)
 
     def renew_lease(self, owner: str, incarnation: str, now: float) -> LeaseGrant:
-        now = self._tick(now)
+        now = _check_time(now, "now")
         lease = self._live_lease(_lease_id(owner, incarnation))
+        self._tick(now)
         lease.expires_at = now + lease.ttl
         return self._grant(lease)
 
@@ -787,15 +790,17 @@ class RegistryCore:
     def resume_leases(self, now: float) -> int:
         """Give every live lease a full TTL from ``now`` (after the registry itself was down:
         its owners could not renew while it was gone). Returns how many leases it extended."""
-        now = self._tick(now)
+        now = _check_time(now, "now")
+        self._tick(now)
         for lease in self._leases.values():
             lease.expires_at = max(lease.expires_at, now + lease.ttl)
         return len(self._leases)
 
     def sweep(self, now: float, name_ttl: float) -> SweepResult:
         """Expire every lease past its deadline; forget name tombstones older than ``name_ttl``."""
-        now = self._tick(now)
+        now = _check_time(now, "now")
         name_ttl = _check_time(name_ttl, "name_ttl", positive=True)
+        self._tick(now)
         expired = sorted(lid for lid, lease in self._leases.items() if lease.expires_at <= now)
         sessions: list[str] = []
         for lease_id in expired:
@@ -824,12 +829,13 @@ class RegistryCore:
         """
         _check_token(name, "name")
         _check_token(session_key, "session_key")
-        self._tick(now)
+        now = _check_time(now, "now")
         owner = self._live_lease(lease) if lease is not None else None
         rec = self._names.get(name)
         if rec is not None:
             if rec.closed_at is not None:
                 raise self._name_refusal(name, rec)
+            self._tick(now)
             adopted = rec.lease != lease
             if adopted:
                 self._move_name(name, rec, owner)
@@ -845,6 +851,7 @@ class RegistryCore:
             raise InvalidStateError(
                 f"session key {session_key!r} is already in use", reason="session_key_in_use"
             )
+        self._tick(now)
         self._names[name] = _Name(session_key, lease)
         self._name_of[session_key] = name
         if owner is not None:
