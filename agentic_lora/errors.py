@@ -26,7 +26,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   └── SessionStillBoundError     SESSION_STILL_BOUND   reclaim/forget while a Session holds it
     ├── JournalError                   (the durable journal)
     │   ├── JournalCorruptError        JOURNAL_CORRUPT       unreadable or inconsistent journal
-    │   ├── JournalLockedError         JOURNAL_LOCKED        another process holds the journal (single writer)
+    │   ├── JournalLockedError         JOURNAL_LOCKED        the journal is held by another opener (single writer)
     │   └── JournalForeignError        JOURNAL_FOREIGN       journal of another deployment or format
     ├── DispatchError                  (the generation path)
     │   ├── VersionNotDispatchableError VERSION_NOT_DISPATCHABLE  version is reclaiming or gone
@@ -223,7 +223,8 @@ class JournalForeignError(JournalError):
 
 
 class JournalLockedError(JournalError):
-    """Another process holds the journal open (``details["holder"]`` names it): one writer only."""
+    """Another opener (usually another process) holds the journal (``details["holder"]`` names
+    it): one writer only."""
 
     code = "JOURNAL_LOCKED"
 
