@@ -8,6 +8,9 @@ upgrade changes one, a test here fails before the middleware silently goes wrong
 * ``/unload_lora_adapter`` waits for in-flight requests that use the adapter;
 * a request naming an unloaded adapter silently reloads it from its old path (so the middleware
   must refuse dispatch for a reclaimed version itself);
+* a restarted engine comes back with no adapter and a new ``/server_info`` fingerprint (the
+  incarnation the product reads), and refuses a request naming an adapter it lost with a 400,
+  never running the base model in its place (nor reloading it: the new process knows no path);
 * the prefix cache is per adapter: no KV is shared across versions, a repeat hits the cache;
 * at most ``max_loras_per_batch - 1`` adapters can be pinned;
 * OpenAI routes select an adapter only as ``"<base>:<lora>"``; a bare adapter name silently
@@ -15,6 +18,12 @@ upgrade changes one, a test here fails before the middleware silently goes wrong
 
 Adapters are loaded under names unique to each test and unloaded afterwards, so the tests share
 the session's engines without seeing each other's adapters.
+
+Timing. No verdict depends on which of two things finishes first by wall clock. A request that
+must outlive something else is given far more tokens than the test lets it produce (it ends by
+the test's abort) and what is asserted is the engine's own account: its log says the unload had
+arrived and had not started, the request kept streaming, and the physical unload began only after
+the test sent the abort (log offsets, not clocks).
 """
 
 from __future__ import annotations
@@ -31,9 +40,43 @@ import httpx
 import pytest
 from agentic_lora_harness.engines import EngineFleet
 
+from agentic_lora.engine_admin import EngineAdminClient
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 PROMPT = "the agent will call the weather tool and then answer the question"
+#: Far more tokens than a test lets a long request produce (prompt + this stays inside the
+#: model's 4096 positions): such a request ends by the test's abort, never by length.
+LONG_TOKENS = 3000
+#: How long a test waits for the engine to log something it must log. A liveness guard only.
+WAIT_GUARD_SECONDS = 120.0
+
+
+class EngineLog:
+    """One engine's log file, read by byte offset (the engine is another process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def offset(self) -> int:
+        return self.path.stat().st_size
+
+    def lines(self, needle: str, *, since: int = 0) -> list[str]:
+        with self.path.open("rb") as handle:
+            handle.seek(since)
+            text = handle.read().decode(errors="replace")
+        return [line for line in text.splitlines() if needle in line]
+
+    async def wait_for_line(self, needle: str, *, since: int, what: str) -> str:
+        """The first line containing ``needle`` written after byte ``since``."""
+        try:
+            async with asyncio.timeout(WAIT_GUARD_SECONDS):
+                # Another process writes the file: there is no event to wait on, only the file.
+                while not (found := self.lines(needle, since=since)):  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"never logged: {what}") from None
+        return found[0]
 
 
 def _name(tag: str) -> str:
@@ -171,28 +214,26 @@ async def test_unload_waits_for_an_in_flight_request_using_the_adapter(
     fleet: EngineFleet,
 ) -> None:
     url = fleet.base_url("E0")
+    log = EngineLog(fleet.log_path("E0"))
     name = _name("inflight")
     rid = f"rid-{uuid.uuid4().hex}"
-    order: list[str] = []
     body = {
         "text": PROMPT,
         "lora_path": name,
         "rid": rid,
         "stream": True,
-        # Far more tokens than the test waits for: the request ends when the test aborts it.
-        "sampling_params": {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": LONG_TOKENS, "temperature": 0.0, "ignore_eos": True},
     }
+    # The engine's own log lines: the unload request arrived (before its wait for the request
+    # refcount), and the physical unload began (after that wait).
+    arrived, started = f"Start unload Lora adapter. Lora name={name}", "unloading starts"
     async with httpx.AsyncClient(timeout=300) as client:
         response = await _load(client, url, name, fleet.fixture.adapter("A"))
         assert response.json()["success"] is True
 
-        async def unload() -> httpx.Response:
-            result = await _unload(client, url, name)
-            order.append("unload returned")
-            return result
-
         unload_task: asyncio.Task[httpx.Response] | None = None
-        chunks_after_unload_sent = 0
+        chunks_while_unload_waits = 0
+        abort_sent_at = 0
         final: dict[str, Any] = {}
         async with client.stream("POST", f"{url}/generate", json=body) as stream:
             assert stream.status_code == 200
@@ -202,22 +243,28 @@ async def test_unload_waits_for_an_in_flight_request_using_the_adapter(
                 final = json.loads(line.removeprefix("data:"))
                 if unload_task is None:
                     # The first streamed token proves the request is running with the adapter.
-                    unload_task = asyncio.create_task(unload())
+                    since = log.offset()
+                    unload_task = asyncio.create_task(_unload(client, url, name))
+                    await log.wait_for_line(arrived, since=since, what="the unload arrived")
                     continue
-                chunks_after_unload_sent += 1
-                if chunks_after_unload_sent == 100:
-                    # The engine kept decoding 100 more steps while the unload was pending.
-                    assert order == []
+                chunks_while_unload_waits += 1
+                if chunks_while_unload_waits == 100:
+                    # The engine decoded 100 more tokens of the request with the unload pending:
+                    # the unload has neither returned nor begun to unload anything.
+                    assert not unload_task.done()
+                    assert [s for s in log.lines(started) if name in s] == []
+                    abort_sent_at = log.offset()
                     aborted = await client.post(f"{url}/abort_request", json={"rid": rid})
                     assert aborted.status_code == 200
-            order.append("request finished")
         assert unload_task is not None
         unloaded = await unload_task
-    assert order == ["request finished", "unload returned"]
     assert unloaded.status_code == 200
     assert unloaded.json()["success"] is True
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
-    assert final["meta_info"]["completion_tokens"] < 3000
+    assert final["meta_info"]["completion_tokens"] < LONG_TOKENS
+    # The engine's account: one physical unload, begun only after the test ended the request.
+    assert len([s for s in log.lines(started, since=abort_sent_at) if name in s]) == 1
+    assert len([s for s in log.lines(started) if name in s]) == 1
 
 
 @pytest.mark.asyncio
@@ -348,14 +395,52 @@ async def test_openai_route_needs_base_colon_lora(fleet: EngineFleet) -> None:
 
 @pytest.mark.asyncio
 async def test_restarted_engine_comes_back_empty_on_the_same_address(fleet: EngineFleet) -> None:
+    """What repairing an engine after a restart relies on, after a crash (SIGKILL) and a restart.
+
+    The new process holds none of the old one's adapters, reports a new ``/server_info``
+    fingerprint (the incarnation the HTTP push backend reads), and refuses a request that names
+    an adapter it lost: HTTP 400, "never been loaded", no output, even though the adapter's
+    directory is still on disk (unlike an unloaded name, which the same process would reload).
+    The fleet is left as found: E1 is up on its address, with no adapters, like a fresh engine.
+    """
     url = fleet.base_url("E1")
     name = _name("restart")
     incarnation = fleet.incarnation("E1")
-    async with httpx.AsyncClient(timeout=60) as client:
+    request = {
+        "text": PROMPT,
+        "lora_path": name,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+    }
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        EngineAdminClient(url, engine="E1", client=client) as admin,
+    ):
         assert (await _load(client, url, name, fleet.fixture.adapter("A"))).json()["success"]
-        await fleet.arestart("E1")
+        served = await client.post(f"{url}/generate", json=request)
+        assert served.status_code == 200, served.text
+        before = await admin.server_info()
+        assert await admin.list_lora_adapters() == {name: str(fleet.fixture.adapter("A"))}
+
+        try:
+            await asyncio.to_thread(fleet.kill, "E1")  # a crash: SIGKILL to the whole group
+        finally:
+            await fleet.arestart("E1")  # whatever happened, the shared fleet gets E1 back
+
         assert fleet.base_url("E1") == url
         assert fleet.incarnation("E1") == incarnation + 1
+        after = await admin.server_info()
+        assert after.fingerprint != before.fingerprint
+        assert (after.version, after.model_path) == (before.version, before.model_path)
+        assert await admin.list_lora_adapters() == {}
         assert await _model_ids(client, url) == {fleet.served_model_name}
+
+        lost = await client.post(f"{url}/generate", json=request)
+        assert lost.status_code == 400, lost.text
+        assert "never been loaded" in lost.text
+        assert "output_ids" not in lost.text  # nothing was generated, by any model
+        assert "meta_info" not in lost.text
+        assert fleet.fixture.adapter("A").is_dir()  # the path was there to reload from
+        assert await _model_ids(client, url) == {fleet.served_model_name}
+
         result = await _generate(client, url, None, max_new_tokens=2)
         assert result["meta_info"]["completion_tokens"] == 2

@@ -3,6 +3,12 @@
 Tests that use the fleet are marked ``pytest.mark.engine`` and ``pytest.mark.vllm``. The fleet
 starts once per test session, only when a test asks for it. A missing venv is created (about
 three minutes, once per machine); if that fails the fixture errors: these tests never skip.
+
+Every engine of the fleet loads the test gate ``engine_site/agentic_lora_hold_gate.py``: a logits
+processor that changes no logit and does nothing unless a request names a gate file in
+``vllm_xargs``; then it holds that request mid-generation until the test opens the gate (see
+``tests/vllm/engine_gate.py``). That is how a test keeps a request running on an engine for
+exactly as long as it needs, without any timing.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 from agentic_lora_harness.fixture import Fixture
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_harness.vllm_env import VllmEnv, ensure_vllm_env
 
-__all__ = ["vllm_env", "vllm_fleet"]
+from tests.vllm.engine_gate import ENGINE_SITE, HOLD_GATE_PROCESSOR, EngineGate
+
+__all__ = ["engine_gate", "vllm_env", "vllm_fleet"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +48,14 @@ def vllm_fleet(
     """
     log_dir = tmp_path_factory.mktemp("vllm-engines")
     logger.info("vllm engine logs in %s", log_dir)
-    with VllmFleet(vllm_env, model_fixture, count=2, log_dir=log_dir) as fleet:
+    with VllmFleet(
+        vllm_env,
+        model_fixture,
+        count=2,
+        log_dir=log_dir,
+        extra_args=("--logits-processors", HOLD_GATE_PROCESSOR),
+        extra_env={"PYTHONPATH": str(ENGINE_SITE)},
+    ) as fleet:
         yield fleet
         report = {
             "vllm_env": {
@@ -59,3 +75,13 @@ def vllm_fleet(
         }
         (fleet.log_dir / "fleet-report.json").write_text(json.dumps(report, indent=2) + "\n")
         logger.info("vllm fleet report", extra={"report": report})
+
+
+@pytest.fixture
+def engine_gate(tmp_path: Path) -> Iterator[EngineGate]:
+    """A fresh engine gate, opened at teardown so a failed test never leaves an engine held."""
+    gate = EngineGate(tmp_path)
+    try:
+        yield gate
+    finally:
+        gate.open()

@@ -4,6 +4,11 @@ engines.
 Each test states one fact about the engine; if a vLLM upgrade changes it, the matching test fails
 and names what to revisit. Every adapter name a test registers is unregistered again, so the
 session-wide fleet is left as it was found.
+
+No verdict depends on timing. A request that must still be running while the test does something
+else is held inside the engine by a gate (``tests/vllm/engine_gate.py``) at its second token, and
+let go only when the test opens the gate: "still running" is then a fact the test arranged, which
+the engine's own report (``/metrics``) confirms, not a race between a generation and a round trip.
 """
 
 from __future__ import annotations
@@ -20,17 +25,19 @@ import pytest_asyncio
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import EngineRef, PublicationTarget
 from agentic_lora.identity import make_lora_name
+from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 
 PROMPT = "def add"
-# Long enough that generation outlasts an unload round trip by three orders of magnitude
-# (about 3 s on this CPU against a few milliseconds), well inside max_model_len 1024.
-LONG_TOKENS = 500
+#: Tokens of a gated request: any number above 2 would do, the gate holds it at its second. Enough
+#: that the adapter's answer is told apart from the base model's.
+HELD_TOKENS = 64
 
 
 @pytest_asyncio.fixture
@@ -72,17 +79,35 @@ async def busy_adapters(http: httpx.AsyncClient, base: str) -> frozenset[str]:
     return frozenset() if activity is None else activity.running | activity.waiting
 
 
-class Stream:
-    """A streamed completion read concurrently; ``first`` is set once a token arrived."""
+async def running_requests(http: httpx.AsyncClient, base: str) -> float:
+    """``vllm:num_requests_running``: the scheduler's running count at its last report."""
+    text = (await http.get(f"{base}/metrics")).raise_for_status().text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:num_requests_running"
+    )
 
-    def __init__(self, http: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> None:
+
+class Stream:
+    """A streamed completion read concurrently; see :meth:`started` and :meth:`finished`.
+
+    ``xargs`` go to the engine as ``vllm_xargs`` (an engine gate's, to hold the request).
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        base: str,
+        model: str,
+        max_tokens: int,
+        xargs: dict[str, str] | None = None,
+    ) -> None:
         self.first = asyncio.Event()
         self.chunks: list[str] = []
         self._finished = False
-        self.task = asyncio.create_task(self._read(http, base, model, max_tokens))
-
-    async def _read(self, http: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> str:
-        body = {
+        body: dict[str, Any] = {
             "model": model,
             "prompt": PROMPT,
             "max_tokens": max_tokens,
@@ -90,6 +115,11 @@ class Stream:
             "ignore_eos": True,
             "stream": True,
         }
+        if xargs is not None:
+            body["vllm_xargs"] = xargs
+        self.task = asyncio.create_task(self._read(http, base, body))
+
+    async def _read(self, http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> str:
         async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
@@ -100,6 +130,20 @@ class Stream:
                     self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
                     self.first.set()
         return "".join(self.chunks)
+
+    async def started(self) -> None:
+        """Return once the first streamed chunk arrived: the request runs on the engine."""
+        first = asyncio.create_task(self.first.wait())
+        try:
+            async with asyncio.timeout(WAIT_GUARD_SECONDS):
+                await asyncio.wait({first, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        except TimeoutError:
+            raise AssertionError("the stream never produced a chunk") from None
+        finally:
+            first.cancel()
+        if not self.first.is_set():
+            await self.task  # it ended without a chunk: raise what went wrong
+            raise AssertionError(f"the stream ended without a chunk: {self.chunks}")
 
     def finished(self) -> bool:
         """Whether the engine's end-of-stream marker has arrived."""
@@ -196,28 +240,63 @@ async def test_sglang_style_adapter_addressing_does_not_reach_the_adapter(
 
 @pytest.mark.asyncio
 async def test_unload_returns_while_a_request_on_the_adapter_runs_and_it_finishes_on_it(
-    vllm_fleet: VllmFleet, client: httpx.AsyncClient
+    vllm_fleet: VllmFleet, client: httpx.AsyncClient, engine_gate: EngineGate, tmp_path: Path
 ) -> None:
     base, path = vllm_fleet.base_url("E0"), vllm_fleet.fixture.adapter("A")
     assert (await load(client, base, "beh-inflight", path)).status_code == 200
+    # What the adapter answers, through the same gate code path with the gate already open...
+    passed = EngineGate(tmp_path, "already-open")
+    passed.open()
     reference = text_of(
-        await complete(client, base, "beh-inflight", max_tokens=LONG_TOKENS, ignore_eos=True)
+        await complete(
+            client,
+            base,
+            "beh-inflight",
+            max_tokens=HELD_TOKENS,
+            ignore_eos=True,
+            vllm_xargs=passed.xargs,
+        )
     )
-    stream = Stream(client, base, "beh-inflight", LONG_TOKENS)
-    await stream.first.wait()
+    assert not passed.holding()  # an open gate never holds
+    # ...and what the base model answers instead.
+    base_text = text_of(
+        await complete(
+            client, base, vllm_fleet.served_model_name, max_tokens=HELD_TOKENS, ignore_eos=True
+        )
+    )
+    assert reference != base_text
 
-    removed = await unload(client, base, "beh-inflight")
-    assert removed.status_code == 200
-    assert not stream.finished()  # unload answered; the request has not
-    # The engine's own report still lists the adapter as busy: the request is running.
-    assert "beh-inflight" in await busy_adapters(client, base)
-    # New requests for the name are refused at once...
-    late = await complete(client, base, "beh-inflight")
-    assert late.status_code == 404
-    # ...while the one already accepted finishes, on the adapter's weights, not the base's.
+    stream = Stream(client, base, "beh-inflight", HELD_TOKENS, engine_gate.xargs)
+    try:
+        await stream.started()  # a token of it came back: it runs, on the adapter
+        await engine_gate.reached(what="the request's second token")
+        # From here until the gate opens the engine cannot move the request on: it is running.
+
+        removed = await unload(client, base, "beh-inflight")
+        assert (removed.status_code, removed.text) == (
+            200,
+            "Success: LoRA adapter 'beh-inflight' removed successfully.",
+        )
+        assert "beh-inflight" not in await listed(client, base)
+        # The unload answered while the request was still running: its stream is open, and has
+        # only the first token's text; the engine's own report says one request runs, on the
+        # adapter.
+        assert not stream.finished()
+        so_far = "".join(stream.chunks)
+        assert reference.startswith(so_far)
+        assert len(so_far) < len(reference)
+        assert await running_requests(client, base) == 1
+        assert "beh-inflight" in await busy_adapters(client, base)
+        # New requests for the name are refused at once...
+        late = await complete(client, base, "beh-inflight")
+        assert late.status_code == 404
+    finally:
+        engine_gate.open()
+    # ...while the one already running finishes normally, on the adapter's weights, not the base's.
     assert await stream.task == reference
     assert stream.finished()
     # Once its last request is answered, the engine no longer reports the adapter busy.
+    assert await running_requests(client, base) == 0
     assert "beh-inflight" not in await busy_adapters(client, base)
 
 
@@ -243,7 +322,7 @@ async def test_a_request_for_an_unloaded_or_unknown_adapter_is_refused_with_404(
 
 @pytest.mark.asyncio
 async def test_the_backend_publishes_serves_and_reclaims_after_the_drain(
-    vllm_fleet: VllmFleet, client: httpx.AsyncClient, tmp_path: Path
+    vllm_fleet: VllmFleet, client: httpx.AsyncClient, engine_gate: EngineGate, tmp_path: Path
 ) -> None:
     fixture = vllm_fleet.fixture
     snapshot = AdapterSnapshot.from_peft_dir(fixture.adapter("C"))
@@ -251,10 +330,15 @@ async def test_the_backend_publishes_serves_and_reclaims_after_the_drain(
     target = PublicationTarget("beh-v1", snapshot.digest, name, 1)
     refs = [EngineRef(n, url) for n, url in vllm_fleet.engines]
     streams: list[Stream] = []
+    draining: list[str] = []
+    both_draining = asyncio.Event()
 
     async def wait_drained(lora_name: str) -> None:
         # What the Session middleware does: wait for the requests it dispatched on the adapter.
         assert lora_name == name
+        draining.append(lora_name)
+        if len(draining) == len(refs):
+            both_draining.set()
         await asyncio.gather(*(s.task for s in streams))
 
     backend = VllmBackend(tmp_path / "store", wait_drained=wait_drained)
@@ -274,14 +358,38 @@ async def test_the_backend_publishes_serves_and_reclaims_after_the_drain(
         for ref in refs:
             assert text_of(await complete(client, ref.base_url, name)) == expected
 
+        passed = EngineGate(tmp_path, "already-open")
+        passed.open()
         reference = text_of(
-            await complete(client, refs[0].base_url, name, max_tokens=LONG_TOKENS, ignore_eos=True)
+            await complete(
+                client,
+                refs[0].base_url,
+                name,
+                max_tokens=HELD_TOKENS,
+                ignore_eos=True,
+                vllm_xargs=passed.xargs,
+            )
         )
-        streams.append(Stream(client, refs[0].base_url, name, LONG_TOKENS))
-        await streams[0].first.wait()
-        await asyncio.gather(
+        streams.append(Stream(client, refs[0].base_url, name, HELD_TOKENS, engine_gate.xargs))
+        await streams[0].started()
+        await engine_gate.reached(what="the in-flight request's second token")
+        reclaims = asyncio.gather(
             *(backend.reclaim(ref, lora_name=name, reclaim_id="beh-r1") for ref in refs)
         )
+        drain_entered: asyncio.Future[Any] = asyncio.ensure_future(both_draining.wait())
+        try:
+            async with asyncio.timeout(WAIT_GUARD_SECONDS):
+                await asyncio.wait({drain_entered, reclaims}, return_when=asyncio.FIRST_COMPLETED)
+            # Both reclaims wait for the drain while the request is held on E0: nothing unloaded.
+            assert both_draining.is_set(), "a reclaim ended without waiting for the drain"
+            assert not reclaims.done()
+            for ref in refs:
+                assert name in await listed(client, ref.base_url)
+                assert (tmp_path / "store" / ref.name / name).is_dir()
+        finally:
+            drain_entered.cancel()
+            engine_gate.open()
+        await reclaims
         # The reclaim could only unload after the in-flight request finished, on its weights.
         assert streams[0].finished()
         assert await streams[0].task == reference

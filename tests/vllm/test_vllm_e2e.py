@@ -6,6 +6,10 @@ backend against the engines. Sessions name their adapter as ``model=<lora_name>`
 pin's vLLM form), and the backend's drain hook is the Sessions' own per-adapter in-flight count.
 Raw HTTP is used only to look at the engines (listings, a late request), never to generate for a
 Session.
+
+The long turn that must still be running while the reclaim waits is held inside its engine by a
+gate (``tests/vllm/engine_gate.py``) until the test opens it, so "the reclaim waited for it" never
+depends on which of the two finished first by wall clock.
 """
 
 from __future__ import annotations
@@ -29,30 +33,34 @@ from agentic_lora.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.transport import EngineReply
 from tests.test_session_support import log_signal
+from tests.vllm.engine_gate import EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 
 TURN: dict[str, object] = {"prompt": "def add", "max_tokens": 8, "temperature": 0.0}
-# Long enough that generation outlasts a reclaim round trip by orders of magnitude (about 3 s on
-# this CPU against milliseconds), well inside max_model_len 1024.
-LONG_TOKENS = 500
-LONG_TURN: dict[str, object] = {**TURN, "max_tokens": LONG_TOKENS, "ignore_eos": True}
+# A long turn: held by an engine gate at its second token, so its length is not what keeps it
+# running; long enough that A's answer is told apart from B's.
+LONG_TURN: dict[str, object] = {**TURN, "max_tokens": 64, "ignore_eos": True}
 
 
-class DispatchSignal:
-    """A framework middleware: ``passed`` is set when a request with ``max_tokens`` goes by.
+class ReplyLog:
+    """A framework middleware: appends ``label`` to ``log`` when the reply of a request sent with
+    ``xargs`` as its ``vllm_xargs`` comes back.
 
-    It runs before the adapter pin and the in-flight count, which follow without an await, so
-    once a waiter on ``passed`` runs, the request is counted on its adapter.
+    It runs outside the adapter pin and the in-flight count, which return to it without an await:
+    the entry is made before anything waiting for that count to drain can run.
     """
 
-    def __init__(self, next_dispatch: Dispatch, *, max_tokens: int, passed: asyncio.Event) -> None:
-        self._next, self._max_tokens, self._passed = next_dispatch, max_tokens, passed
+    def __init__(
+        self, next_dispatch: Dispatch, *, xargs: dict[str, str], label: str, log: list[str]
+    ) -> None:
+        self._next, self._xargs, self._label, self._log = next_dispatch, xargs, label, log
 
     async def __call__(self, call: EngineCall) -> EngineReply:
-        if call.body.get("max_tokens") == self._max_tokens:
-            self._passed.set()
-        return await self._next(call)
+        reply = await self._next(call)
+        if call.body.get("vllm_xargs") == self._xargs:
+            self._log.append(self._label)
+        return reply
 
 
 @pytest_asyncio.fixture
@@ -78,7 +86,7 @@ def text_of(reply: EngineReply) -> str:
 
 @pytest.mark.asyncio
 async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_its_requests(
-    vllm_fleet: VllmFleet, client: httpx.AsyncClient, tmp_path: Path
+    vllm_fleet: VllmFleet, client: httpx.AsyncClient, engine_gate: EngineGate, tmp_path: Path
 ) -> None:
     fixture = vllm_fleet.fixture
     urls = dict(vllm_fleet.engines)
@@ -92,12 +100,14 @@ async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_i
         engine_kind="vllm",
         backend="vllm",
     )
-    long_passed = asyncio.Event()
-    signal = Middleware(DispatchSignal, max_tokens=LONG_TOKENS, passed=long_passed)
+    ended: list[str] = []
+    replies = Middleware(ReplyLog, xargs=engine_gate.xargs, label="long turn", log=ended)
+    passed = EngineGate(tmp_path, "already-open")
+    passed.open()
     names: list[str] = []
     try:
         async with Deployment.from_settings(
-            settings, backend_options={"store_root": str(store)}, middleware=[signal]
+            settings, backend_options={"store_root": str(store)}, middleware=[replies]
         ) as d:
             a = await d.publish("e2e-a", AdapterSnapshot.from_peft_dir(fixture.adapter("A")))
             assert a.outcome is PublicationOutcome.PUBLISHED
@@ -109,7 +119,8 @@ async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_i
             # Both engines serve the same version.
             for url in urls.values():
                 assert await text_on(client, url, a.lora_name) == text_of(old_turn)
-            reference = await old.completions(LONG_TURN)  # what A answers to the long turn
+            # What A answers to the long turn (through the gate's code path, the gate open).
+            reference = await old.completions({**LONG_TURN, "vllm_xargs": passed.xargs})
 
             b = await d.publish("e2e-b", AdapterSnapshot.from_peft_dir(fixture.adapter("B")))
             assert b.outcome is PublicationOutcome.PUBLISHED
@@ -132,31 +143,36 @@ async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_i
             # A long turn of the old Session is running on A when the registry drops the
             # Session's ref (as a supervisor releasing a worker's Sessions through a shared
             # registry would). vLLM's unload would return at once; the reclaim must wait for it.
-            long_passed.clear()  # the reference turn went by already
-            long_turn = asyncio.create_task(old.completions(LONG_TURN))
-            await long_passed.wait()
-            assert d.versioning.in_flight(a.lora_name) == 1
-            ended: list[str] = []
-            long_turn.add_done_callback(lambda _: ended.append("long turn"))
-            with log_signal("agentic_lora.middleware", "waiting for requests on", count=2) as w:
-                await d.registry.begin_close(request_id=new_request_id(), session_key=old.key)
-                await d.registry.release(request_id=new_request_id(), session_key=old.key)
-                reclaim = asyncio.create_task(d.reclaimer.reclaim_version("e2e-a"))
-                reclaim.add_done_callback(lambda _: ended.append("reclaim"))
-                waiting = asyncio.create_task(w.wait())  # both engines' reclaims wait for it
-                done, _ = await asyncio.wait(
-                    {reclaim, waiting, long_turn}, return_when=asyncio.FIRST_COMPLETED
-                )
-            assert done == {waiting}, "the reclaim did not wait for the request in flight"
-            assert d.registry.peek_version("e2e-a").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
-            for url in urls.values():
-                assert a.lora_name in await listed(client, url)
+            # The engine holds the turn at its second token until the gate opens.
+            long_turn = asyncio.create_task(
+                old.completions({**LONG_TURN, "vllm_xargs": engine_gate.xargs})
+            )
+            try:
+                await engine_gate.reached(what="the old Session's long turn on A")
+                assert d.versioning.in_flight(a.lora_name) == 1
+                with log_signal("agentic_lora.middleware", "waiting for requests on", count=2) as w:
+                    await d.registry.begin_close(request_id=new_request_id(), session_key=old.key)
+                    await d.registry.release(request_id=new_request_id(), session_key=old.key)
+                    reclaim = asyncio.create_task(d.reclaimer.reclaim_version("e2e-a"))
+                    reclaim.add_done_callback(lambda _: ended.append("reclaim"))
+                    waiting = asyncio.create_task(w.wait())  # both engines' reclaims wait for it
+                    done, _ = await asyncio.wait(
+                        {reclaim, waiting, long_turn}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                assert done == {waiting}, "the reclaim did not wait for the request in flight"
+                assert d.registry.peek_version("e2e-a").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
+                for url in urls.values():
+                    assert a.lora_name in await listed(client, url)
+                assert ended == []
+            finally:
+                engine_gate.open()
 
             finished = await long_turn
             assert finished.body["model"] == a.lora_name
             assert text_of(finished) == text_of(reference)  # all of it, on A's weights
             result = await reclaim
             assert result.outcome is ReclaimOutcome.RECLAIMED
+            # The long turn's reply was back (and its count released) before the reclaim went on.
             assert ended == ["long turn", "reclaim"]
 
             status = await d.status()
