@@ -26,6 +26,8 @@ from agentic_lora.errors import (
     JournalCorruptError,
     JournalError,
     JournalForeignError,
+    JournalLockedError,
+    LeaseExpiredError,
     NoPublishedVersionError,
     NotReadyError,
     PublicationBlockedError,
@@ -35,6 +37,7 @@ from agentic_lora.errors import (
     RequestRefusedError,
     RevisionConflictError,
     SessionClosedError,
+    SessionExpiredError,
     SessionReleaseError,
     SessionStateError,
     SessionStillBoundError,
@@ -43,7 +46,11 @@ from agentic_lora.errors import (
     UnknownVersionError,
     VersionConflictError,
     VersionNotDispatchableError,
+    VersionTooStaleError,
+    VersionUnavailableError,
 )
+from agentic_lora.leases import LeaseKeeper
+from agentic_lora.provenance import TurnProvenance
 from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimOutcome
 from agentic_lora.registry import (
@@ -54,6 +61,8 @@ from agentic_lora.registry import (
     VersionState,
     new_request_id,
 )
+from agentic_lora.repair import Repairer
+from agentic_lora.resolver import Resolver
 from agentic_lora.routing import Router
 from agentic_lora.session import Session, Versioning
 
@@ -82,6 +91,9 @@ __all__ = [
     "JournalCorruptError",
     "JournalError",
     "JournalForeignError",
+    "JournalLockedError",
+    "LeaseExpiredError",
+    "LeaseKeeper",
     "LocalRegistry",
     "NoPublishedVersionError",
     "NotReadyError",
@@ -96,22 +108,28 @@ __all__ = [
     "Reclaimer",
     "RegistryAPI",
     "RegistryError",
+    "Repairer",
     "RequestIndeterminateError",
     "RequestRefusedError",
+    "Resolver",
     "RevisionConflictError",
     "Router",
     "Session",
     "SessionClosedError",
+    "SessionExpiredError",
     "SessionReleaseError",
     "SessionStateError",
     "SessionStillBoundError",
     "StaleAttemptError",
     "TensorBlob",
+    "TurnProvenance",
     "UnknownEngineError",
     "UnknownVersionError",
     "VersionConflictError",
     "VersionNotDispatchableError",
     "VersionState",
+    "VersionTooStaleError",
+    "VersionUnavailableError",
     "Versioning",
     "__version__",
     "add_arguments",

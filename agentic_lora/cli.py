@@ -6,13 +6,14 @@
     agentic-lora publish ADAPTER_DIR --version-id ID         progress per engine and phase, then the outcome
     agentic-lora status  [--json] [--journal PATH]           versions, Session refs, per-engine readiness
     agentic-lora reclaim [--json]                            one reclaim round now
+    agentic-lora resolve [VERSION] [--json]                  finish blocked publications now
     agentic-lora doctor  --config agentic-lora.toml          check every engine against the settings
     agentic-lora demo    [ARGS ...]                          run examples/demo.py
 
-The registry lives in the ``serve`` process, so ``publish``, ``status`` and ``reclaim`` talk to
-it over the gateway's admin API (``--server``, ``--admin-token``; or ``AGENTIC_LORA_SERVER`` and
-``AGENTIC_LORA_ADMIN_TOKEN``). ``status --journal PATH`` reads a journaled registry without a
-server, from a consistent copy, never writing to the journal.
+The registry lives in the ``serve`` process, so ``publish``, ``status``, ``reclaim`` and
+``resolve`` talk to it over the gateway's admin API (``--server``, ``--admin-token``; or
+``AGENTIC_LORA_SERVER`` and ``AGENTIC_LORA_ADMIN_TOKEN``). ``status --journal PATH`` reads a
+journaled registry without a server, from a consistent copy, never writing to the journal.
 
 Settings come from, strongest first: command-line flags, ``AGENTIC_LORA_*`` environment
 variables, the config file (TOML or JSON), defaults. Every failure prints one line,
@@ -679,6 +680,40 @@ async def _cmd_reclaim(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
+async def _cmd_resolve(args: argparse.Namespace, out: IO[str]) -> int:
+    async with _client(args) as client:
+        report: dict[str, Any] = await client.resolve(args.version)
+    results = report.get("results") or []
+    if args.json:
+        out.write(json.dumps(report, indent=2) + "\n")
+    elif not results:
+        out.write("nothing to resolve (no blocked or abandoned publication)\n")
+    blocked = []
+    for r in results:
+        version, outcome, reason = r.get("version_id"), r.get("outcome"), r.get("reason")
+        if outcome == "BLOCKED":
+            blocked.append(r)
+        if args.json:
+            continue
+        cleaned = [e.get("engine") for e in r.get("engines") or () if e.get("cleaned")]
+        detail = f": cleanup confirmed on {', '.join(map(str, cleaned))}" if cleaned else ""
+        out.write(f"{version}  {outcome}  {reason}{detail}\n")
+        if outcome == "BLOCKED":
+            for engine in r.get("engines") or ():
+                if engine.get("cleaned") is False:
+                    error = _one_line(engine.get("error") or engine.get("error_code") or "")
+                    out.write(f"  {engine.get('engine')}: cleanup UNCONFIRMED ({error})\n")
+    if blocked:
+        first = blocked[0]
+        raise BackendAmbiguousError(
+            f"{first.get('version_id')} is still BLOCKED ({first.get('reason')}): its capacity "
+            "slot stays held; the server keeps retrying the cleanup in the background",
+            outcome="BLOCKED",
+            blocked=[r.get("version_id") for r in blocked],
+        )
+    return EXIT_OK
+
+
 # --- read-only journal status -------------------------------------------------------------------
 
 
@@ -1115,6 +1150,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_cmd_reclaim)
+
+    p = sub.add_parser(
+        "resolve",
+        parents=[client],
+        help="finish blocked or abandoned publications now",
+        description="Abort and clean up a publication left LOADING or ABORTED (its cleanup "
+        "unconfirmed on some engine), freeing its capacity slot once every engine confirmed. "
+        "Without VERSION: every such publication. The server also retries on its own.",
+    )
+    p.add_argument("version", metavar="VERSION", nargs="?", help="the version id to resolve")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=_cmd_resolve)
 
     p = sub.add_parser(
         "doctor",

@@ -10,8 +10,9 @@ Validation is fail-fast and each failure is a :class:`~agentic_lora.errors.Confi
 whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``, ``capacity``,
 ``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
 ``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in backend for another
-engine kind), ``journal_path``, ``settings`` (a value of the wrong type) and, at start-up against
-live engines (:func:`verify_fleet`), ``engine_lora``.
+engine kind), ``journal_path``, ``gateway_id``, ``session_name_ttl``, ``resolve_backoff``,
+``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``, ``settings`` (a value of the wrong type) and, at start-up against live
+engines (:func:`verify_fleet`), ``engine_lora``.
 
 ``engine_kind`` says what software the engines run, which decides how a Session names its adapter
 (see :mod:`agentic_lora.middleware`): ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
@@ -42,6 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from agentic_lora.backends import EngineRef
 from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.leases import check_lease_timing, check_owner
 from agentic_lora.middleware import ENGINE_KINDS, EngineKind
 
 __all__ = [
@@ -88,6 +90,35 @@ class AgenticLoRASettings(BaseSettings):
     ``engine_max_loras_per_batch`` is ``--max-loras-per-batch`` (SGLang keeps one slot unpinned,
     so ``max_loras_per_batch - 1`` must hold ``capacity`` pinned versions). Leave them unset to
     have :func:`verify_fleet` read them from the engines at start-up.
+
+    ``probe_interval`` is how often (seconds) the repairer (:mod:`agentic_lora.repair`) reads
+    every engine's incarnation: an engine that restarted is noticed within it (or at once, when
+    it refuses a Session's request) and gets every dispatchable version loaded again; an engine
+    that does not answer is routed around and counts as not ready.
+
+    ``lease_ttl``, ``lease_renew_interval`` and ``owner_id`` are the rollout worker's owner lease
+    (:mod:`agentic_lora.leases`): every Session ref hangs on it, it is renewed every
+    ``lease_renew_interval`` seconds (default ``lease_ttl / 3``), and a worker that stops renewing
+    loses its Sessions' refs ``lease_ttl`` seconds later (default 60, plus the registry's sweep
+    interval). ``owner_id`` names the worker slot (``rollout-worker-3``): a restart of the same
+    slot releases its predecessor's Sessions at once. Unset, it is ``<hostname>-<pid>``, which no
+    restart reuses, so only the TTL frees a dead worker's Sessions.
+
+    ``max_version_lag`` (unset: off) is the per-Session staleness bound: a Session whose bound
+    version is more than that many publications behind the current default is refused at its
+    next dispatch with ``VERSION_TOO_STALE`` and can then only be closed (see
+    :mod:`agentic_lora.session`). 0 refuses any turn after a newer publication.
+
+    ``resolve_backoff_initial`` and ``resolve_backoff_max`` pace the background resolver
+    (:mod:`agentic_lora.resolver`): after a round that left a publication blocked it waits the
+    initial seconds, then twice as long each time, never more than the max (a poke, e.g. a new
+    BLOCKED result, retries at once).
+
+    ``gateway_id`` is the Session gateway's owner id in the registry (not the SGLang router's
+    ``gateway_url``): keep it stable across restarts, so a restarted gateway adopts its
+    predecessor's Sessions at once; give each replica its own. ``session_name_ttl`` is how long
+    the registry keeps a closed gateway Session id refused (seconds; see
+    :mod:`agentic_lora.gateway.sessions`).
     """
 
     model_config = SettingsConfigDict(env_prefix="AGENTIC_LORA_", extra="forbid", frozen=True)
@@ -106,9 +137,18 @@ class AgenticLoRASettings(BaseSettings):
     engine_kind: EngineKind = "sglang"
     gateway_url: str | None = None
     gateway_retries_disabled: bool = False
+    gateway_id: str = "gateway"
+    session_name_ttl: float = 3600.0
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    probe_interval: float = 2.0
     http_transport: Literal["aiohttp", "httpx"] = "aiohttp"
+    resolve_backoff_initial: float = 1.0
+    resolve_backoff_max: float = 30.0
+    lease_ttl: float = 60.0
+    lease_renew_interval: float | None = None
+    owner_id: str | None = None
+    max_version_lag: int | None = None
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -162,6 +202,22 @@ def _validate(s: AgenticLoRASettings) -> None:
             )
     if s.request_timeout <= 0 or s.connect_timeout <= 0:
         raise _fail("settings", "request_timeout and connect_timeout must be positive")
+    if not 0 < s.probe_interval < float("inf"):
+        raise _fail(
+            "probe_interval",
+            f"probe_interval {s.probe_interval} must be a finite number of seconds above 0",
+        )
+    if not 0 < s.resolve_backoff_initial <= s.resolve_backoff_max:
+        raise _fail(
+            "resolve_backoff",
+            f"resolve backoff: need 0 < resolve_backoff_initial ({s.resolve_backoff_initial}) "
+            f"<= resolve_backoff_max ({s.resolve_backoff_max})",
+        )
+    if s.max_version_lag is not None and s.max_version_lag < 0:
+        raise _fail(
+            "max_version_lag",
+            f"max_version_lag {s.max_version_lag} must be 0 or more (unset: no bound)",
+        )
     if not s.enable_versioned_lora_publication:
         return  # pass-through mode: nothing else is used
     if s.capacity < 2:
@@ -214,11 +270,34 @@ def _validate(s: AgenticLoRASettings) -> None:
             backend=s.backend,
             engine_kind=s.engine_kind,
         )
+    check_lease_timing(s.lease_ttl, s.lease_renew_interval)
+    if s.owner_id is not None:
+        check_owner(s.owner_id)
     if s.journal_path is not None and not s.journal_path.parent.is_dir():
         raise _fail(
             "journal_path",
             f"journal directory {s.journal_path.parent} does not exist",
             journal_path=str(s.journal_path),
+        )
+    _check_gateway_names(s.gateway_id, s.session_name_ttl)
+
+
+def _check_gateway_names(gateway_id: str, name_ttl: float) -> None:
+    # The id becomes a lease owner ("<gateway_id>/<incarnation>"): the registry's token rules.
+    if (
+        not gateway_id
+        or len(gateway_id) > 200
+        or not gateway_id.isprintable()
+        or any(c.isspace() for c in gateway_id)
+    ):
+        raise _fail(
+            "gateway_id",
+            f"gateway_id {gateway_id!r} must be 1-200 printable characters without whitespace",
+        )
+    if not 0 < name_ttl < float("inf"):
+        raise _fail(
+            "session_name_ttl",
+            f"session_name_ttl {name_ttl} must be a finite number of seconds above 0",
         )
 
 
@@ -360,14 +439,63 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"action": "store_true", "help": "assert that the gateway runs with --disable-retries"},
     ),
     (
+        "--versioned-lora-gateway-id",
+        "gateway_id",
+        {"help": "this Session gateway's owner id (stable across its restarts; one per replica)"},
+    ),
+    (
+        "--versioned-lora-session-name-ttl",
+        "session_name_ttl",
+        {"type": float, "help": "seconds a closed gateway Session id stays refused"},
+    ),
+    (
         "--versioned-lora-request-timeout",
         "request_timeout",
         {"type": float, "help": "generation timeout (s)"},
     ),
     (
+        "--versioned-lora-probe-interval",
+        "probe_interval",
+        {"type": float, "help": "seconds between engine incarnation/health probes (default 2)"},
+    ),
+    (
         "--versioned-lora-http-transport",
         "http_transport",
         {"choices": ["aiohttp", "httpx"], "help": "HTTP transport under httpx"},
+    ),
+    (
+        "--versioned-lora-resolve-backoff-initial",
+        "resolve_backoff_initial",
+        {"type": float, "help": "first wait (s) before retrying a blocked publication's cleanup"},
+    ),
+    (
+        "--versioned-lora-resolve-backoff-max",
+        "resolve_backoff_max",
+        {"type": float, "help": "longest wait (s) between retries of a blocked publication"},
+    ),
+    (
+        "--versioned-lora-lease-ttl",
+        "lease_ttl",
+        {"type": float, "help": "seconds a dead worker's Sessions stay held (default 60)"},
+    ),
+    (
+        "--versioned-lora-lease-renew-interval",
+        "lease_renew_interval",
+        {"type": float, "help": "seconds between lease renewals (default: lease ttl / 3)"},
+    ),
+    (
+        "--versioned-lora-owner-id",
+        "owner_id",
+        {"help": "this worker slot's stable id (default: <hostname>-<pid>, TTL-only recovery)"},
+    ),
+    (
+        "--versioned-lora-max-version-lag",
+        "max_version_lag",
+        {
+            "type": int,
+            "help": "refuse a Session's next dispatch once its version is more than this many "
+            "publications behind the default (default: no bound)",
+        },
     ),
 )
 

@@ -11,6 +11,13 @@
 The reclaimer runs in the background and is poked after every commit (by the publisher) and after
 every Session release (by a registry listener, where the registry offers one), so a retired
 version is unloaded as soon as its last Session is gone and its in-flight requests have drained.
+The resolver (:mod:`agentic_lora.resolver`) runs in the background too: at start it aborts and
+cleans a publication a dead publishing process left LOADING, and it retries an unconfirmed
+cleanup with backoff until the blocked publication's slot is free.
+The repairer (:mod:`agentic_lora.repair`) probes every engine each ``probe_interval`` seconds and
+whenever an engine refuses a Session's request: an engine that restarted gets every dispatchable
+version loaded again (from the snapshots this process published, else from the backend's store),
+and until then the Sessions' requests go to the engines that hold their version.
 
 Frameworks that already have their own registry (a Ray actor shared by many workers) pass it in;
 then only the process that publishes needs a publisher, and every rollout worker only needs
@@ -36,12 +43,23 @@ from agentic_lora.backends import Backend
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.discovery import load_backend
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.leases import OnRestart
 from agentic_lora.middleware import Middleware
 from agentic_lora.publisher import PhaseEvent, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimReport
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import RegistryStatus, ReleaseResult
+from agentic_lora.registry.types import (
+    Binding,
+    LeaseGrant,
+    RegistryStatus,
+    ReleaseResult,
+    SweepResult,
+    VersionState,
+    VersionStatus,
+)
+from agentic_lora.repair import Repairer, SnapshotCache
+from agentic_lora.resolver import Resolver, ResolveReport, backoff
 from agentic_lora.session import Session, Versioning
 from agentic_lora.transport import EngineTransport
 
@@ -98,6 +116,30 @@ class Deployment:
         self.publisher = Publisher(
             registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
         )
+        # This Deployment's publisher is the registry's only one (see agentic_lora.resolver).
+        self.resolver = Resolver(
+            self.publisher,
+            wait=backoff(settings.resolve_backoff_initial, settings.resolve_backoff_max),
+        )
+        stored = getattr(backend, "stored_snapshot", None)
+        #: What the repairer loads onto a restarted engine: what this process published, else
+        #: the backend's immutable store (a restarted publisher has nothing cached).
+        self.snapshots = SnapshotCache(stored=stored if callable(stored) else None)
+        self.repairer = Repairer(
+            registry,
+            backend,
+            engines,
+            snapshots=self.snapshots,
+            probe_interval=settings.probe_interval,
+            version_locks=self.reclaimer.version_locks,
+            health=versioning.health,
+            on_progress=on_progress,
+        )
+        versioning.on_refused.append(self._on_refused)
+        # A Ray client's version cache must learn about a restart too (see RayRegistryClient).
+        refresh_on_refused = getattr(registry, "on_refused", None)
+        if callable(refresh_on_refused):
+            versioning.on_refused.append(refresh_on_refused)
         if isinstance(registry, LocalRegistry):
             registry.add_listener(self._on_registry_change)
         self._started = False
@@ -113,13 +155,16 @@ class Deployment:
         transport: EngineTransport | None = None,
         middleware: Sequence[Middleware] = (),
         on_progress: Callable[[PhaseEvent], None] | None = None,
+        lease_owner: str | None = None,
+        lease_on_restart: OnRestart = "release",
     ) -> Deployment:
         """Build every part from validated settings (the flag must be on).
 
         ``middleware`` are framework middlewares for every Session's dispatch chain (see
         :class:`Versioning`). With ``engine_kind="vllm"`` and no ``backend`` given, the loaded
         backend gets ``wait_drained`` bound to :meth:`Versioning.wait_drained`; a ``backend`` passed
-        in must have been given its drain hook by the caller.
+        in must have been given its drain hook by the caller. ``lease_owner`` and
+        ``lease_on_restart`` go to :meth:`Versioning.from_settings` (the Sessions' owner lease).
         """
         if not settings.enable_versioned_lora_publication:
             raise ConfigurationError(
@@ -136,7 +181,12 @@ class Deployment:
                 options["wait_drained"] = drain
             backend = load_backend(settings.backend, **options)
         versioning = Versioning.from_settings(
-            settings, registry=registry, transport=transport, middleware=middleware
+            settings,
+            registry=registry,
+            transport=transport,
+            middleware=middleware,
+            lease_owner=lease_owner,
+            lease_on_restart=lease_on_restart,
         )
         if drain is not None:
             drain.bind(versioning.wait_drained)
@@ -151,28 +201,58 @@ class Deployment:
         )
 
     def _on_registry_change(self, verb: str, result: Any) -> None:
-        # A released Session may have been the last holder of a retired version.
-        if verb == "release" and isinstance(result, ReleaseResult) and result.released_now:
+        # A released Session may have been the last holder of a retired version; so may the
+        # Sessions of a lease that ended (expired, or its owner restarted or closed it).
+        released = (
+            (isinstance(result, ReleaseResult) and result.released_now)
+            or (isinstance(result, SweepResult) and bool(result.expired_sessions))
+            or (isinstance(result, LeaseGrant) and bool(result.released))
+            or (verb == "close_lease" and bool(result))
+        )
+        if released:
             self.reclaimer.poke()
+        if (
+            verb == "confirm_reclaim"
+            and isinstance(result, VersionStatus)
+            and result.state is VersionState.RECLAIMED
+        ):
+            self.snapshots.evict(result.version_id)  # no engine may ever load it again
+
+    def _on_refused(self, engine: str, binding: Binding) -> None:
+        # An engine refused a Session's request: it may have restarted and lost the version.
+        self.repairer.poke(engine)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background reclaimer (idempotent)."""
+        """Start the background reclaimer, resolver and repairer (idempotent)."""
         if not self._started:
             self.reclaimer.start()
+            self.resolver.start()
+            self.repairer.start()
+            start_refresh = getattr(self.registry, "start_refresh", None)
+            if callable(start_refresh):
+                start_refresh(self.settings.probe_interval)
             self._started = True
 
     async def aclose(self) -> None:
-        """Close live Sessions, stop the reclaimer, then close the registry and the backend.
+        """Close live Sessions, stop the repairer, resolver and reclaimer, then close the
+        registry and the backend.
 
-        The reclaimer stops before the registry closes: the last Sessions' releases poke it, and
-        a round it starts must still be able to record what the engines did.
+        The background parts stop before the registry closes: the last Sessions' releases poke
+        the reclaimer, and a round it (or a repair) starts must still be able to record what the
+        engines did.
         """
         try:
             for s in self.versioning.live_sessions():
                 await s.close()
         finally:
+            # First: a repair still loading must record (or clean) while the registry is open.
+            await self.repairer.stop()
+            stop_refresh = getattr(self.registry, "stop_refresh", None)
+            if callable(stop_refresh):
+                await stop_refresh()
+            await self.resolver.stop()
             await self.reclaimer.stop()
             try:
                 await self.versioning.aclose()
@@ -196,12 +276,20 @@ class Deployment:
     # --- the verbs users call -----------------------------------------------------------------
 
     async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationResult:
-        """Publish ``snapshot`` as the immutable version ``version_id`` (two-phase, see Publisher)."""
-        return await self.publisher.publish(version_id, snapshot)
+        """Publish ``snapshot`` as the immutable version ``version_id`` (two-phase, see Publisher).
+
+        The snapshot is kept for the repairer until the version is reclaimed (or never made it).
+        """
+        with self.snapshots.publishing(version_id, snapshot):
+            return await self.publisher.publish(version_id, snapshot)
 
     async def reclaim(self) -> ReclaimReport:
         """One reclaim round now (the background loop does this on its own too)."""
         return await self.reclaimer.reclaim_once()
+
+    async def resolve(self, version_id: str | None = None) -> ResolveReport:
+        """Resolve a blocked or abandoned publication now (or all of them; see Resolver)."""
+        return await self.resolver.resolve(version_id)
 
     async def status(self) -> RegistryStatus:
         return await self.registry.status()

@@ -33,6 +33,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── AdapterMismatchError       ADAPTER_MISMATCH      caller named another adapter than the binding
     │   ├── SessionStateError          SESSION_STATE         Session cannot dispatch in its state
     │   ├── InvalidRequestError        INVALID_REQUEST       malformed generation request; nothing was sent
+    │   ├── VersionTooStaleError       VERSION_TOO_STALE     bound version too many publications behind; nothing sent
     │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
     │   │   └── VersionUnavailableError VERSION_UNAVAILABLE  no engine holds the bound version right now; nothing sent
     │   └── RequestIndeterminateError  REQUEST_INDETERMINATE engine may have accepted the request
@@ -88,6 +89,7 @@ __all__ = [
     "UnknownVersionError",
     "VersionConflictError",
     "VersionNotDispatchableError",
+    "VersionTooStaleError",
     "VersionUnavailableError",
     "error_from_code",
 ]
@@ -249,6 +251,17 @@ class InvalidRequestError(DispatchError):
     """The generation request is malformed; it was refused locally and never sent."""
 
     code = "INVALID_REQUEST"
+
+
+class VersionTooStaleError(DispatchError):
+    """The Session's bound version is more than ``max_version_lag`` publications behind the
+    current default (``details``: ``lag``, ``max_version_lag``, ``version``, ``session``).
+
+    Raised at the start of a dispatch, before any engine call: nothing was sent. Sticky: the
+    Session refuses every later dispatch too (its version never changes) and can only be closed.
+    """
+
+    code = "VERSION_TOO_STALE"
 
 
 class RequestRefusedError(DispatchError):

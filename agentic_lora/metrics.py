@@ -11,6 +11,8 @@ Nothing here changes a code path: each observer hangs on an existing hook.
 | `agentic_lora_versions_reclaimed_total` | counter | | registry listener |
 | `agentic_lora_registry_changes_total` | counter | verb | registry listener |
 | `agentic_lora_dispatches_total` | counter | route, outcome | `DispatchMetricsMiddleware` |
+| `agentic_lora_session_version_lag` | histogram | | `Metrics.watch_staleness` |
+| `agentic_lora_version_too_stale_refusals_total` | counter | | `Metrics.watch_staleness` |
 | `agentic_lora_sessions_live` | gauge | | `Metrics.refresh` |
 | `agentic_lora_registry_sessions` | gauge | | `Metrics.refresh` |
 | `agentic_lora_bound_sessions` | gauge | version_state | `Metrics.refresh` |
@@ -24,6 +26,12 @@ Every label value comes from a closed set (an enum or a stable error code). Dura
 seconds. ``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
 name, wait for the engine's own request refcount to drain, unload.
 
+``agentic_lora_session_version_lag`` is observed once per versioned dispatch when it starts (the
+refused ones included): how many publications the default is ahead of the Session's bound
+version (a count, so no unit suffix). ``agentic_lora_version_too_stale_refusals_total`` counts
+dispatches refused with ``VERSION_TOO_STALE`` (``max_version_lag``); those never reach the chain,
+so ``agentic_lora_dispatches_total`` does not count them.
+
 The instruments live in their own :class:`prometheus_client.CollectorRegistry` (not the global
 one), so two deployments in one process, or two tests, never share counters.
 """
@@ -33,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter as Tally
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -51,6 +59,9 @@ from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus, PublicationRe
 from agentic_lora.registry.types import RegistryStatus, VersionState, VersionStatus
 from agentic_lora.requests import Route
 from agentic_lora.transport import EngineReply
+
+if TYPE_CHECKING:
+    from agentic_lora.session import Versioning
 
 __all__ = ["PUBLICATION_PHASES", "DispatchMetricsMiddleware", "Metrics"]
 
@@ -76,6 +87,8 @@ PUBLICATION_PHASES: frozenset[Phase] = frozenset(
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # A reclaim waits for the longest in-flight generation on the version: up to many minutes.
 _RECLAIM_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# Lags are whole publications; staleness bounds in RL loops are small (typically 0-8).
+_LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
 class Metrics:
@@ -166,6 +179,17 @@ class Metrics:
             "How many times the default version has changed.",
             registry=r,
         )
+        self.version_lag = Histogram(
+            f"{PREFIX}_session_version_lag",
+            "Publications the default is ahead of a Session's bound version, at each dispatch.",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.version_too_stale = Counter(
+            f"{PREFIX}_version_too_stale_refusals",
+            "Dispatches refused with VERSION_TOO_STALE (bound version beyond max_version_lag).",
+            registry=r,
+        )
         # Every series of a closed label set exists from the start, at zero, so a rate() over a
         # fresh process is not missing the series it is about to see.
         for route in Route:
@@ -211,6 +235,14 @@ class Metrics:
         """One generation that ended with ``outcome``."""
         self.dispatches.labels(route=route.value, outcome=outcome.value).inc()
 
+    def observe_version_lag(self, lag: int) -> None:
+        """The lag of one versioned dispatch at its start (a ``StalenessListener`` hook)."""
+        self.version_lag.observe(lag)
+
+    def observe_version_too_stale(self, lag: int) -> None:
+        """One ``VERSION_TOO_STALE`` refusal (a ``StalenessListener`` hook)."""
+        self.version_too_stale.inc()
+
     def refresh(self, status: RegistryStatus, *, live_sessions: int) -> None:
         """Set the gauges from a registry status (call it right before a scrape)."""
         self.sessions_live.set(live_sessions)
@@ -232,6 +264,10 @@ class Metrics:
     def dispatch_middleware(self) -> Middleware:
         """The chain middleware that counts dispatch outcomes (list it first in the chain)."""
         return Middleware(DispatchMetricsMiddleware, metrics=self)
+
+    def watch_staleness(self, versioning: Versioning) -> None:
+        """Observe the lag of every dispatch of ``versioning``'s Sessions and their refusals."""
+        versioning.staleness_listeners.append(self)
 
     def watch_registry(self, registry: object) -> bool:
         """Listen to ``registry`` if it offers ``add_listener`` (``LocalRegistry`` does)."""

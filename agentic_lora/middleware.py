@@ -19,9 +19,14 @@ For a versioned Session the chain is::
   refused before anything is sent.
 * :class:`DispatchGuardMiddleware` refuses, locally, a version that is reclaiming or gone: an
   engine would otherwise reload it from its old path and resurrect it behind the registry's back.
-  It also counts every request it lets through per adapter (:class:`AdapterInFlight`), so a
-  reclaim on an engine whose unload does not wait for in-flight requests (vLLM) can wait for them.
-* :class:`RoutingMiddleware` lets the router pick an engine (it sees a read-only body).
+  It also hands on which engines hold the version right now (``EngineCall.engines``: an engine
+  that restarted holds nothing until the repairer loaded the version onto it again), and counts
+  every request it lets through per adapter (:class:`AdapterInFlight`), so a reclaim on an engine
+  whose unload does not wait for in-flight requests (vLLM) can wait for them.
+* :class:`RoutingMiddleware` lets the router pick one of the healthy engines that hold the
+  version (it sees a read-only body); none: :class:`~agentic_lora.errors.VersionUnavailableError`
+  before anything is sent. An engine's refusal of a versioned request is reported to the
+  ``on_refused`` listeners (the repairer probes at once instead of at its next tick).
 * :class:`TransportEndpoint` sends once.
 
 Framework middlewares run before the pin, so whatever they put in the body is checked against the
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +50,7 @@ from agentic_lora.errors import (
     RequestRefusedError,
     SessionStateError,
     VersionNotDispatchableError,
+    VersionUnavailableError,
 )
 from agentic_lora.registry.types import Binding, VersionStatus
 from agentic_lora.requests import Route
@@ -64,6 +69,7 @@ __all__ = [
     "InFlight",
     "Middleware",
     "PeekGuard",
+    "RefusedListener",
     "RoutingMiddleware",
     "TransportEndpoint",
     "build_chain",
@@ -90,7 +96,11 @@ class InFlight:
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """One request travelling down the chain. Change it with :func:`dataclasses.replace`."""
+    """One request travelling down the chain. Change it with :func:`dataclasses.replace`.
+
+    ``engines``: the engines that hold the bound version right now (set by the dispatch guard;
+    None: no restriction, e.g. a pass-through Session). ``engine``: the one the router chose.
+    """
 
     route: Route
     body: Mapping[str, Any]
@@ -98,13 +108,38 @@ class EngineCall:
     binding: Binding | None = None
     engine: str | None = None
     ticket: InFlight | None = field(default=None, compare=False)
+    engines: tuple[str, ...] | None = None
+
+    # The hot path's copies call the constructor directly: dataclasses.replace costs about
+    # twice as much per dispatch (it walks the fields by name).
 
     def with_body(self, body: Mapping[str, Any]) -> EngineCall:
         """This call with another body."""
-        return dataclasses.replace(self, body=body)
+        return EngineCall(
+            self.route, body, self.session_key, self.binding, self.engine, self.ticket, self.engines
+        )
+
+    def with_engines(self, engines: tuple[str, ...] | None) -> EngineCall:
+        """This call restricted to ``engines`` (the holders of its version)."""
+        return EngineCall(
+            self.route, self.body, self.session_key, self.binding, self.engine, self.ticket, engines
+        )
+
+    def routed_to(self, engine: str) -> EngineCall:
+        """This call with its engine chosen."""
+        return EngineCall(
+            self.route, self.body, self.session_key, self.binding, engine, self.ticket, self.engines
+        )
 
 
 Dispatch = Callable[[EngineCall], Awaitable[EngineReply]]
+
+RefusedListener = Callable[[str, Binding], None]
+"""``listener(engine, binding)``: ``engine`` refused a request of a Session bound to ``binding``.
+
+Called synchronously on the dispatch path, so it must only note or schedule (poke a repairer,
+start a refresh); an exception it raises is logged and never reaches the caller.
+"""
 
 
 class Middleware:
@@ -267,8 +302,9 @@ class AdapterPinMiddleware:
 class DispatchGuard(Protocol):
     """Says, without I/O, whether requests for a bound version may still reach an engine."""
 
-    def check(self, binding: Binding) -> None:
-        """Return if dispatchable; raise VersionNotDispatchableError otherwise."""
+    def check(self, binding: Binding) -> tuple[str, ...] | None:
+        """Raise VersionNotDispatchableError unless dispatchable; else return the engines that
+        hold the version now (the only ones it may be routed to), or None for "any engine"."""
         ...
 
 
@@ -278,8 +314,9 @@ class PeekGuard:
     def __init__(self, peek: Callable[[str], VersionStatus | None]) -> None:
         self._peek = peek
 
-    def check(self, binding: Binding) -> None:
-        """Raise unless the bound version is PUBLISHED or RETIRED (and is the same content)."""
+    def check(self, binding: Binding) -> tuple[str, ...]:
+        """Raise unless the bound version is PUBLISHED or RETIRED (and is the same content);
+        return its ``ready_engines``: the engines holding it under their current incarnation."""
         status = self._peek(binding.version_id)
         if status is None:
             raise VersionNotDispatchableError(
@@ -301,6 +338,7 @@ class PeekGuard:
                 version=binding.version_id,
                 state=status.state.value,
             )
+        return status.ready_engines
 
 
 class AdapterInFlight:
@@ -362,7 +400,9 @@ class AdapterInFlight:
 class DispatchGuardMiddleware:
     """Refuses, before any engine sees it, a request for a version that is reclaiming or gone.
 
-    With ``in_flight``, every request it lets through is counted on its adapter until it ends.
+    A request it lets through carries the guard's answer as ``EngineCall.engines`` (the engines
+    holding the version), for :class:`RoutingMiddleware`. With ``in_flight``, every request it
+    lets through is counted on its adapter until it ends.
     """
 
     def __init__(
@@ -380,7 +420,9 @@ class DispatchGuardMiddleware:
         binding = call.binding
         if binding is None:
             return await self._next(call)
-        self._guard.check(binding)
+        holders = self._guard.check(binding)
+        if holders is not None:
+            call = call.with_engines(holders)
         if self._in_flight is None:
             return await self._next(call)
         # No await between the check and the count: a reclaim claimed after the check finds this
@@ -393,12 +435,33 @@ class DispatchGuardMiddleware:
 
 
 class RoutingMiddleware:
-    """Lets the router pick a healthy engine; counts the dispatch in flight around the send."""
+    """Lets the router pick a healthy engine that holds the call's version; counts the dispatch
+    in flight around the send.
 
-    def __init__(self, next_dispatch: Dispatch, *, router: Router, health: EngineHealth) -> None:
+    The router is offered the healthy engines in fleet order, narrowed to ``call.engines`` when
+    the dispatch guard set it. A Session whose affinity engine lost its version (the engine
+    restarted) therefore goes to another holder meanwhile and returns once the version is loaded
+    there again; its prefix cache was on the lost engine process anyway. No holder among the
+    healthy engines: :class:`~agentic_lora.errors.VersionUnavailableError`, nothing sent.
+
+    ``on_refused``: listeners told ``(engine, binding)`` when an engine refused a versioned
+    request (a 4xx, or unreachable): the cheapest restart detector there is, since a restarted
+    SGLang engine answers 400 for an adapter it does not hold. The sequence is read at each
+    refusal, so listeners added later (to the same list) are seen.
+    """
+
+    def __init__(
+        self,
+        next_dispatch: Dispatch,
+        *,
+        router: Router,
+        health: EngineHealth,
+        on_refused: Sequence[RefusedListener] = (),
+    ) -> None:
         self._next = next_dispatch
         self._router = router
         self._health = health
+        self._on_refused = on_refused
 
     async def __call__(self, call: EngineCall) -> EngineReply:
         engines = self._health.healthy()
@@ -406,6 +469,14 @@ class RoutingMiddleware:
             raise RequestRefusedError(
                 "no healthy engine to dispatch to; nothing was sent", session=call.session_key
             )
+        holders = call.engines
+        # Both are in fleet order, so the common case (every healthy engine holds the version)
+        # is one tuple comparison and no allocation.
+        if holders is not None and holders != engines:
+            healthy = engines
+            engines = tuple(e for e in healthy if e in holders)
+            if not engines:
+                raise self._unavailable(call, healthy, holders)
         engine = self._router.choose(call.session_key, engines, MappingProxyType(dict(call.body)))
         if engine not in engines:
             raise ConfigurationError(
@@ -416,9 +487,45 @@ class RoutingMiddleware:
             call.ticket.engine = engine
         self._router.on_dispatch(engine, call.session_key)
         try:
-            return await self._next(dataclasses.replace(call, engine=engine))
+            return await self._next(call.routed_to(engine))
+        except RequestRefusedError:
+            if call.binding is not None and self._on_refused:
+                self._refused(engine, call.binding)
+            raise
         finally:
             self._router.on_complete(engine, call.session_key)
+
+    def _refused(self, engine: str, binding: Binding) -> None:
+        for listener in tuple(self._on_refused):
+            try:
+                listener(engine, binding)
+            except Exception:
+                logger.exception(
+                    "on_refused listener failed",
+                    extra={"engine": engine, "version": binding.version_id},
+                )
+
+    @staticmethod
+    def _unavailable(
+        call: EngineCall, healthy: tuple[str, ...], holders: tuple[str, ...]
+    ) -> VersionUnavailableError:
+        binding = call.binding
+        version = binding.version_id if binding is not None else None
+        lacking = [e for e in healthy if e not in holders]
+        logger.warning(
+            "no healthy engine holds the bound version; dispatch refused",
+            extra={"version": version, "lacking": lacking, "holders": list(holders)},
+        )
+        return VersionUnavailableError(
+            f"no healthy engine holds version {version!r} right now "
+            f"(lacking it: {lacking}; holders: {list(holders)}); it is being loaded onto them "
+            "again; nothing was sent",
+            version=version,
+            lora_name=binding.lora_name if binding is not None else None,
+            lacking=lacking,
+            holders=list(holders),
+            session=call.session_key,
+        )
 
 
 class TransportEndpoint:

@@ -24,7 +24,13 @@ Rules this module keeps, and what each one prevents:
   commit's outcome stays unknown the candidate is never cleaned: the result is BLOCKED.
 * Cleanup runs on every engine whatever its prepare did; the slot is freed (FAILED_CLEAN) only when
   every engine confirmed. Anything unconfirmed keeps the slot and blocks later publications
-  (BLOCKED) until :meth:`Publisher.resolve` finishes the cleanup.
+  (BLOCKED) until :meth:`Publisher.resolve` finishes the cleanup. A BLOCKED result, or a
+  publication that ended without a result (cancelled, crashed) with its version still LOADING,
+  pokes the attached :attr:`Publisher.resolver` (see :mod:`agentic_lora.resolver`), which calls
+  :meth:`Publisher.resolve` in the background until every engine confirmed.
+* ``resolve`` holds the same lock as ``publish``: it never aborts or cleans a version while this
+  process is still publishing it. It observes each unconfirmed engine's incarnation before any
+  cleanup call: a restarted engine holds nothing, and the registry counts that as its cleanup.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ __all__ = [
     "Publisher",
     "ReclaimTrigger",
     "RegistryRetry",
+    "ResolveTrigger",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,6 +190,12 @@ class ReclaimTrigger(Protocol):
     def poke(self) -> None: ...
 
     async def reclaim_once(self) -> object: ...
+
+
+class ResolveTrigger(Protocol):
+    """The part of a resolver the publisher uses (see :class:`agentic_lora.resolver.Resolver`)."""
+
+    def poke(self) -> None: ...
 
 
 def _is_lost_reply(exc: BaseException) -> bool:
@@ -313,8 +326,10 @@ class Publisher:
     """Publishes versions through ``backend`` onto the fixed fleet ``engines`` (one at a time).
 
     ``reclaimer`` (optional) is poked after every commit and asked for one reclaim round when a
-    reservation hits capacity. ``on_progress`` receives a :class:`PhaseEvent` per phase start and
-    end (for a CLI). ``clock`` only feeds the timings.
+    reservation hits capacity. ``resolver`` (optional; a :class:`~agentic_lora.resolver.Resolver`
+    sets itself here) is poked whenever a publication leaves its version unresolved.
+    ``on_progress`` receives a :class:`PhaseEvent` per phase start and end (for a CLI). ``clock``
+    only feeds the timings.
     """
 
     def __init__(
@@ -332,10 +347,20 @@ class Publisher:
         self.backend = backend
         self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
         self.reclaimer = reclaimer
+        self.resolver: ResolveTrigger | None = None
         self.on_progress = on_progress
         self.retry = registry_retry or RegistryRetry()
         self._clock = clock
         self._lock = asyncio.Lock()
+        #: Versions a publication of this process left unresolved (BLOCKED, or ended without a
+        #: result while LOADING). Only this process's publisher can know that nobody is still
+        #: publishing them, so the resolver aborts a LOADING version only if it is listed here.
+        self.abandoned: set[str] = set()
+
+    @property
+    def busy(self) -> bool:
+        """A publication or a resolve holds the publisher right now."""
+        return self._lock.locked()
 
     # --- public verbs -------------------------------------------------------------------------
 
@@ -357,6 +382,7 @@ class Publisher:
             if reservation is None:
                 return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
             run.reservation = reservation
+            # A fleet mismatch is for a human: the resolver could not clean that fleet either.
             self._check_fleet(reservation.engines)
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
                 # Same id, same content, committed before: nothing to load, nothing to switch.
@@ -364,14 +390,29 @@ class Publisher:
             target = PublicationTarget(
                 version_id, snapshot.digest, reservation.lora_name, reservation.attempt
             )
-            result = await self._prepare_and_commit(run, target, snapshot, status.default_revision)
+            try:
+                result = await self._prepare_and_commit(
+                    run, target, snapshot, status.default_revision
+                )
+            except BaseException:
+                # Cancelled or crashed with the version reserved: it may stay LOADING, holding
+                # its slot and blocking every later publication, unless it is resolved.
+                self._left_unresolved(version_id)
+                raise
+            if result.outcome is PublicationOutcome.BLOCKED:
+                self._left_unresolved(version_id)
             return self._final(run, result)
 
-    async def resolve(self, version_id: str) -> PublicationResult:
+    async def resolve(
+        self, version_id: str, *, reason: str = "resolved by operator"
+    ) -> PublicationResult:
         """Finish a publication left LOADING or ABORTED (a crash, a BLOCKED result).
 
-        A LOADING version is aborted first. Cleanup runs on every engine that has not confirmed
-        it; the slot is freed only when all have.
+        Waits for a publication of this process to end first. A LOADING version is then aborted
+        (``reason`` is recorded with the abort). For every engine that has not confirmed cleanup,
+        its incarnation is observed first (a restart is proof of cleanup; no call is made), then
+        its cleanup is run; the slot is freed only when all have confirmed. A version in any
+        other state is left alone (its result says so: "nothing to resolve").
         """
         async with self._lock:
             status = await self.registry.version(version_id)
@@ -382,6 +423,7 @@ class Publisher:
                 recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
             )
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
+                self.abandoned.discard(version_id)
                 return run.result(
                     PublicationOutcome.FAILED_CLEAN
                     if status.state is VersionState.FAILED_CLEAN
@@ -391,9 +433,17 @@ class Publisher:
                     lora_name=status.lora_name,
                 )
             target = PublicationTarget(version_id, status.digest, status.lora_name, status.attempt)
-            return await self._abort_and_clean(
-                run, target, reason="resolved by operator", skip=set(status.cleaned_engines)
+            result = await self._abort_and_clean(
+                run, target, reason=reason, skip=set(status.cleaned_engines), observe_first=True
             )
+            if result.outcome is not PublicationOutcome.BLOCKED:
+                self.abandoned.discard(version_id)
+            return result
+
+    def _left_unresolved(self, version_id: str) -> None:
+        self.abandoned.add(version_id)
+        if self.resolver is not None:
+            self.resolver.poke()
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -527,7 +577,8 @@ class Publisher:
             logger.error("commit of %s unconfirmed: %r", target.version_id, exc, extra=extra)
             return run.result(
                 PublicationOutcome.BLOCKED,
-                reason=f"commit unconfirmed ({type(exc).__name__}); publish the same version again",
+                reason=f"commit unconfirmed ({type(exc).__name__}); the resolver settles it, "
+                "or publish the same version again",
             )
         logger.info(
             "%s is the default (revision %d)",
@@ -546,6 +597,7 @@ class Publisher:
         *,
         reason: str,
         skip: set[str] | None = None,
+        observe_first: bool = False,
     ) -> PublicationResult:
         extra = {"version": target.version_id, "attempt": target.attempt}
         request_id = new_request_id()
@@ -570,7 +622,9 @@ class Publisher:
             )
         skipped = skip or set()
         todo = [e for e in self.engines if e.name not in skipped]
-        cleaned = await self._each_engine(lambda e: self._clean_one(run, e, target), todo)
+        cleaned = await self._each_engine(
+            lambda e: self._clean_one(run, e, target, observe_first), todo
+        )
         for report in cleaned:
             previous = run.reports.get(report.engine)
             run.reports[report.engine] = EngineReport(
@@ -603,9 +657,17 @@ class Publisher:
         )
 
     async def _clean_one(
-        self, run: _Run, engine: EngineRef, target: PublicationTarget
+        self, run: _Run, engine: EngineRef, target: PublicationTarget, observe_first: bool = False
     ) -> EngineReport:
         extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        if observe_first and await self._cleaned_by_restart(run, engine, target):
+            logger.info(
+                "%s holds nothing of %s (new incarnation): no cleanup call",
+                engine.name,
+                target.version_id,
+                extra=extra,
+            )
+            return EngineReport(engine.name, cleaned=True)
         try:
             async with run.recorder.phase(engine.name, Phase.CLEANUP):
                 # A refusal means, by contract, that the engine holds nothing of this attempt.
@@ -628,6 +690,17 @@ class Publisher:
             return EngineReport(engine.name, cleaned=False, error_code=code, error=str(exc))
         logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)
         return EngineReport(engine.name, cleaned=True)
+
+    async def _cleaned_by_restart(
+        self, run: _Run, engine: EngineRef, target: PublicationTarget
+    ) -> bool:
+        """Whether the registry counts ``engine`` cleaned once its incarnation is observed."""
+        try:
+            await self._observe_or_raise(run, engine)
+            status = await self.registry.version(target.version_id)
+        except Exception:
+            return False  # unknown: the cleanup call below decides
+        return status.attempt == target.attempt and engine.name in status.cleaned_engines
 
     async def _each_engine(
         self,

@@ -14,6 +14,10 @@ says when the physical unload may *happen* (the backend's unload waits for it).
   reclaim and skips engines the registry already counts as confirmed.
 * One reclaim per version runs at a time in this process; a second request joins it, so an engine
   is never asked twice concurrently.
+* The claim is taken under the version's lock in :attr:`Reclaimer.version_locks`, which the
+  :class:`~agentic_lora.repair.Repairer` holds while it loads a version onto a restarted engine:
+  a claim waits for a running repair (whose copy the unloads then remove), and a repair that
+  starts after the claim finds RECLAIMING and loads nothing.
 * An engine whose unload is not confirmed keeps the slot held (the version stays RECLAIMING) and is
   retried by a later round; a retry after a lost receipt finds the name absent, which confirms it
   without a second physical unload.
@@ -45,6 +49,7 @@ from agentic_lora.publisher import (
 )
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
+from agentic_lora.repair import VersionLocks
 
 __all__ = ["ReclaimOutcome", "ReclaimReport", "ReclaimResult", "Reclaimer"]
 
@@ -99,6 +104,7 @@ class Reclaimer:
         on_progress: Callable[[PhaseEvent], None] | None = None,
         retry_interval: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        version_locks: VersionLocks | None = None,
     ) -> None:
         self.registry = registry
         self.backend = backend
@@ -106,6 +112,8 @@ class Reclaimer:
         self.retry = registry_retry or RegistryRetry()
         self.on_progress = on_progress
         self.retry_interval = retry_interval
+        #: Shared with the Repairer: a claim never overlaps a repair of the same version.
+        self.version_locks = version_locks if version_locks is not None else VersionLocks()
         self._clock = clock
         self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
         self._wake = asyncio.Event()
@@ -205,7 +213,10 @@ class Reclaimer:
         recorder = PhaseRecorder(self._clock, self.on_progress, version_id)
         request_id = new_request_id()
         try:
-            async with recorder.phase(None, Phase.CLAIM_RECLAIM):
+            async with (
+                self.version_locks.hold(version_id),
+                recorder.phase(None, Phase.CLAIM_RECLAIM),
+            ):
                 claim: ReclaimClaim = await self.retry.call(
                     "claim_reclaim",
                     lambda: self.registry.claim_reclaim(

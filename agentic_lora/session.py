@@ -34,6 +34,29 @@ OpenAI routes (``/generate`` is refused before binding, see
 cannot abort a request by id (vLLM has no such route): :meth:`Session.abort` raises, and close
 waits for in-flight requests to end instead of aborting them.
 
+Owner leases (``Versioning(lease=LeaseKeeper(...))``; built from settings when the flag is on, see
+:mod:`agentic_lora.leases`): a Session binds under its worker's lease, so the ref is released by
+the registry when the worker dies (TTL) or restarts (at once). A Session keeps the lease it first
+tried to bind under for life: every replay of its bind carries that lease (with the same request
+id), so the registry can only ever hold its ref under it. Every dispatch checks that lease first
+(sync, no I/O): once it is lost the dispatch is refused with
+:class:`~agentic_lora.errors.SessionExpiredError` (``SESSION_EXPIRED``) before the bind and before
+any engine call, because the ref may already be released and the version reclaimed. Such a Session
+can only be closed (``begin_close``/``release`` answer ``released_now=False``). Sessions that first
+bind after the loss get the keeper's fresh incarnation and work. ``lease=None`` keeps Sessions
+lease-free (their refs then live until closed).
+
+Bounded staleness (``Versioning(max_version_lag=K)``, settings ``max_version_lag``; off by
+default): a Session's version never changes, but once its bound version is more than K
+publications behind the current default (the lag, see :mod:`agentic_lora.provenance`), its next
+dispatch is refused with :class:`~agentic_lora.errors.VersionTooStaleError`
+(``VERSION_TOO_STALE``, details ``lag`` and ``version``) after the bind and before any engine
+call. The check runs only when a dispatch starts, so a generation already running is never cut.
+The refusal is sticky (every later dispatch is refused too); the Session can only be closed,
+which releases its ref so the retired version can be reclaimed and its capacity slot reused.
+Every versioned reply carries :class:`~agentic_lora.provenance.TurnProvenance`
+(``reply.provenance``) and :meth:`Session.provenance` returns the whole trajectory's record.
+
 :meth:`Versioning.wait_drained` waits until no request of this manager's Sessions is in flight on
 an adapter; the vLLM backend awaits it before unloading a reclaimed version, because vLLM's unload
 does not wait for requests still running on it.
@@ -48,7 +71,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 from tenacity.wait import wait_base
@@ -58,11 +81,15 @@ from agentic_lora.errors import (
     AgenticLoRAError,
     ConfigurationError,
     InvalidRequestError,
+    LeaseExpiredError,
     RequestRefusedError,
     SessionClosedError,
+    SessionExpiredError,
     SessionReleaseError,
     SessionStateError,
+    VersionTooStaleError,
 )
+from agentic_lora.leases import LeaseKeeper, LeaseTerm, OnRestart
 from agentic_lora.middleware import (
     ENGINE_KINDS,
     AdapterInFlight,
@@ -75,10 +102,18 @@ from agentic_lora.middleware import (
     InFlight,
     Middleware,
     PeekGuard,
+    RefusedListener,
     RoutingMiddleware,
     TransportEndpoint,
     build_chain,
     check_route,
+)
+from agentic_lora.provenance import (
+    CoreRevision,
+    DefaultRevisionReader,
+    StalenessListener,
+    TurnProvenance,
+    version_lag,
 )
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import Binding, ReleaseResult, new_request_id
@@ -144,6 +179,10 @@ class _Runtime:
     registry_attempts: int
     registry_wait: wait_base
     on_closed: Callable[[Session], Awaitable[None]]
+    lease: LeaseKeeper | None = None
+    max_version_lag: int | None = None
+    revision: DefaultRevisionReader | None = None
+    staleness: Sequence[StalenessListener] = ()
 
 
 class Session:
@@ -158,6 +197,8 @@ class Session:
         self._bind_task: asyncio.Task[Binding] | None = None
         self._close_task: asyncio.Task[ReleaseResult | None] | None = None
         self._release_result: ReleaseResult | None = None
+        # The lease of this Session's first bind attempt, kept for life (see module docstring).
+        self._term: LeaseTerm | None = None
         # One idempotency key per registry verb for this lifecycle: every replay reuses it.
         self._bind_request_id = new_request_id()
         self._begin_close_request_id = new_request_id()
@@ -165,6 +206,13 @@ class Session:
         self._in_flight: set[InFlight] = set()
         self._drained = asyncio.Event()
         self._drained.set()
+        # The lag of every turn that returned a reply, in the order the replies came back.
+        self._lags: list[int | None] = []
+        # The lag of the first VERSION_TOO_STALE refusal; once set, every dispatch is refused.
+        self._too_stale: int | None = None
+        # The last turn's provenance, reused while the lag stays the same (the binding never
+        # changes once set, so only the lag can differ between turns).
+        self._turn: TurnProvenance | None = None
 
     # --- what it is ------------------------------------------------------------------------------
 
@@ -194,6 +242,11 @@ class Session:
         return len(self._in_flight)
 
     @property
+    def lease(self) -> LeaseTerm | None:
+        """The owner lease this Session binds under (None before its first bind, or lease-free)."""
+        return self._term
+
+    @property
     def release_result(self) -> ReleaseResult | None:
         """The registry's answer to the release, once the Session is CLOSED (versioned only)."""
         return self._release_result
@@ -215,13 +268,62 @@ class Session:
 
     # --- binding ---------------------------------------------------------------------------------
 
+    async def _lease_for_bind(self) -> LeaseTerm | None:
+        keeper = self._rt.lease
+        if keeper is None:
+            return None
+        term = self._term
+        if term is None:
+            try:
+                term = await keeper.acquire()
+            except LeaseExpiredError as exc:
+                raise SessionExpiredError(
+                    f"session {self._key!r}: no owner lease to bind under ({exc.message}); "
+                    "nothing was sent",
+                    session=self._key,
+                    lease=exc.details.get("lease"),
+                    reason=exc.details.get("reason"),
+                ) from exc
+            except AgenticLoRAError:
+                raise
+            except Exception as exc:
+                raise RequestRefusedError(
+                    f"session {self._key!r}: its owner lease was not confirmed ({exc!r}); "
+                    "nothing was sent to an engine, and the next generation tries again",
+                    session=self._key,
+                    stage="lease",
+                ) from exc
+            # Kept for life from here on: the bind below may apply even if its reply is lost,
+            # and then the registry holds the ref under this lease, so every replay must name it.
+            self._term = term
+        term.check(session=self._key)
+        return term
+
     async def _bind_once(self) -> Binding:
         registry = self._rt.registry
         assert registry is not None
+        term = await self._lease_for_bind()
         try:
-            binding = await registry.bind_first(
-                request_id=self._bind_request_id, session_key=self._key
-            )
+            if term is None:
+                binding = await registry.bind_first(
+                    request_id=self._bind_request_id, session_key=self._key
+                )
+            else:
+                binding = await registry.bind_first(
+                    request_id=self._bind_request_id, session_key=self._key, lease=term.lease_id
+                )
+        except LeaseExpiredError as exc:
+            # The registry ended the lease first, so nothing was bound under it; the lease stays
+            # lost for good and so does this Session (its replays must name the same lease).
+            assert term is not None
+            term.mark_lost(str(exc.details.get("reason") or "expired"))
+            raise SessionExpiredError(
+                f"session {self._key!r}: lease {term.lease_id!r} ended before the bind; "
+                "nothing was sent, the Session can only be closed",
+                session=self._key,
+                lease=term.lease_id,
+                reason=term.lost_reason,
+            ) from exc
         except AgenticLoRAError:
             raise
         except Exception as exc:
@@ -290,9 +392,22 @@ class Session:
                     "streaming is not supported on a versioned Session; send stream=false",
                     route=route.value,
                 )
+            term = self._term
+            if term is not None:
+                # Before the bind and any engine call: a Session whose lease is lost sends
+                # nothing (its ref may be released and its version reclaimed already).
+                term.check(session=self._key)
             binding = await self._bound()
             # Close may have started while this request waited for the bind.
             self._require_dispatchable()
+            term = self._term
+            if term is not None:
+                # The bind, or the wait for it, may have outlasted the lease.
+                term.check(session=self._key)
+                term.touch()
+            # Only here, at the start of a dispatch: a generation already running is never cut
+            # by a publication that lands while it runs (its reply still comes back).
+            lag = self._check_lag(binding)
             if body.get("rid") is None:
                 body["rid"] = uuid.uuid4().hex
         rid = body.get("rid")
@@ -300,7 +415,7 @@ class Session:
         self._in_flight.add(flight)
         self._drained.clear()
         try:
-            return await self._rt.chain(
+            reply = await self._rt.chain(
                 EngineCall(
                     route=route, body=body, session_key=self._key, binding=binding, ticket=flight
                 )
@@ -309,6 +424,72 @@ class Session:
             self._in_flight.discard(flight)
             if not self._in_flight:
                 self._drained.set()
+        if binding is None:
+            return reply
+        turn = self._turn
+        if turn is None or turn.lag != lag:
+            turn = self._turn = TurnProvenance.of(binding, lag)
+        self._lags.append(lag)
+        return reply.with_provenance(turn)
+
+    def _check_lag(self, binding: Binding) -> int | None:
+        rt = self._rt
+        reader = rt.revision
+        lag = version_lag(binding, reader.default_revision() if reader is not None else None)
+        if lag is not None:
+            for listener in rt.staleness:
+                listener.observe_version_lag(lag)
+        bound = rt.max_version_lag
+        if self._too_stale is None and (bound is None or lag is None or lag <= bound):
+            return lag
+        # Sticky: the version of a bound Session never changes, so a Session once too stale
+        # stays too stale (a cached revision never moves back, but a later read may be missing).
+        lag = max(lag or 0, self._too_stale or 0)
+        first = self._too_stale is None
+        if first:
+            self._too_stale = lag
+        for listener in rt.staleness:
+            listener.observe_version_too_stale(lag)
+        if first:
+            logger.warning(
+                "session version too stale",
+                extra={
+                    "session": self._key,
+                    "version": binding.version_id,
+                    "lag": lag,
+                    "max_version_lag": bound,
+                },
+            )
+        raise VersionTooStaleError(
+            f"session {self._key!r}: its version {binding.version_id!r} is {lag} publications "
+            f"behind the default (max_version_lag {bound}); nothing was sent, the Session can "
+            "only be closed",
+            session=self._key,
+            version=binding.version_id,
+            lag=lag,
+            max_version_lag=bound,
+        )
+
+    def provenance(self) -> dict[str, Any]:
+        """This Session's trajectory provenance, JSON-able, for the trainer to store with it.
+
+        ``version_id``, ``digest`` (full), ``lora_name`` and ``default_revision_at_bind`` are
+        None before the first bind (and on a pass-through Session). ``lags`` holds the lag of
+        every turn that returned a reply, in reply order (None where the registry client could
+        not say the current revision); ``turns`` is their count. ``too_stale_lag`` is the lag
+        of the ``VERSION_TOO_STALE`` refusal that ended the Session's dispatching, else None.
+        """
+        b = self._binding
+        return {
+            "session_id": self._id,
+            "version_id": b.version_id if b is not None else None,
+            "digest": b.digest if b is not None else None,
+            "lora_name": b.lora_name if b is not None else None,
+            "default_revision_at_bind": b.default_revision if b is not None else None,
+            "lags": list(self._lags),
+            "turns": len(self._lags),
+            "too_stale_lag": self._too_stale,
+        }
 
     async def abort(self, rid: str) -> bool:
         """Abort this Session's in-flight request ``rid`` on its engine; the binding stays.
@@ -437,6 +618,17 @@ class Session:
                 )
 
 
+def _revision_reader_of(registry: RegistryAPI) -> DefaultRevisionReader | None:
+    if isinstance(registry, DefaultRevisionReader):
+        return registry
+    from agentic_lora.registry.local import LocalRegistry
+
+    if isinstance(registry, LocalRegistry):
+        # In process: the core's revision is exact, never a stale copy.
+        return CoreRevision(registry.core)
+    return None
+
+
 class Versioning:
     """The manager a rollout worker holds: opens Sessions and owns the dispatch chain.
 
@@ -444,6 +636,18 @@ class Versioning:
     caller's body untouched; then ``registry`` is not used. ``engine_kind`` (``"sglang"`` or
     ``"vllm"``) decides how a request names its adapter (see
     :func:`~agentic_lora.middleware.pin_adapter`).
+
+    ``lease`` is the worker's :class:`~agentic_lora.leases.LeaseKeeper` (one per Versioning):
+    Sessions bind under it, and :meth:`aclose` closes it after the Sessions. None (the default for
+    direct construction; :meth:`from_settings` makes one) keeps Sessions lease-free.
+
+    ``max_version_lag`` (None: off) bounds staleness per Session: a dispatch whose bound version
+    is more than that many publications behind the current default is refused with
+    :class:`~agentic_lora.errors.VersionTooStaleError` (see :meth:`Session.provenance`).
+    ``revision_reader`` says the current default revision without I/O; by default the registry
+    itself if it is a :class:`~agentic_lora.provenance.DefaultRevisionReader` (the Ray client),
+    or the core of a ``LocalRegistry``. Without one, lags are unknown (None) and a bound is a
+    configuration error.
     """
 
     def __init__(
@@ -462,6 +666,9 @@ class Versioning:
         registry_wait: wait_base | None = None,
         owns_transport: bool = False,
         owns_registry: bool = False,
+        lease: LeaseKeeper | None = None,
+        max_version_lag: int | None = None,
+        revision_reader: DefaultRevisionReader | None = None,
     ) -> None:
         if registry_attempts < 1:
             raise ConfigurationError(
@@ -480,6 +687,35 @@ class Versioning:
         self._owns_transport = owns_transport
         self._owns_registry = owns_registry
         self._epoch = deployment_epoch
+        if lease is not None and not enabled:
+            raise ConfigurationError(
+                "a lease keeper needs versioned publication (pass-through Sessions bind nothing)",
+                check="lease",
+            )
+        self._lease = lease
+        if revision_reader is None and enabled and registry is not None:
+            revision_reader = _revision_reader_of(registry)
+        if max_version_lag is not None:
+            if isinstance(max_version_lag, bool) or not isinstance(max_version_lag, int):
+                raise ConfigurationError(
+                    f"max_version_lag {max_version_lag!r} is not an integer",
+                    check="max_version_lag",
+                )
+            if max_version_lag < 0:
+                raise ConfigurationError(
+                    f"max_version_lag {max_version_lag} must be 0 or more",
+                    check="max_version_lag",
+                )
+            if not enabled or revision_reader is None:
+                raise ConfigurationError(
+                    "max_version_lag needs versioned publication and a registry whose current "
+                    "default revision can be read without I/O (pass revision_reader)",
+                    check="max_version_lag",
+                )
+        self._max_version_lag = max_version_lag
+        #: Told the lag of every versioned dispatch and every VERSION_TOO_STALE refusal (the
+        #: metrics hook, see :meth:`agentic_lora.metrics.Metrics.watch_staleness`); append any time.
+        self.staleness_listeners: list[StalenessListener] = []
         engines = [e.name for e in transport.engines]
         self._health = EngineHealth(engines)
         self._router = router if router is not None else load_router("session-affinity")
@@ -501,7 +737,17 @@ class Versioning:
                 Middleware(AdapterPinMiddleware, base_model=base_model, engine_kind=engine_kind),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
             ]
-        chain.append(Middleware(RoutingMiddleware, router=self._router, health=self._health))
+        #: Told ``(engine, binding)`` when an engine refused a versioned request (see
+        #: :class:`~agentic_lora.middleware.RoutingMiddleware`); append listeners at any time.
+        self.on_refused: list[RefusedListener] = []
+        chain.append(
+            Middleware(
+                RoutingMiddleware,
+                router=self._router,
+                health=self._health,
+                on_refused=self.on_refused,
+            )
+        )
         self._runtime = _Runtime(
             versioned=enabled,
             engine_kind=engine_kind,
@@ -515,8 +761,13 @@ class Versioning:
                 else wait_exponential(multiplier=0.05, max=2.0)
             ),
             on_closed=self._on_closed,
+            lease=lease,
+            max_version_lag=max_version_lag,
+            revision=revision_reader,
+            staleness=self.staleness_listeners,
         )
         self._live: dict[str, Session] = {}
+        self._keys: set[str] = set()  # registry keys of live Sessions (explicit keys stay unique)
         self._unforgotten: list[str] = []
 
     @classmethod
@@ -527,8 +778,16 @@ class Versioning:
         registry: RegistryAPI | None = None,
         transport: EngineTransport | None = None,
         middleware: Sequence[Middleware] = (),
+        lease_owner: str | None = None,
+        lease_on_restart: OnRestart = "release",
     ) -> Versioning:
-        """Build from validated settings. Without ``registry`` (flag on) a LocalRegistry is made."""
+        """Build from validated settings. Without ``registry`` (flag on) a LocalRegistry is made.
+
+        With the flag on, Sessions bind under a :class:`~agentic_lora.leases.LeaseKeeper` built
+        from the settings (``owner_id``, ``lease_ttl``, ``lease_renew_interval``); ``lease_owner``
+        overrides the owner and ``lease_on_restart`` says what a restart does with the
+        predecessor's Sessions (``"release"`` for rollout workers, ``"adopt"`` for a gateway).
+        """
         owns_transport = transport is None
         owns_registry = False
         if transport is None:
@@ -547,8 +806,15 @@ class Versioning:
                 deployment_epoch=settings.deployment_epoch,
                 prefix=settings.lora_name_prefix,
                 journal_path=settings.journal_path,
+                name_ttl=settings.session_name_ttl,
             )
             owns_registry = True
+        lease: LeaseKeeper | None = None
+        if settings.enable_versioned_lora_publication:
+            assert registry is not None
+            lease = LeaseKeeper.from_settings(
+                settings, registry, owner=lease_owner, on_restart=lease_on_restart
+            )
         return cls(
             transport=transport,
             registry=registry,
@@ -560,6 +826,10 @@ class Versioning:
             middleware=middleware,
             owns_transport=owns_transport,
             owns_registry=owns_registry,
+            lease=lease,
+            max_version_lag=(
+                settings.max_version_lag if settings.enable_versioned_lora_publication else None
+            ),
         )
 
     @property
@@ -576,6 +846,16 @@ class Versioning:
     def registry(self) -> RegistryAPI | None:
         """The registry Sessions bind through (None in pass-through mode)."""
         return self._registry
+
+    @property
+    def lease(self) -> LeaseKeeper | None:
+        """The owner lease Sessions bind under (None: lease-free Sessions)."""
+        return self._lease
+
+    @property
+    def max_version_lag(self) -> int | None:
+        """The staleness bound of this manager's Sessions (None: off)."""
+        return self._max_version_lag
 
     def in_flight(self, lora_name: str) -> int:
         """Requests of this manager's Sessions in flight on adapter ``lora_name``."""
@@ -620,11 +900,35 @@ class Versioning:
         """The live Session with this id, if any."""
         return self._live.get(session_id)
 
-    def open_session(self, session_id: str) -> Session:
-        """Open a Session (OPEN, bound to nothing; no I/O). One live lifecycle per id."""
+    def open_session(self, session_id: str, *, session_key: str | None = None) -> Session:
+        """Open a Session (OPEN, bound to nothing; no I/O). One live lifecycle per id.
+
+        ``session_key`` continues an *existing* registry Session (for instance one the gateway
+        found behind a durable name with ``open_named``, after a restart): the first dispatch
+        calls ``bind_first`` for that key, which answers the binding the registry already holds,
+        never a new choice (a key the registry does not know is simply a new Session). A name is
+        opened under this manager's lease: ``(await versioning.lease.acquire()).lease_id``.
+        Without ``session_key`` a fresh key is minted for a new lifecycle.
+        """
         if not isinstance(session_id, str) or not session_id:
             raise InvalidRequestError(
                 "a session id is a non-empty string", session=repr(session_id)
+            )
+        if session_key is not None and (
+            not isinstance(session_key, str)
+            or not session_key
+            or not session_key.isprintable()
+            or any(c.isspace() for c in session_key)
+        ):
+            raise InvalidRequestError(
+                "a session key is a non-empty printable string without whitespace",
+                session=repr(session_key),
+            )
+        if session_key is not None and session_key in self._keys:
+            # Two live Session objects on one key would release its one ref twice over.
+            raise SessionStateError(
+                f"session key {session_key!r} is already open here; close it first",
+                session=session_key,
             )
         existing = self._live.get(session_id)
         if existing is not None:
@@ -634,9 +938,14 @@ class Versioning:
                 session=existing.key,
                 phase=existing.phase.value,
             )
-        key = f"{session_id}#{self._epoch}-{uuid.uuid4().hex}"
+        key = (
+            session_key
+            if session_key is not None
+            else f"{session_id}#{self._epoch}-{uuid.uuid4().hex}"
+        )
         s = Session(session_id, key, self._runtime)
         self._live[session_id] = s
+        self._keys.add(key)
         return s
 
     @contextlib.asynccontextmanager
@@ -656,6 +965,7 @@ class Versioning:
     async def _on_closed(self, s: Session) -> None:
         if self._live.get(s.session_id) is s:
             del self._live[s.session_id]
+        self._keys.discard(s.key)
         if self._registry is None or not self._enabled:
             return
         # Tombstones go only after the record is gone, so nothing can bind this key again.
@@ -673,11 +983,13 @@ class Versioning:
         del self._unforgotten[: len(keys)]
 
     async def aclose(self) -> None:
-        """Close every live Session, then the transport and registry if this manager made them.
+        """Close every live Session, then the owner lease (``close_lease``: a clean shutdown
+        leaves nothing to expire later) and stop renewing it, then the transport and registry if
+        this manager made them.
 
         If a Session's release is not confirmed, raises its SessionReleaseError *before* closing
-        anything, on purpose: the registry and transport stay open so ``aclose()`` can be called
-        again and the release retried (closing them would strand the Session's ref for good).
+        anything, on purpose: the lease, registry and transport stay open so ``aclose()`` can be
+        called again and the release retried (closing them would strand the Session's ref for good).
         """
         errors: list[SessionReleaseError] = []
         for s in list(self._live.values()):
@@ -687,6 +999,8 @@ class Versioning:
                 errors.append(exc)
         if errors:
             raise errors[0]
+        if self._lease is not None:
+            await self._lease.aclose()
         if self._owns_transport:
             await self._transport.aclose()
         closer = getattr(self._registry, "aclose", None) if self._owns_registry else None

@@ -73,6 +73,10 @@ class AdapterStore:
         """The stored path if it holds ``digest``; VERSION_CONFLICT or UNKNOWN otherwise."""
         return await asyncio.to_thread(self.verify_sync, lora_name, digest)
 
+    async def read(self, lora_name: str, digest: str) -> AdapterSnapshot:
+        """The stored content of ``lora_name`` as a snapshot, verified like :meth:`verify`."""
+        return await asyncio.to_thread(self.read_sync, lora_name, digest)
+
     # --- sync implementation ------------------------------------------------------------------
 
     def put_sync(self, lora_name: str, snapshot: AdapterSnapshot) -> Path:
@@ -103,6 +107,13 @@ class AdapterStore:
 
     def verify_sync(self, lora_name: str, digest: str) -> Path:
         """Blocking form of :meth:`verify`."""
+        return self._verified(lora_name, digest)[0]
+
+    def read_sync(self, lora_name: str, digest: str) -> AdapterSnapshot:
+        """Blocking form of :meth:`read` (the files are read and hashed once)."""
+        return self._verified(lora_name, digest)[1]
+
+    def _verified(self, lora_name: str, digest: str) -> tuple[Path, AdapterSnapshot]:
         final = self.path_for(lora_name)
         if not final.is_dir():
             raise VersionConflictError(
@@ -124,7 +135,7 @@ class AdapterStore:
                 reason="marker_mismatch",
             )
         try:
-            actual = AdapterSnapshot.from_peft_dir(final).digest
+            snapshot = AdapterSnapshot.from_peft_dir(final)
         except InvalidAdapterError as exc:
             raise VersionConflictError(
                 f"{final} does not hold a readable adapter: {exc.message}",
@@ -133,16 +144,16 @@ class AdapterStore:
                 expected_digest=digest,
                 reason="unreadable",
             ) from exc
-        if actual != digest:
+        if snapshot.digest != digest:
             raise VersionConflictError(
-                f"{final} files hash to {actual[:16]}, its marker says {digest[:16]}",
+                f"{final} files hash to {snapshot.digest[:16]}, its marker says {digest[:16]}",
                 lora_name=lora_name,
                 path=str(final),
                 expected_digest=digest,
-                found_digest=actual,
+                found_digest=snapshot.digest,
                 reason="content_mismatch",
             )
-        return final
+        return final, snapshot
 
     def remove_sync(self, lora_name: str) -> bool:
         """Blocking form of :meth:`remove`."""

@@ -47,6 +47,7 @@ from agentic_lora.errors import (
     UnknownEngineError,
 )
 from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
+from agentic_lora.provenance import TurnProvenance
 
 __all__ = [
     "GENERATION_STOP",
@@ -132,13 +133,28 @@ def classify_status(status_code: int) -> Outcome | None:
 
 @dataclass(frozen=True, slots=True)
 class EngineReply:
-    """One engine answer: where it came from, its status and its decoded body."""
+    """One engine answer: where it came from, its status and its decoded body.
+
+    ``provenance``: set by a versioned Session on every reply it returns (which version answered,
+    and its lag when the turn started; see :mod:`agentic_lora.provenance`); None below the
+    Session and on pass-through Sessions.
+    """
 
     engine: str
     path: str
     status_code: int
     body: Any
     rid: str | None = None
+    provenance: TurnProvenance | None = None
+
+    def with_provenance(self, provenance: TurnProvenance) -> EngineReply:
+        """This reply with ``provenance`` attached (the other fields unchanged)."""
+        # The constructor, not dataclasses.replace: this runs once per versioned reply, and
+        # replace costs several times more (it walks the fields by name). Keep it in step with
+        # the fields above.
+        return EngineReply(
+            self.engine, self.path, self.status_code, self.body, self.rid, provenance
+        )
 
     @property
     def finish_reason(self) -> Mapping[str, Any] | None:

@@ -296,8 +296,10 @@ async def test_publication_outcomes_and_reclaim_rounds_as_the_commands_report_th
     tmp_path: Path,
 ) -> None:
     async with running_server(tmp_path) as srv:
-        # Reclaim rounds are this test's to run: stop the background ones.
+        # Reclaim rounds are this test's to run: stop the background ones. D below stays
+        # blocked only while the background resolver is stopped too.
         await srv.served.gateway.deployment.reclaimer.stop()
+        await srv.served.gateway.deployment.resolver.stop()
 
         code, out, _ = await srv.cli("status")
         assert code == 0
@@ -391,6 +393,51 @@ async def test_publication_outcomes_and_reclaim_rounds_as_the_commands_report_th
         assert out.splitlines()[-1] == (
             "(2 reclaimed or failed-clean version(s) hidden; --all shows them)"
         )
+
+
+@pytest.mark.asyncio
+async def test_resolve_reports_a_blocked_publication_until_every_engine_confirmed(
+    tmp_path: Path,
+) -> None:
+    async with running_server(tmp_path) as srv:
+        # The command is what is tested: the background resolver would settle B on its own.
+        await srv.served.gateway.deployment.resolver.stop()
+        code, out, _ = await srv.cli("resolve")
+        assert (code, out) == (0, "nothing to resolve (no blocked or abandoned publication)\n")
+        assert (await srv.cli("publish", srv.adapter(1), "--version-id", "A"))[0] == 0
+
+        # e1 refuses B; e0's cleanup does not arrive, twice: B is BLOCKED, then still BLOCKED.
+        srv.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
+        srv.fleet["e0"].script(EngineOp.UNLOAD, *(Fault(FaultKind.UNREACHABLE) for _ in range(2)))
+        code, _, err = await srv.cli("publish", srv.adapter(2), "--version-id", "B")
+        assert code == cli.EXIT_ERROR
+        assert only_line(err).startswith("error: BACKEND_AMBIGUOUS: publication of B ended BLOCKED")
+        code, out, err = await srv.cli("resolve", "B")
+        assert code == cli.EXIT_ERROR
+        assert only_line(err) == (
+            "error: BACKEND_AMBIGUOUS: B is still BLOCKED (resolved by operator; cleanup "
+            "unconfirmed on e0): its capacity slot stays held; the server keeps retrying the "
+            "cleanup in the background"
+        )
+        head, detail = out.splitlines()
+        assert head == "B  BLOCKED  resolved by operator; cleanup unconfirmed on e0"
+        assert detail.startswith("  e0: cleanup UNCONFIRMED (BACKEND_AMBIGUOUS: ")
+
+        # e0 answers now: resolving everything frees B's slot.
+        code, out, err = await srv.cli("resolve")
+        assert (code, err) == (0, "")
+        assert out == "B  FAILED_CLEAN  resolved by operator: cleanup confirmed on e0\n"
+        code, out, _ = await srv.cli("resolve", "B", "--json")
+        assert code == 0
+        report = json.loads(out)
+        assert (report["resolved"], report["blocked"]) == (["B"], [])
+        assert report["results"][0]["reason"] == "nothing to resolve: FAILED_CLEAN"
+        code, _, err = await srv.cli("resolve", "nope")
+        assert code == cli.EXIT_ERROR
+        assert only_line(err).startswith("error: UNKNOWN_VERSION: ")
+        code, out, _ = await srv.cli("publish", srv.adapter(3), "--version-id", "C")
+        assert code == 0
+        assert "PUBLISHED C" in out.splitlines()[-1]
 
 
 # --- status --journal on files that are not ours ------------------------------------------------

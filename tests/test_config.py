@@ -95,6 +95,19 @@ def test_a_valid_configuration_parses_engines() -> None:
         (on(engines=["=http://127.0.0.1:1"]), "settings"),
         (on(unknown_option=1), "settings"),
         (on(request_timeout=0), "settings"),
+        (on(resolve_backoff_initial=0), "resolve_backoff"),
+        (on(resolve_backoff_initial=10, resolve_backoff_max=5), "resolve_backoff"),
+        (on(resolve_backoff_max=float("nan")), "resolve_backoff"),
+        (on(lease_ttl=0), "lease"),
+        (on(lease_ttl=-5), "lease"),
+        (on(lease_ttl=float("inf")), "lease"),
+        (on(lease_renew_interval=60), "lease"),  # not below the default ttl
+        (on(lease_ttl=10, lease_renew_interval=0), "lease"),
+        (on(owner_id="rollout worker 3"), "owner_id"),
+        (on(owner_id=""), "owner_id"),
+        (on(lease_ttl="a minute"), "settings"),
+        (on(max_version_lag=-1), "max_version_lag"),
+        (on(max_version_lag="two"), "settings"),
     ],
 )
 def test_every_validation_rule_fails_fast_with_its_own_check(
@@ -260,3 +273,114 @@ async def test_versioning_from_settings_with_the_flag_on_and_off(tmp_path: Path)
     vllm = Versioning.from_settings(AgenticLoRASettings(**on(engine_kind="vllm", backend="vllm")))
     assert vllm.engine_kind == "vllm"
     await vllm.aclose()
+
+
+def test_lease_settings_defaults_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = AgenticLoRASettings(**on())
+    assert (s.lease_ttl, s.lease_renew_interval, s.owner_id) == (60.0, None, None)
+    monkeypatch.setenv("AGENTIC_LORA_LEASE_TTL", "30")
+    monkeypatch.setenv("AGENTIC_LORA_OWNER_ID", "rollout-worker-3")
+    env = AgenticLoRASettings(**on())
+    assert (env.lease_ttl, env.owner_id) == (30.0, "rollout-worker-3")
+    parser = add_arguments(argparse.ArgumentParser())
+    given = [
+        "--enable-versioned-lora-publication",
+        "--versioned-lora-engine", FLEET[0],
+        "--versioned-lora-base-model", "base",
+        "--versioned-lora-lease-renew-interval", "15",
+        "--versioned-lora-owner-id", "rollout-worker-7",
+    ]  # fmt: skip
+    flags = from_args(parser.parse_args([*given, "--versioned-lora-lease-ttl", "90"]))
+    assert (flags.lease_ttl, flags.lease_renew_interval, flags.owner_id) == (
+        90.0,
+        15.0,
+        "rollout-worker-7",
+    )
+    with pytest.raises(ConfigurationError) as err:
+        from_args(parser.parse_args([*given, "--versioned-lora-lease-ttl", "10"]))
+    assert err.value.details["check"] == "lease"  # the renew interval 15 is not below 10
+
+
+def test_max_version_lag_defaults_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert AgenticLoRASettings(**on()).max_version_lag is None  # off by default
+    assert AgenticLoRASettings(**on(max_version_lag=0)).max_version_lag == 0
+    monkeypatch.setenv("AGENTIC_LORA_MAX_VERSION_LAG", "4")
+    assert AgenticLoRASettings(**on()).max_version_lag == 4
+    parser = add_arguments(argparse.ArgumentParser())
+    given = [
+        "--enable-versioned-lora-publication",
+        "--versioned-lora-engine", FLEET[0],
+        "--versioned-lora-base-model", "base",
+    ]  # fmt: skip
+    assert from_args(parser.parse_args(given)).max_version_lag == 4  # env under no flag
+    flags = parser.parse_args([*given, "--versioned-lora-max-version-lag", "2"])
+    assert from_args(flags).max_version_lag == 2  # the flag wins over the environment
+    with pytest.raises(ConfigurationError) as err:
+        from_args(parser.parse_args([*given, "--versioned-lora-max-version-lag", "-1"]))
+    assert err.value.details["check"] == "max_version_lag"
+
+
+def test_max_version_lag_in_the_serve_config_file(tmp_path: Path) -> None:
+    from agentic_lora.cli import serve_options
+
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        "enable_versioned_lora_publication = true\n"
+        f"engines = [{FLEET[0]!r}]\n"
+        'base_model_name = "base"\n'
+        "max_version_lag = 3\n"
+    )
+    options = serve_options(["--config", str(config)])
+    assert options.settings.max_version_lag == 3
+    flagged = serve_options(["--config", str(config), "--versioned-lora-max-version-lag", "1"])
+    assert flagged.settings.max_version_lag == 1
+
+
+@pytest.mark.asyncio
+async def test_versioning_from_settings_passes_the_version_lag_bound() -> None:
+    bounded = Versioning.from_settings(AgenticLoRASettings(**on(max_version_lag=3)))
+    assert bounded.max_version_lag == 3
+    await bounded.aclose()
+    unbounded = Versioning.from_settings(AgenticLoRASettings(**on()))
+    assert unbounded.max_version_lag is None
+    await unbounded.aclose()
+
+
+@pytest.mark.asyncio
+async def test_versioning_from_settings_builds_the_owner_lease() -> None:
+    s = AgenticLoRASettings(**on(owner_id="rollout-worker-3", lease_ttl=30))
+    v = Versioning.from_settings(s)
+    assert v.lease is not None
+    assert (v.lease.owner, v.lease.ttl, v.lease.renew_interval) == ("rollout-worker-3", 30.0, 10.0)
+    assert v.lease.owner_configured
+    assert v.lease.on_restart == "release"
+    await v.aclose()
+    gateway = Versioning.from_settings(s, lease_owner="gateway-0", lease_on_restart="adopt")
+    assert gateway.lease is not None
+    assert (gateway.lease.owner, gateway.lease.on_restart) == ("gateway-0", "adopt")
+    await gateway.aclose()
+    default = Versioning.from_settings(AgenticLoRASettings(**on()))
+    assert default.lease is not None
+    assert not default.lease.owner_configured  # hostname-pid: only the TTL frees its Sessions
+    await default.aclose()
+    off = Versioning.from_settings(AgenticLoRASettings(engines=FLEET))
+    assert off.lease is None
+    await off.aclose()
+
+
+def test_resolve_backoff_defaults_and_flags() -> None:
+    s = AgenticLoRASettings(**on())
+    assert (s.resolve_backoff_initial, s.resolve_backoff_max) == (1.0, 30.0)
+    parser = add_arguments(argparse.ArgumentParser())
+    flags = from_args(
+        parser.parse_args(
+            [
+                "--enable-versioned-lora-publication",
+                "--versioned-lora-engine", FLEET[0],
+                "--versioned-lora-base-model", "base",
+                "--versioned-lora-resolve-backoff-initial", "0.5",
+                "--versioned-lora-resolve-backoff-max", "8",
+            ]
+        )
+    )  # fmt: skip
+    assert (flags.resolve_backoff_initial, flags.resolve_backoff_max) == (0.5, 8.0)

@@ -50,6 +50,7 @@ from agentic_lora_agent import (  # noqa: E402
     ToolCall,
     ToolError,
     default_toolbox,
+    episode_json,
     format_tool_call,
     parse_tool_calls,
     percentiles,
@@ -210,7 +211,7 @@ class World:
 
 
 @asynccontextmanager
-async def world(tmp_path: Path) -> AsyncIterator[World]:
+async def world(tmp_path: Path, **overrides: Any) -> AsyncIterator[World]:
     """Two scripted engines, a real Deployment, and version A published."""
     with ScriptedFleet() as fleet:
         chat = ScriptedChat()
@@ -221,6 +222,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             capacity=2,
             http_transport="httpx",  # respx intercepts httpx's own transport
             base_model_name=BASE,
+            **overrides,
         )
         async with Deployment.from_settings(
             settings, backend_options={"store_root": str(tmp_path / "adapters")}
@@ -290,7 +292,23 @@ async def test_policy_supplies_the_calls_and_every_turn_goes_out_pinned(tmp_path
         assert (record.completion_tokens, record.cached_tokens) == (4, 7)
         assert record.token_logprobs == (-0.25, -0.5, -0.75, -1.0)
         assert record.logprob == -2.5
+        assert record.version_lag == 0
     assert episode.lora_names == {w.a_name}
+    # The Session's provenance travels with the episode, and into its JSON record.
+    digest = w.deployment.registry.peek_version("A").digest  # type: ignore[attr-defined]
+    assert episode.provenance == {
+        "session_id": "s1",
+        "version_id": "A",
+        "digest": digest,
+        "lora_name": w.a_name,
+        "default_revision_at_bind": 1,
+        "lags": [0, 0, 0, 0],
+        "turns": 4,
+        "too_stale_lag": None,
+    }
+    record_json = json.loads(json.dumps(episode_json(episode)))
+    assert record_json["provenance"] == episode.provenance
+    assert [a["version_lag"] for a in record_json["attempts"]] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("where", ["content", "tool_calls"])
@@ -490,6 +508,17 @@ async def test_interrupt_aborts_and_the_resume_keeps_a_after_b_is_published(
     assert {b["model"] for b in new_bodies} == {f"{BASE}:{b_name}"}
     assert episode.lora_names == {w.a_name}
     assert fresh.lora_names == {b_name}
+    # The resume started after B's commit: A was one publication behind from then on.
+    assert (aborted.version_lag, resumed.version_lag) == (0, 1)
+    assert episode.provenance is not None
+    assert episode.provenance["version_id"] == "A"
+    assert episode.provenance["lags"] == [0, 1, 1, 1, 1]
+    assert fresh.provenance is not None
+    assert (fresh.provenance["version_id"], fresh.provenance["default_revision_at_bind"]) == (
+        "B",
+        2,
+    )
+    assert set(fresh.provenance["lags"]) == {0}
     assert observer.dispatched[:2] == [(0, AttemptKind.FIRST), (0, AttemptKind.RESUME)]
     assert observer.ended[:2] == [AttemptOutcome.ABORTED, AttemptOutcome.OK]
 
@@ -542,6 +571,33 @@ async def test_a_closed_session_fails_the_episode_without_a_request(tmp_path: Pa
         episode = await ToolAgent(s, OSLO, tools=default_toolbox(), config=SHORT).run()
     assert (episode.status, episode.error_code) == (EpisodeStatus.FAILED, "SESSION_CLOSED")
     assert w.chat.requests == []
+
+
+@pytest.mark.asyncio
+async def test_a_too_stale_session_fails_the_episode_and_its_provenance_says_why(
+    tmp_path: Path,
+) -> None:
+    class _PublishAfterFirstTurn(AgentObserver):
+        def __init__(self, deployment: Deployment) -> None:
+            self.deployment = deployment
+
+        async def before_turn(self, agent: ToolAgent, turn: int) -> None:
+            if turn == 1:
+                await self.deployment.publish("B", tiny_snapshot(2))
+
+    async with world(tmp_path, max_version_lag=0) as w, w.deployment.session("s1") as s:
+        episode = await ToolAgent(
+            s,
+            OSLO,
+            tools=default_toolbox(),
+            config=SHORT,
+            policy=ScriptedPolicy(),
+            observer=_PublishAfterFirstTurn(w.deployment),
+        ).run()
+    assert (episode.status, episode.error_code) == (EpisodeStatus.FAILED, "VERSION_TOO_STALE")
+    assert len(w.chat.requests) == 1  # the refused turn sent nothing
+    assert episode.provenance is not None
+    assert (episode.provenance["lags"], episode.provenance["too_stale_lag"]) == ([0], 1)
 
 
 @pytest.mark.asyncio

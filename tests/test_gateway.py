@@ -505,7 +505,8 @@ async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path:
             "/generate", json={"text": "z"}, headers={"x-agentic-session": "idle"}
         )
         assert refused.status_code == 409
-        assert refused.json()["error"]["details"]["reason"] == "idle"
+        # The registry tombstoned the id: the same answer on every replica and after a restart.
+        assert refused.json()["error"]["details"] == {"session": "idle", "reason": "closed"}
         status = await stack.gateway.deployment.status()
         assert status.versions[0].session_refs == 1  # "busy" only
 
@@ -634,7 +635,7 @@ async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
         assert payload["fleet"] == [
             {"engine": e.name, "base_url": e.base_url} for e in stack.fleet.refs
         ]
-        assert payload["gateway"] == {"sessions": 1}
+        assert payload["gateway"] == {"sessions": 1, "adopted": 0}
         (version,) = payload["registry"]["versions"]
         assert version["state"] == VersionState.PUBLISHED.value
         assert version["session_refs"] == 1

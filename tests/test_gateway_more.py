@@ -33,7 +33,7 @@ from agentic_lora.errors import (
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH, GatewaySessions
+from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH
 from agentic_lora.gateway.wire import (
     NDJSON,
     error_payload,
@@ -188,7 +188,10 @@ async def test_gateway_settings_are_checked_before_anything_runs(tmp_path: Path)
                 with pytest.raises(ConfigurationError) as bad:
                     Gateway(deployment, **options)
                 assert bad.value.details["check"] == check
-        assert fleet.calls() == 0
+        # Only the stack's own start-up probes (incarnation reads) reached the engines: a refused
+        # build loaded, generated and unloaded nothing.
+        for op in (EngineOp.LOAD, EngineOp.GENERATE, EngineOp.UNLOAD):
+            assert fleet.calls(op) == 0
 
 
 @pytest.mark.asyncio
@@ -243,6 +246,58 @@ async def test_closing_the_gateway_lets_a_running_publication_finish(tmp_path: P
         assert result["outcome"] == "PUBLISHED"
         name = result["lora_name"]
         assert all(e.holds(name) for e in stack.fleet.engines.values())
+
+
+# --- resolving a blocked publication -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_resolve_route_needs_the_admin_token_and_frees_a_blocked_slot(
+    tmp_path: Path,
+) -> None:
+    async with gateway_stack(tmp_path) as stack:
+        # The route is what is tested: the background resolver would settle B on its own.
+        await stack.gateway.deployment.resolver.stop()
+        await stack.publish("A", 1)
+        stack.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
+        stack.fleet["e0"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
+        assert (await stack.publish("B", 2))["outcome"] == "BLOCKED"
+        registry: Any = stack.gateway.deployment.registry
+        http = stack.http()
+        unloads = stack.fleet.calls(EngineOp.UNLOAD)
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            denied = await http.post("/admin/resolve", json={"version_id": "B"}, headers=headers)
+            assert denied.status_code == 401
+            assert denied.json()["error"]["code"] == "ACCESS_DENIED"
+        empty_id = await http.post("/admin/resolve", json={"version_id": " "}, headers=ADMIN)
+        assert empty_id.status_code == 400
+        assert empty_id.json()["error"]["details"]["field"] == "version_id"
+        unknown = await http.post("/admin/resolve", json={"version_id": "nope"}, headers=ADMIN)
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "UNKNOWN_VERSION"
+        assert stack.fleet.calls(EngineOp.UNLOAD) == unloads
+        assert registry.peek_version("B").state.value == "ABORTED"
+
+        answer = await http.post("/admin/resolve", json={"version_id": "B"}, headers=ADMIN)
+        assert answer.status_code == 200
+        body = answer.json()
+        assert (body["resolved"], body["blocked"]) == (["B"], [])
+        (result,) = body["results"]
+        assert (result["version_id"], result["outcome"], result["ok"]) == (
+            "B",
+            "FAILED_CLEAN",
+            False,
+        )
+        # e1 confirmed during the publication; only e0 was left, and it answered now.
+        assert [(e["engine"], e["cleaned"]) for e in result["engines"]] == [("e0", True)]
+        assert registry.peek_version("B").state.value == "FAILED_CLEAN"
+
+        # Without a version (no body at all) everything blocked is resolved: nothing now.
+        everything = await http.post("/admin/resolve", headers=ADMIN)
+        assert everything.json() == {"results": [], "resolved": [], "blocked": []}
+        again = await stack.admin().resolve("B")
+        assert again["results"][0]["reason"] == "nothing to resolve: FAILED_CLEAN"
+        assert (await stack.publish("C", 3))["outcome"] == "PUBLISHED"
 
 
 # --- idle expiry --------------------------------------------------------------------------------
@@ -301,7 +356,8 @@ async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
             "/generate", json={"text": "x"}, headers={"authorization": "Bearer sleepy"}
         )
         assert refused.status_code == 409
-        assert refused.json()["error"]["details"]["reason"] == "idle"
+        # The registry tombstoned the id: the same answer on every replica and after a restart.
+        assert refused.json()["error"]["details"] == {"session": "sleepy", "reason": "closed"}
 
 
 @pytest.mark.asyncio
@@ -358,22 +414,21 @@ async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_i
 
 
 @pytest.mark.asyncio
-async def test_closed_ids_are_remembered_up_to_the_bound_oldest_forgotten_first(
+async def test_closed_ids_are_remembered_by_the_registry_none_forgotten_by_count(
     tmp_path: Path,
 ) -> None:
     async with gateway_stack(tmp_path) as stack:
-        sessions = GatewaySessions(stack.gateway.versioning, closed_id_memory=2)
+        sessions = stack.gateway.sessions
         for session_id in ("first", "second", "third"):
-            sessions.open(session_id)
+            await sessions.open(session_id)
             await sessions.close(session_id)
-        reopened = sessions.open("first")  # forgotten: opens a new lifecycle
-        assert reopened.phase is SessionPhase.OPEN
-        for session_id in ("second", "third"):
+        # The gateway keeps nothing of them; the registry keeps every one (until name_ttl).
+        assert sessions.live() == 0
+        for session_id in ("first", "second", "third"):
             with pytest.raises(AgenticLoRAError) as err:
-                sessions.open(session_id)
+                await sessions.open(session_id)
             assert err.value.code == "SESSION_CLOSED"
             assert err.value.details == {"session": session_id, "reason": "closed"}
-        await sessions.close("first")
 
 
 # --- progress hub -------------------------------------------------------------------------------

@@ -149,7 +149,46 @@ async def test_no_label_names_a_session_or_a_version(tmp_path: Path) -> None:
                 assert secret not in label_value, (name, key, label_value)
 
 
+@pytest.mark.asyncio
+async def test_the_lag_at_dispatch_and_too_stale_refusals_are_scraped(tmp_path: Path) -> None:
+    async with gateway_stack(tmp_path, settings={"max_version_lag": 0}) as stack:
+        m = await scrape(stack)
+        assert value(m, "agentic_lora_session_version_lag_count") == 0
+        assert value(m, "agentic_lora_version_too_stale_refusals_total") == 0
+        await stack.publish("A", 1)
+        old = stack.agent("episode-old")
+        await chat(old)  # lag 0
+        await stack.publish("B", 2)
+        with pytest.raises(openai.ConflictError):
+            await chat(old)  # lag 1: refused, VERSION_TOO_STALE
+        with pytest.raises(openai.ConflictError):
+            await chat(old)  # sticky: refused again at lag 1
+        await chat(stack.agent("episode-new"))  # binds B: lag 0
+        m = await scrape(stack)
+    assert value(m, "agentic_lora_session_version_lag_count") == 4
+    assert value(m, "agentic_lora_session_version_lag_sum") == 2
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="0.0") == 2
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="1.0") == 4
+    assert value(m, "agentic_lora_version_too_stale_refusals_total") == 2
+    # Refused before the chain: never counted as a dispatch that may have reached an engine.
+    assert value(m, "agentic_lora_dispatches_total", route=CHAT, outcome="ok") == 2
+    assert value(m, "agentic_lora_dispatches_total", route=CHAT, outcome="refused") == 0
+
+
 # --- the observers on their own -----------------------------------------------------------------
+
+
+def test_the_staleness_observers_on_their_own() -> None:
+    metrics = Metrics()
+    for lag in (0, 3, 5, 40):
+        metrics.observe_version_lag(lag)
+    metrics.observe_version_too_stale(40)
+    m = parse(metrics.exposition().decode())
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="4.0") == 2
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="6.0") == 3
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="32.0") == 3
+    assert value(m, "agentic_lora_session_version_lag_bucket", le="+Inf") == 4
+    assert value(m, "agentic_lora_version_too_stale_refusals_total") == 1
 
 
 def _reply(call: EngineCall) -> EngineReply:

@@ -12,9 +12,11 @@ from agentic_lora.errors import (
     AdapterMismatchError,
     ConfigurationError,
     InvalidRequestError,
+    RequestIndeterminateError,
     RequestRefusedError,
     SessionStateError,
     VersionNotDispatchableError,
+    VersionUnavailableError,
 )
 from agentic_lora.middleware import (
     AdapterInFlight,
@@ -365,3 +367,195 @@ async def test_versioning_without_a_peekable_registry_needs_an_explicit_guard() 
         with pytest.raises(ConfigurationError) as missing:
             Versioning(transport=h.transport, registry=None, enabled=True)
         assert missing.value.details["check"] == "registry"
+
+
+# --- routing to the engines that hold the version ------------------------------------------------
+
+
+def held_by(*engines: str, state: VersionState = VersionState.PUBLISHED) -> VersionStatus:
+    return VersionStatus(
+        version_id="v1",
+        digest="d",
+        lora_name=LORA,
+        state=state,
+        attempt=1,
+        session_refs=1,
+        ready_engines=engines,
+    )
+
+
+def test_peek_guard_names_the_engines_that_hold_the_version() -> None:
+    assert PeekGuard(lambda _vid: held_by("e1")).check(BINDING) == ("e1",)
+    assert PeekGuard(lambda _vid: held_by(state=VersionState.RETIRED)).check(BINDING) == ()
+
+
+def test_engine_call_copies_keep_every_other_field() -> None:
+    ticket = InFlight(rid="r")
+    call = EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING, None, ticket, ("e0",))
+    assert call.with_body({"text": "y"}) == EngineCall(
+        Route.GENERATE, {"text": "y"}, "s#1", BINDING, None, ticket, ("e0",)
+    )
+    assert call.with_engines(None).engines is None
+    routed = call.routed_to("e0")
+    assert (routed.engine, routed.engines, routed.ticket, routed.body) == (
+        "e0",
+        ("e0",),
+        ticket,
+        call.body,
+    )
+
+
+def holder_chain(
+    holders: tuple[str, ...] | None,
+    router: ScriptedRouter,
+    health: EngineHealth,
+    endpoint_: Dispatch = endpoint,
+    on_refused: Sequence[Any] = (),
+) -> Dispatch:
+    class Guard:
+        def check(self, binding: Binding) -> tuple[str, ...] | None:
+            return holders
+
+    return build_chain(
+        endpoint_,
+        [
+            Middleware(DispatchGuardMiddleware, guard=Guard()),
+            Middleware(RoutingMiddleware, router=router, health=health, on_refused=on_refused),
+        ],
+    )
+
+
+@pytest.mark.asyncio
+async def test_routing_offers_only_healthy_engines_that_hold_the_version() -> None:
+    health = EngineHealth(["e0", "e1", "e2"])
+    router = ScriptedRouter("e1")
+    call = EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING)
+    await holder_chain(("e1", "e2"), router, health)(call)
+    await holder_chain(("e0", "e1", "e2"), router, health)(call)
+    await holder_chain(None, router, health)(call)  # a guard that does not restrict
+    health.mark_unhealthy("e2")
+    await holder_chain(("e1", "e2"), router, health)(call)
+    await holder_chain(("e0", "e1", "e2"), router, health)(call)
+    assert router.offered == [
+        ("e1", "e2"),
+        ("e0", "e1", "e2"),
+        ("e0", "e1", "e2"),
+        ("e1",),
+        ("e0", "e1"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_no_healthy_holder_is_version_unavailable_and_nothing_is_sent() -> None:
+    health = EngineHealth(["e0", "e1"])
+    router = ScriptedRouter("e0")
+    reached: list[EngineCall] = []
+
+    async def record(call: EngineCall) -> EngineReply:
+        reached.append(call)
+        return await endpoint(call)
+
+    heard: list[tuple[str, Binding]] = []
+    chain = holder_chain((), router, health, record, [lambda e, b: heard.append((e, b))])
+    with pytest.raises(VersionUnavailableError) as err:
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
+    assert err.value.code == "VERSION_UNAVAILABLE"
+    assert isinstance(err.value, RequestRefusedError)
+    assert err.value.details == {
+        "version": "v1",
+        "lora_name": LORA,
+        "lacking": ["e0", "e1"],
+        "holders": [],
+        "session": "s#1",
+    }
+    health.mark_unhealthy("e1")
+    with pytest.raises(VersionUnavailableError) as unhealthy_holder:
+        await holder_chain(("e1",), router, health, record)(
+            EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING)
+        )
+    assert (
+        unhealthy_holder.value.details["lacking"],
+        unhealthy_holder.value.details["holders"],
+    ) == (
+        ["e0"],
+        ["e1"],
+    )
+    # Without a binding (a custom chain) the error still says what it can.
+    with pytest.raises(VersionUnavailableError) as unbound:
+        await build_chain(record, [Middleware(RoutingMiddleware, router=router, health=health)])(
+            EngineCall(Route.GENERATE, {"text": "x"}, None, None, engines=("e1",))
+        )
+    assert unbound.value.details["version"] is None
+    assert reached == []
+    assert router.offered == []
+    assert heard == []
+
+
+@pytest.mark.asyncio
+async def test_an_engine_refusing_a_versioned_request_is_reported_to_listeners(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    health = EngineHealth(["e0", "e1"])
+    router = ScriptedRouter("e1")
+    outcomes: list[Exception] = [
+        RequestRefusedError("HTTP 400", status=400),
+        RequestIndeterminateError("HTTP 500", status=500),
+        RequestRefusedError("HTTP 400", status=400),
+    ]
+
+    async def failing(call: EngineCall) -> EngineReply:
+        raise outcomes.pop(0)
+
+    heard: list[tuple[str, str]] = []
+    listeners: list[Any] = []
+    chain = holder_chain(("e0", "e1"), router, health, failing, listeners)
+
+    def broken(engine: str, binding: Binding) -> None:
+        raise RuntimeError("listener bug")
+
+    # Listeners added after the chain was built are seen (Versioning.on_refused is such a list).
+    listeners.extend([broken, lambda e, b: heard.append((e, b.version_id))])
+    with pytest.raises(RequestRefusedError, match="HTTP 400"):
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
+    assert heard == [("e1", "v1")]
+    assert "on_refused listener failed" in caplog.text
+    with pytest.raises(RequestIndeterminateError):  # may have run: not a refusal
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
+    unversioned = build_chain(
+        failing,
+        [Middleware(RoutingMiddleware, router=router, health=health, on_refused=listeners)],
+    )
+    with pytest.raises(RequestRefusedError):
+        await unversioned(EngineCall(Route.GENERATE, {"text": "x"}, "s#1"))
+    assert heard == [("e1", "v1")]
+    assert router.in_flight("e1") == 0
+
+
+@pytest.mark.asyncio
+async def test_the_real_registry_routes_a_version_only_to_engines_that_hold_it() -> None:
+    registry = LocalRegistry(engines=("e0", "e1"), capacity=2, sweep_interval=None)
+    try:
+        a = await publish(registry, "A")
+        bound = Binding("s#1", "A", a.lora_name, a.digest, 1)
+        router = ScriptedRouter("e0")
+        chain = build_chain(
+            endpoint,
+            [
+                Middleware(DispatchGuardMiddleware, guard=PeekGuard(registry.peek_version)),
+                Middleware(RoutingMiddleware, router=router, health=EngineHealth(["e0", "e1"])),
+            ],
+        )
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+        # e1 restarted: it holds nothing until the version is loaded and recorded again.
+        await registry.observe_incarnation(
+            request_id=new_request_id(), engine="e1", incarnation="e1-inc-2"
+        )
+        await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+        await registry.observe_incarnation(
+            request_id=new_request_id(), engine="e0", incarnation="e0-inc-2"
+        )
+        with pytest.raises(VersionUnavailableError):
+            await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
+        assert router.offered == [("e0", "e1"), ("e0",)]
+    finally:
+        await registry.aclose()

@@ -491,6 +491,46 @@ async def test_an_unconfirmed_cleanup_keeps_the_slot_and_blocks_until_resolved(
 
 
 @pytest.mark.asyncio
+async def test_resolve_counts_a_restarted_engine_as_cleaned_without_calling_it(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
+    assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+    assert world.publisher.abandoned == {"v2"}
+    world.fleet["e1"].restart()
+    unloads = world.fleet["e1"].count(EngineOp.UNLOAD)
+
+    resolved = await world.publisher.resolve("v2")
+    assert resolved.outcome is PublicationOutcome.FAILED_CLEAN
+    assert [(r.engine, r.cleaned) for r in resolved.engines] == [("e1", True)]
+    assert world.fleet["e1"].count(EngineOp.UNLOAD) == unloads
+    assert any(t.engine == "e1" and t.phase is Phase.OBSERVE for t in resolved.timings)
+    assert not any(t.phase is Phase.CLEANUP for t in resolved.timings)
+    assert world.publisher.abandoned == set()
+
+
+@pytest.mark.asyncio
+async def test_resolve_cleans_an_engine_whose_incarnation_cannot_be_read(world: World) -> None:
+    await publish(world, "v1", A)
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
+    assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+    world.fleet["e1"].script(EngineOp.SERVER_INFO, Fault(FaultKind.UNREACHABLE))
+    resolved = await world.publisher.resolve("v2")
+    # Unknown is not proof: the cleanup call decides, and here it confirms.
+    assert resolved.outcome is PublicationOutcome.FAILED_CLEAN
+    assert any(t.engine == "e1" and t.phase is Phase.OBSERVE and not t.ok for t in resolved.timings)
+    assert not world.fleet["e1"].holds(world.name("v2"))
+    again = await world.publisher.resolve("v2")
+    assert (again.outcome, again.reason) == (
+        PublicationOutcome.FAILED_CLEAN,
+        "nothing to resolve: FAILED_CLEAN",
+    )
+
+
+@pytest.mark.asyncio
 async def test_resolve_aborts_a_publication_left_loading(world: World) -> None:
     await publish(world, "v1", A)
     await _to_loading(world)

@@ -18,7 +18,11 @@ from agentic_lora.discovery import (
     plugin_names,
 )
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.routing import Router, available_routers, load_router
+from agentic_lora.middleware import EngineCall, Middleware, RoutingMiddleware, build_chain
+from agentic_lora.registry.types import Binding
+from agentic_lora.requests import Route
+from agentic_lora.routing import EngineHealth, Router, available_routers, load_router
+from agentic_lora.transport import EngineReply
 from tests.test_session_support import harness, publish
 
 FLEET = ("e0", "e1", "e2", "e3")
@@ -152,3 +156,34 @@ async def test_routers_never_change_lora_path_and_affinity_keeps_a_session_on_on
             assert (moved.engine != home, back.engine) == (True, home)
         else:
             assert set().union(*engines_of.values()) == {"e0", "e1"}
+
+
+@pytest.mark.asyncio
+async def test_affinity_moves_a_session_off_an_engine_that_lost_its_version_and_back() -> None:
+    """Through the dispatch chain: an engine that restarted drops out of the version's holders;
+    only the Sessions that lived there move (to another holder), and they return once the
+    version is loaded there again. Every other Session stays where its prefix cache is."""
+    router = SessionAffinityRouter()
+    health = EngineHealth(FLEET)
+    seen: list[str] = []
+
+    async def endpoint(call: EngineCall) -> EngineReply:
+        assert call.engine is not None
+        seen.append(call.engine)
+        return EngineReply(engine=call.engine, path=call.route.value, status_code=200, body={})
+
+    chain = build_chain(endpoint, [Middleware(RoutingMiddleware, router=router, health=health)])
+
+    async def engine_of(key: str, holders: tuple[str, ...]) -> str:
+        binding = Binding(key, "A", "lora-A", "d", 1)
+        call = EngineCall(Route.GENERATE, {"text": "x"}, key, binding, engines=holders)
+        return (await chain(call)).engine
+
+    for i in range(64):
+        key = f"session-{i}"
+        home = await engine_of(key, FLEET)
+        lost = tuple(e for e in FLEET if e != "e2")
+        during = await engine_of(key, lost)
+        assert during == home if home != "e2" else during in lost
+        assert await engine_of(key, FLEET) == home
+    assert "e2" in seen  # some Sessions did live on the engine that lost the version

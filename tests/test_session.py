@@ -16,10 +16,11 @@ from agentic_lora.errors import (
     NoPublishedVersionError,
     RequestIndeterminateError,
     RequestRefusedError,
+    SessionStateError,
     VersionNotDispatchableError,
 )
 from agentic_lora.registry.types import Binding, VersionState, new_request_id
-from agentic_lora.session import Session, SessionPhase
+from agentic_lora.session import Session, SessionPhase, Versioning
 from tests.test_session_support import BASE_MODEL, commit, harness, publish, ready, stage
 
 
@@ -260,3 +261,36 @@ async def test_a_session_injects_a_request_id_and_keeps_the_callers() -> None:
         assert isinstance(g1.body["rid"], str)
         assert g1.body["rid"] == r1.rid
         assert g2.body["rid"] == "caller-rid" == r2.rid
+
+
+@pytest.mark.asyncio
+async def test_a_session_continued_by_key_gets_the_binding_the_registry_holds() -> None:
+    async with harness() as h:
+        reg, eng = h.registry, h.engines
+        a = await publish(reg, "A")
+        first = h.versioning.open_session("agent")
+        await first.generate(turn("agent", 1))
+        await publish(reg, "B")
+        # A second manager (a restarted gateway) continues the same registry Session by its key.
+        other = Versioning(transport=h.transport, registry=reg, base_model=BASE_MODEL)
+        again = other.open_session("agent", session_key=first.key)
+        assert again.key == first.key
+        await again.generate(turn("agent", 2))
+        assert again.binding == first.binding
+        assert {g.body["lora_path"] for g in eng.generations()} == {a.lora_name}
+        assert reg.calls["bind_first"] == 2  # the second one answered the first binding
+        assert reg.peek_version("A").session_refs == 1  # type: ignore[union-attr]
+        with pytest.raises(SessionStateError):  # one live Session object per key
+            other.open_session("agent-2", session_key=first.key)
+        for bad in ("", "has space", "tab\tkey", 7):
+            with pytest.raises(InvalidRequestError):
+                other.open_session("agent-3", session_key=bad)  # type: ignore[arg-type]
+        result = await again.close()
+        assert result is not None
+        assert result.released_now
+        # Closed and forgotten: a key the registry no longer knows is simply a new Session.
+        reopened = other.open_session("agent-4", session_key=first.key)
+        await reopened.generate(turn("agent", 3))
+        assert reopened.binding is not None
+        assert reopened.binding.version_id == "B"
+        await other.aclose()

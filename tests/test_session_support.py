@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ import respx
 from tenacity import wait_none
 
 from agentic_lora.backends import EngineRef
+from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt, Reservation, new_request_id
 from agentic_lora.session import Versioning
@@ -190,6 +191,7 @@ class RecordingRegistry:
         self._seen: dict[str, asyncio.Event] = {}
         self.fail_before: Counter[str] = Counter()  # fail n calls before they run
         self.lose_reply: Counter[str] = Counter()  # run n calls, then lose the reply
+        self._called = asyncio.Event()
 
     def gate(self, verb: str) -> asyncio.Event:
         """Hold every call of ``verb`` until the returned event is set."""
@@ -204,10 +206,17 @@ class RecordingRegistry:
     def request_ids(self, verb: str) -> list[str]:
         return [kw["request_id"] for _, v, kw in self.log if v == verb]
 
+    async def called(self, verb: str, count: int = 1) -> None:
+        """Return once ``verb`` has been called ``count`` times (counted before each runs)."""
+        while self.calls[verb] < count:
+            self._called.clear()
+            await self._called.wait()
+
     async def _call(self, verb: str, **kwargs: Any) -> Any:
         self.calls[verb] += 1
         self.log.append((self.clock.tick(), verb, kwargs))
         self.seen(verb).set()
+        self._called.set()
         if verb in self.entered:
             self.entered[verb].set()
         gate = self.gates.get(verb)
@@ -228,7 +237,7 @@ class RecordingRegistry:
         if name in {
             "reserve", "record_ready", "observe_incarnation", "commit", "abort",
             "confirm_cleanup", "bind_first", "begin_close", "release", "forget_sessions",
-            "claim_reclaim", "confirm_reclaim",
+            "claim_reclaim", "confirm_reclaim", "open_lease", "renew_lease", "close_lease",
         }:  # fmt: skip
 
             async def verb(**kwargs: Any) -> Any:
@@ -292,6 +301,8 @@ class Harness:
     engines: FakeEngines
     transport: EngineTransport
     clock: Clock
+    lease: LeaseKeeper | None = None
+    inner: LocalRegistry | None = None
 
 
 def make_transport(kind: str = "aiohttp") -> EngineTransport:
@@ -303,11 +314,24 @@ def make_transport(kind: str = "aiohttp") -> EngineTransport:
 
 
 @contextlib.asynccontextmanager
-async def harness(*, enabled: bool = True, **versioning_options: Any) -> AsyncIterator[Harness]:
-    """A real LocalRegistry and Versioning over respx-mocked engines."""
+async def harness(
+    *,
+    enabled: bool = True,
+    registry_options: Mapping[str, Any] | None = None,
+    lease: Mapping[str, Any] | None = None,
+    **versioning_options: Any,
+) -> AsyncIterator[Harness]:
+    """A real LocalRegistry and Versioning over respx-mocked engines.
+
+    ``registry_options`` go to the LocalRegistry (e.g. an injected ``clock``); ``lease`` (keyword
+    arguments of :class:`LeaseKeeper`) gives the Versioning an owner lease over the recorder.
+    """
     clock = Clock()
-    inner = LocalRegistry(engines=tuple(ENGINES), capacity=2)
+    inner = LocalRegistry(engines=tuple(ENGINES), capacity=2, **(registry_options or {}))
     registry = RecordingRegistry(inner, clock)
+    keeper = LeaseKeeper(registry, **lease) if lease is not None else None  # type: ignore[arg-type]
+    if keeper is not None:
+        versioning_options["lease"] = keeper
     transport = make_transport()
     versioning_options.setdefault("registry_wait", wait_none())
     with respx.mock(using="httpx", assert_all_called=False) as mock:
@@ -320,7 +344,7 @@ async def harness(*, enabled: bool = True, **versioning_options: Any) -> AsyncIt
             **versioning_options,
         )
         try:
-            yield Harness(versioning, registry, engines, transport, clock)
+            yield Harness(versioning, registry, engines, transport, clock, keeper, inner)
         finally:
             for hold in engines.held:
                 if hold.reply is not None and not hold.reply.done():

@@ -272,6 +272,28 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             await self._unload(engine, lora_name, op="reclaim")
             self._reclaimed.add(key)
 
+    async def stored_snapshot(self, lora_name: str, digest: str) -> AdapterSnapshot | None:
+        """``lora_name``'s content rebuilt from any engine's store directory, or None.
+
+        The store is immutable and every copy is verified (marker and content hash) against
+        ``digest``, so whichever engine's copy is read is the version's content. This is how a
+        restarted publisher, which no longer has the snapshot in memory, loads a version onto a
+        restarted engine again (see :mod:`agentic_lora.repair`).
+        """
+        return await asyncio.to_thread(self._stored_snapshot_sync, lora_name, digest)
+
+    def _stored_snapshot_sync(self, lora_name: str, digest: str) -> AdapterSnapshot | None:
+        if not self.store_root.is_dir():
+            return None
+        for child in sorted(self.store_root.iterdir()):
+            if not child.is_dir() or not _ENGINE_NAME.match(child.name):
+                continue
+            try:
+                return AdapterStore(child).read_sync(lora_name, digest)
+            except (VersionConflictError, OSError):
+                continue  # absent, partial or other content here: another engine's copy may do
+        return None
+
     async def aclose(self) -> None:
         """Close the shared HTTP client if this backend created it."""
         for admin in self._admins.values():

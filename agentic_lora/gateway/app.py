@@ -7,8 +7,9 @@ Routes (see ``docs/gateway.md`` for the full contract):
 | `POST /v1/chat/completions`, `POST /v1/completions`, `POST /generate` | agents | one generation in the caller's Session |
 | `GET /v1/models` | agents | the served base model |
 | `POST /v1/sessions/{id}/close` | frameworks | end a Session: drain, release exactly once |
-| `POST /admin/publish`, `GET /admin/status`, `POST /admin/reclaim` | operators | behind the admin token |
-| `GET /metrics`, `GET /health` | monitoring | Prometheus text; liveness |
+| `POST /admin/publish`, `GET /admin/status`, `POST /admin/reclaim`, `POST /admin/resolve` | operators | behind the admin token |
+| `GET /metrics` | monitoring | Prometheus text |
+| `GET /health/live` (alias `GET /health`), `GET /health/ready` | monitoring | liveness; readiness |
 
 A generation is exactly one :meth:`~agentic_lora.session.Session.dispatch`: the gateway adds no
 retry, and every failure answers with the error's stable code, an ``X-Agentic-Outcome`` of
@@ -54,6 +55,7 @@ from agentic_lora.gateway.wire import (
     phase_event_json,
     publication_json,
     reclaim_report_json,
+    resolve_report_json,
     should_retry,
     status_json,
 )
@@ -72,6 +74,12 @@ logger = logging.getLogger(__name__)
 _VERSION_HEADER = "x-agentic-version"
 _LORA_HEADER = "x-agentic-lora-name"
 _ENGINE_HEADER = "x-agentic-engine"
+# Trajectory provenance of each reply (also in the body's ``agentic_lora`` field).
+_DIGEST_HEADER = "x-agentic-digest"
+_REVISION_AT_BIND_HEADER = "x-agentic-revision-at-bind"
+_LAG_HEADER = "x-agentic-version-lag"
+#: The extension field a JSON object reply carries its turn's provenance in.
+PROVENANCE_FIELD = "agentic_lora"
 
 
 def _error_response(
@@ -140,8 +148,14 @@ class Gateway:
         self.metrics = metrics
         self.progress = progress if progress is not None else ProgressHub()
         self.idle_timeout = idle_timeout
+        # Session ids are durable names in the registry, held under the Versioning's owner lease
+        # (from_settings makes it the gateway's: owner gateway_id, adopt on restart).
         self.sessions = GatewaySessions(
-            deployment.versioning, clock=clock, reuse_closed_ids=reuse_closed_ids
+            deployment.versioning,
+            lease=deployment.versioning.lease,
+            clock=clock,
+            reuse_closed_ids=reuse_closed_ids,
+            deployment_epoch=deployment.settings.deployment_epoch,
         )
         self._admin_token = admin_token
         self._owns_deployment = owns_deployment
@@ -169,7 +183,9 @@ class Gateway:
 
         The deployment gets a :class:`ProgressHub` as its progress callback and, with
         ``with_metrics``, a dispatch-counting middleware, a registry listener and a metrics
-        listener on the hub. The gateway owns the deployment (closed by :meth:`aclose`).
+        listener on the hub. The gateway owns the deployment (closed by :meth:`aclose`). Its
+        Sessions bind under the owner lease of ``settings.gateway_id`` with
+        ``on_restart="adopt"`` (see :mod:`agentic_lora.gateway.sessions`).
         ``clock`` only measures Session idleness.
         """
         if not settings.enable_versioned_lora_publication:
@@ -191,9 +207,14 @@ class Gateway:
             backend_options=backend_options,
             middleware=[metrics.dispatch_middleware()] if metrics else (),
             on_progress=progress,
+            # One owner per gateway (replica), stable across its restarts: a restarted gateway
+            # adopts its predecessor's Sessions, whose agents outlive it.
+            lease_owner=settings.gateway_id,
+            lease_on_restart="adopt",
         )
         if metrics is not None:
             metrics.watch_registry(deployment.registry)
+            metrics.watch_staleness(deployment.versioning)
         return cls(
             deployment,
             admin_token=admin_token,
@@ -213,8 +234,11 @@ class Gateway:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background reclaimer and, with ``idle_timeout``, the idle-Session expiry."""
+        """Start the background reclaimer, open the gateway's owner lease (a restarted gateway
+        adopts its predecessor's Sessions here) and, with ``idle_timeout``, the idle-Session
+        expiry."""
         await self.deployment.start()
+        await self.sessions.start()  # opens the lease: a restart adopts its Sessions now
         if self.idle_timeout is not None and self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(
                 self._reap_forever(self.idle_timeout), name="gateway idle sessions"
@@ -272,8 +296,11 @@ class Gateway:
         app.add_api_route("/admin/publish", self._publish, methods=["POST"])
         app.add_api_route("/admin/status", self._status, methods=["GET"])
         app.add_api_route("/admin/reclaim", self._reclaim, methods=["POST"])
+        app.add_api_route("/admin/resolve", self._resolve, methods=["POST"])
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
         app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/health/live", self._health, methods=["GET"])
+        app.add_api_route("/health/ready", self._ready, methods=["GET"])
         return app
 
     # --- generation -----------------------------------------------------------------------------
@@ -290,7 +317,7 @@ class Gateway:
         try:
             session_id = session_id_from_headers(request.headers)
             body = await _json_object(request)
-            session = self.sessions.open(session_id)
+            session = await self.sessions.open(session_id)
             reply = await session.dispatch(route, body)
         except Exception as exc:
             return self._dispatch_failed(route, session_id, session, exc)
@@ -309,16 +336,23 @@ class Gateway:
                 "route": route.value,
             },
         )
-        return JSONResponse(
-            reply.body,
-            status_code=reply.status_code,
-            headers={
-                _VERSION_HEADER: binding.version_id,
-                _LORA_HEADER: binding.lora_name,
-                _ENGINE_HEADER: reply.engine,
-                OUTCOME_HEADER: DispatchOutcome.OK.value,
-            },
-        )
+        headers = {
+            _VERSION_HEADER: binding.version_id,
+            _LORA_HEADER: binding.lora_name,
+            _ENGINE_HEADER: reply.engine,
+            OUTCOME_HEADER: DispatchOutcome.OK.value,
+        }
+        body = reply.body
+        turn = reply.provenance
+        if turn is not None:
+            headers[_DIGEST_HEADER] = turn.digest_prefix
+            headers[_REVISION_AT_BIND_HEADER] = str(turn.default_revision_at_bind)
+            if turn.lag is not None:
+                headers[_LAG_HEADER] = str(turn.lag)
+            if isinstance(body, Mapping):
+                # A copy: the reply object stays exactly what the engine answered.
+                body = {**body, PROVENANCE_FIELD: turn.to_dict()}
+        return JSONResponse(body, status_code=reply.status_code, headers=headers)
 
     def _dispatch_failed(
         self, route: Route, session_id: str | None, session: Session | None, exc: Exception
@@ -485,7 +519,10 @@ class Gateway:
                 "fleet": [
                     {"engine": e.name, "base_url": e.base_url} for e in self.versioning.engines
                 ],
-                "gateway": {"sessions": self.sessions.live()},
+                "gateway": {
+                    "sessions": self.sessions.live(),
+                    "adopted": self.sessions.adopted(),
+                },
             }
         )
 
@@ -493,6 +530,26 @@ class Gateway:
         self._require_admin(request)
         report = await self.deployment.reclaim()
         return JSONResponse(reclaim_report_json(report))
+
+    async def _resolve(self, request: Request) -> Response:
+        self._require_admin(request)
+        # The body is optional: no body, `{}` or `{"version_id": null}` resolve everything.
+        payload = await _json_object(request) if (await request.body()).strip() else {}
+        version_id = (
+            None if payload.get("version_id") is None else _string_field(payload, "version_id")
+        )
+        # Under the publication lock, so a streamed publication carries only its own events.
+        async with self._publish_lock:
+            report = await self.deployment.resolve(version_id)
+        logger.info(
+            "resolve requested",
+            extra={
+                "version": version_id,
+                "resolved": list(report.resolved),
+                "blocked": list(report.blocked),
+            },
+        )
+        return JSONResponse(resolve_report_json(report))
 
     # --- monitoring -----------------------------------------------------------------------------
 
@@ -505,6 +562,19 @@ class Gateway:
         status = await self.deployment.status()
         self.metrics.refresh(status, live_sessions=len(self.versioning.live_sessions()))
         return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
+
+    async def _ready(self) -> Response:
+        # Readiness, not liveness: while the registry is fail-stopped or no engine answers, send
+        # traffic elsewhere; /health/live stays 200 as long as the process answers at all.
+        readiness = self.deployment.repairer.readiness()
+        body: dict[str, Any] = {
+            "status": "ready" if readiness.ready else "not_ready",
+            "reasons": list(readiness.reasons),
+            "engines": dict(readiness.engines),
+        }
+        if readiness.registry_error is not None:
+            body["registry_error"] = readiness.registry_error
+        return JSONResponse(body, status_code=200 if readiness.ready else 503)
 
     async def _health(self) -> Response:
         return JSONResponse({"status": "ok"})

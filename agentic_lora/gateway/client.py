@@ -1,4 +1,5 @@
-"""A client for a running gateway's admin API (what ``agentic-lora publish/status/reclaim`` use).
+"""A client for a running gateway's admin API (what ``agentic-lora publish/status/reclaim/resolve``
+use).
 
 Every call is one HTTP attempt, never resent. Failures are typed like everywhere else:
 
@@ -92,6 +93,11 @@ class AdminClient:
         """``POST /admin/reclaim``: one reclaim round now."""
         return await self._call("POST", "/admin/reclaim", read_limit=None)
 
+    async def resolve(self, version_id: str | None = None) -> dict[str, Any]:
+        """``POST /admin/resolve``: finish ``version_id`` (None: every blocked publication)."""
+        body = {} if version_id is None else {"version_id": version_id}
+        return await self._call("POST", "/admin/resolve", read_limit=None, payload=body)
+
     async def publish(
         self, adapter_dir: str, version_id: str, *, on_event: EventCallback | None = None
     ) -> dict[str, Any]:
@@ -130,10 +136,20 @@ class AdminClient:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, *, read_limit: float | None) -> dict[str, Any]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        read_limit: float | None,
+        payload: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         try:
             response = await self._client.request(
-                method, path, timeout=httpx.Timeout(read_limit, connect=self._timeout)
+                method,
+                path,
+                json=payload,
+                timeout=httpx.Timeout(read_limit, connect=self._timeout),
             )
         except httpx.TransportError as exc:
             self._raise_transport(exc, f"{method} {path}")

@@ -5,29 +5,84 @@ gateway reads the Session id from ``Authorization: Bearer <session id>`` (``api_
 id>``), or from ``X-Agentic-Session`` when the key is needed for something else (the explicit
 header wins). The first generation of an id opens its Session, which binds at that generation.
 
-Two rules keep an agent on one policy even when the gateway ends its Session:
+**Durable names.** The map from a client's Session id to its registry Session, and the memory of
+closed ids, live in the registry (journaled), not in this process: the first request of an id
+here calls ``open_named(name=<id>, session_key=<fresh key>, lease=<the gateway's lease>)``. For
+an id the registry already knows the answer is the *existing* key and binding, so a restarted
+gateway, or another replica on the same registry, continues the agent on its bound version; it
+never binds a known id again. A closed id is a tombstone there and is refused with
+``SESSION_CLOSED`` (``SESSION_EXPIRED`` if its owner's lease expired first) until the registry's
+``name_ttl`` (setting ``session_name_ttl``) has passed since the close: tombstones are bounded by
+age, not by count. This process keeps no closed ids at all; its map of live Session objects is a
+cache, so a turn of a Session it already holds costs no registry round trip.
 
-* A closed id is remembered (bounded memory) and a later request with it is refused with
-  ``SESSION_CLOSED``: a straggling request after close would otherwise open a fresh Session,
-  silently bound to whatever version is the default by then.
-* Idle expiry (optional) closes a Session only when nothing of it is in flight, and the same
-  closed-id memory applies to it.
+Where a Session closed by *another* replica is noticed here:
+
+* With an in-process registry (:class:`~agentic_lora.registry.local.LocalRegistry`, which replicas
+  in one process share) every turn of a cached Session reads the registry's name table
+  synchronously (no I/O) and refuses it once the name is a tombstone or names another key.
+* Over a remote registry (the Ray actor) a cached Session learns it at its next registry call: an
+  unbound one is refused by ``bind_first``, and a bound one keeps dispatching on its binding until
+  this replica closes or expires it. It never switches version; only a straggler after a close
+  elsewhere may still be served, on the version it was bound to.
+
+**Owner lease and restarts.** The gateway binds under its own owner lease (owner
+``gateway_id``, one incarnation per process, ``on_restart="adopt"``, see
+:mod:`agentic_lora.leases`). A restarted gateway with the same id adopts its predecessor's
+Sessions the moment its lease opens (:meth:`GatewaySessions.start`), and a replica with another id
+adopts one Session by name on its first request for it (``open_named`` moves it to the caller's
+lease). Adopted Sessions whose agent never comes back would hold their version for as long as this
+gateway renews its lease, so they are remembered as *adopted* and closed by the idle expiry like
+any other idle Session.
+
+**Reused ids.** With ``reuse_closed_ids=True`` a closed id opens a new lifecycle on purpose: a
+``SESSION_CLOSED`` tombstone is not an error, and the new lifecycle gets a fresh key (an id whose
+Session *expired* is still refused: its agent did not end it). The registry cannot give a
+tombstoned name a new key yet, so a reused lifecycle is held under the gateway's lease but not
+under the name: a restarted gateway with the same ``gateway_id`` finds it among the Sessions it
+adopts, while another replica, or a restart after the lease expired, does not (it opens another
+lifecycle bound to the default of that moment). Use reused ids with one gateway per registry.
+
+Idle expiry (optional) closes a Session only when nothing of it is in flight; closing tombstones
+its name in the registry as any close does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity.wait import wait_base
 
 from agentic_lora.errors import (
     AccessDeniedError,
+    AgenticLoRAError,
     InvalidRequestError,
+    LeaseExpiredError,
+    RequestRefusedError,
     SessionClosedError,
+    SessionExpiredError,
     SessionReleaseError,
+    SessionStateError,
 )
-from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.leases import LeaseEvent, LeaseEventKind, LeaseKeeper
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.core import RegistryCore
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import (
+    NamedSession,
+    ReleaseResult,
+    SessionState,
+    new_request_id,
+)
 from agentic_lora.session import Session, SessionPhase, Versioning
 
 __all__ = [
@@ -38,6 +93,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: The explicit Session header (wins over ``Authorization``).
 SESSION_HEADER = "x-agentic-session"
@@ -77,91 +134,439 @@ def session_id_from_headers(headers: Mapping[str, str]) -> str:
     )
 
 
-class GatewaySessions:
-    """The gateway's Sessions: open on first use, close on request or when idle.
+def _is_transient(exc: BaseException) -> bool:
+    # A typed error is the registry's answer; anything else (a lost reply, a dead actor) may
+    # succeed when replayed with the same request id.
+    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
 
-    ``clock`` only measures idleness. ``closed_id_memory`` bounds how many closed ids are
-    remembered (oldest forgotten first); ``reuse_closed_ids=True`` turns the memory off, so a
-    closed id opens a new Session (a new binding) on its next request.
+
+def _key_prefix(session_id: str, epoch: int) -> str:
+    """What a key minted here starts with: the id itself, or its digest when the key would not
+    fit the registry's 256 characters (``"<prefix>#<epoch>-<32 hex>"``)."""
+    room = 256 - len(f"#{epoch}-") - 32
+    if len(session_id) <= room:
+        return session_id
+    return "~" + hashlib.sha256(session_id.encode()).hexdigest()
+
+
+def _prefix_of(session_key: str) -> str:
+    prefix, sep, _ = session_key.rpartition("#")
+    return prefix if sep and prefix else session_key
+
+
+@dataclass(slots=True)
+class _Cached:
+    """A Session object this process holds, and what the registry said about it."""
+
+    last_used: float
+    #: Opened through its durable name (False: a reused lifecycle, or one the Python API opened).
+    named: bool
+
+
+@dataclass(slots=True)
+class _Adopted:
+    """A Session taken over from this gateway's previous incarnation and not used here yet."""
+
+    session_key: str
+    since: float
+    closing: bool = False
+    # One idempotency key per verb: a close retried by the next expiry round replays them.
+    begin_close_id: str = field(default_factory=new_request_id)
+    release_id: str = field(default_factory=new_request_id)
+
+
+class GatewaySessions:
+    """The gateway's Sessions: found by durable name, closed on request or when idle.
+
+    * ``versioning`` opens the local Session objects (and holds the registry).
+    * ``lease``: the gateway's owner lease (``on_restart="adopt"``); names and refs hang on it.
+      None: names are held without a lease (nothing is adopted, nothing expires).
+    * ``clock`` only measures idleness.
+    * ``reuse_closed_ids``: a closed id opens a new lifecycle instead of being refused (see the
+      module docstring for what survives a restart then).
+    * ``deployment_epoch`` goes into the keys minted here, as Versioning mints them.
+    * ``registry_attempts``: tries of one ``open_named`` (replayed with the same request id)
+      before the request is refused with ``REQUEST_REFUSED`` (nothing was sent).
     """
 
     def __init__(
         self,
         versioning: Versioning,
         *,
+        lease: LeaseKeeper | None = None,
         clock: Callable[[], float] = time.monotonic,
-        closed_id_memory: int = 65536,
         reuse_closed_ids: bool = False,
+        deployment_epoch: int = 0,
+        registry_attempts: int = 4,
+        registry_wait: wait_base | None = None,
     ) -> None:
-        self._versioning = versioning
-        self._clock = clock
-        self._memory = closed_id_memory
-        self._reuse = reuse_closed_ids
-        self._last_used: dict[str, float] = {}
-        self._closed: OrderedDict[str, str] = OrderedDict()  # id -> why it was closed
-
-    def open(self, session_id: str) -> Session:
-        """The live Session for ``session_id``, opened (unbound) if there is none."""
-        why = self._closed.get(session_id)
-        if why is not None:
-            raise SessionClosedError(
-                f"session {session_id!r} was closed ({why}); start a new Session with a new id",
-                session=session_id,
-                reason=why,
+        registry = versioning.registry
+        if registry is None:
+            raise SessionStateError(
+                "the gateway needs versioned Sessions (a registry to keep their names)",
+                reason="pass_through",
             )
-        # No await between the lookup and the open: two concurrent first requests of one id
-        # share one Session (and so one bind task).
-        session = self._versioning.get(session_id) or self._versioning.open_session(session_id)
-        self._last_used[session_id] = self._clock()
+        self._versioning = versioning
+        self._registry: RegistryAPI = registry
+        self._lease = lease
+        self._clock = clock
+        self._reuse = reuse_closed_ids
+        self._epoch = deployment_epoch
+        self._attempts = max(1, registry_attempts)
+        self._wait = (
+            registry_wait if registry_wait is not None else wait_exponential(multiplier=0.05, max=1)
+        )
+        # A synchronous read of the names, where the registry lives in this process.
+        self._core: RegistryCore | None = (
+            registry.core if isinstance(registry, LocalRegistry) else None
+        )
+        self._cached: dict[str, _Cached] = {}
+        # Sessions adopted at a restart, by key prefix (see _key_prefix): the id, for short ids.
+        self._adopted: dict[str, _Adopted] = {}
+        self._opening: dict[str, asyncio.Task[Session]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        if lease is not None:
+            lease.add_listener(self._on_lease_event)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the gateway's lease now, adopting the predecessor's Sessions at once.
+
+        A failure is logged, not raised: the first request opens the lease instead.
+        """
+        if self._lease is None:
+            return
+        try:
+            await self._lease.acquire()
+        except Exception as exc:
+            logger.warning(
+                "gateway lease not opened at start; the first request opens it",
+                extra={"owner": self._lease.owner, "error": repr(exc)},
+            )
+
+    def _on_lease_event(self, event: LeaseEvent) -> None:
+        if event.kind is not LeaseEventKind.OPENED or not event.adopted:
+            return
+        now = self._clock()
+        held = {s.key for s in self._versioning.live_sessions()}
+        for key in event.adopted:
+            if key not in held:  # held: this process's own (its lease was lost and reopened)
+                self._adopted[_prefix_of(key)] = _Adopted(key, now)
+        logger.info(
+            "gateway adopted its predecessor's Sessions",
+            extra={"lease": event.lease_id, "adopted": len(event.adopted)},
+        )
+
+    # --- opening --------------------------------------------------------------------------------
+
+    async def open(self, session_id: str) -> Session:
+        """The Session for ``session_id``: the cached one, else the registry's by name.
+
+        Raises SESSION_CLOSED / SESSION_EXPIRED for a tombstoned id, REQUEST_REFUSED when the
+        registry did not answer (nothing was sent).
+        """
+        held = self._versioning.get(session_id)
+        if held is not None:
+            return self._from_cache(session_id, held)
+        task = self._opening.get(session_id)
+        if task is None:
+            # No await between the lookup and the registration: concurrent first requests of
+            # one id share one open_named, and so one local Session (and one bind task).
+            task = asyncio.get_running_loop().create_task(
+                self._open_by_name(session_id), name=f"open session {session_id}"
+            )
+            self._opening[session_id] = task
+            task.add_done_callback(lambda t: self._opened(session_id, t))
+        # shield: a request cancelled here leaves the shared open running for the others.
+        return await asyncio.shield(task)
+
+    def _opened(self, session_id: str, task: asyncio.Task[Session]) -> None:
+        if self._opening.get(session_id) is task:
+            del self._opening[session_id]
+        if not task.cancelled():
+            task.exception()  # handed to every waiter already; read so none is left unseen
+
+    def _from_cache(self, session_id: str, session: Session) -> Session:
+        if session.phase in (SessionPhase.FINALIZING, SessionPhase.CLOSED):
+            raise SessionClosedError(
+                f"session {session_id!r} is closing; start a new Session with a new id",
+                session=session_id,
+                reason="closed",
+            )
+        cached = self._cached.get(session_id)
+        if cached is None:  # opened through the Python API on the same Versioning
+            cached = self._cached[session_id] = _Cached(self._clock(), named=False)
+        refusal = self._closed_elsewhere(session_id, session) if cached.named else None
+        if refusal is not None:
+            self._retire(session_id, session)
+            raise refusal
+        cached.last_used = self._clock()
         return session
+
+    def _closed_elsewhere(self, session_id: str, session: Session) -> AgenticLoRAError | None:
+        """Why the registry no longer holds ``session`` under its name (None: it does)."""
+        core = self._core
+        if core is None:
+            return None  # a remote registry: see the module docstring
+        named = core.named(session_id)
+        if named is not None and named.session_key == session.key:
+            return None
+        status = core.session(session.key)
+        if status is not None and status.state is SessionState.EXPIRED:
+            return SessionExpiredError(
+                f"session {session_id!r} expired; start a new Session with a new id",
+                session=session_id,
+                reason="expired",
+            )
+        return SessionClosedError(
+            f"session {session_id!r} was closed; start a new Session with a new id",
+            session=session_id,
+            reason="closed",
+        )
+
+    def _retire(self, session_id: str, session: Session) -> None:
+        """Close the local copy of a Session that was closed elsewhere (in the background: its
+        in-flight requests drain; meanwhile it is FINALIZING, so every request is refused)."""
+        logger.info(
+            "session closed elsewhere; its local copy is closed too",
+            extra={"session": session.key, "version": _version_of(session)},
+        )
+        self._cached.pop(session_id, None)
+
+        async def close() -> None:
+            try:
+                await session.close()
+            except SessionReleaseError as exc:
+                # Its registry record is already closed: nothing is held; logged only.
+                logger.warning(
+                    "local copy of a Session closed elsewhere not confirmed",
+                    extra={"session": session.key, "error": exc.code},
+                )
+
+        task = asyncio.get_running_loop().create_task(close(), name=f"retire {session.key}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _open_by_name(self, session_id: str) -> Session:
+        named: NamedSession | None
+        try:
+            named, _ = await self._open_named(session_id)
+        except SessionClosedError:
+            if not self._reuse:
+                raise
+            named = None  # a closed id, reused on purpose: a new lifecycle
+        held = self._versioning.get(session_id)
+        if held is not None:
+            # The Python API opened this id on the same Versioning meanwhile.
+            if named is not None and held.key != named.session_key:
+                raise SessionStateError(
+                    f"session {session_id!r} is open here under another registry key",
+                    session=session_id,
+                )
+            return self._from_cache(session_id, held)
+        prefix = _key_prefix(session_id, self._epoch)
+        adopted = self._adopted.get(prefix)
+        if named is not None:
+            key = named.session_key
+            if adopted is not None and adopted.session_key == key:
+                del self._adopted[prefix]
+        elif adopted is not None and not adopted.closing:
+            # A reused lifecycle this gateway's predecessor held (not under the name).
+            del self._adopted[prefix]
+            key = adopted.session_key
+        else:
+            key = self._mint(session_id)
+        session = self._versioning.open_session(session_id, session_key=key)
+        self._cached[session_id] = _Cached(self._clock(), named=named is not None)
+        if named is not None and (named.binding is not None or named.adopted):
+            logger.info(
+                "session continued from the registry",
+                extra={
+                    "session": session.key,
+                    "version": named.binding.version_id if named.binding else None,
+                    "adopted": named.adopted,
+                },
+            )
+        return session
+
+    async def _open_named(self, session_id: str) -> tuple[NamedSession, bool]:
+        """The registry Session behind the name ``session_id``, and whether this call created it."""
+        adopted = self._adopted.get(_key_prefix(session_id, self._epoch))
+        if adopted is not None and adopted.closing:
+            raise SessionClosedError(
+                f"session {session_id!r} is being closed for idleness",
+                session=session_id,
+                reason="closed",
+            )
+        key = self._mint(session_id)
+        for _ in range(2):
+            lease_id = await self._lease_id(session_id)
+            request_id = new_request_id()  # every replay of this call reuses it
+            try:
+                named = await self._replayed(
+                    "open_named",
+                    session_id,
+                    functools.partial(
+                        self._registry.open_named,
+                        request_id=request_id,
+                        name=session_id,
+                        session_key=key,
+                        lease=lease_id,
+                    ),
+                )
+            except LeaseExpiredError as exc:
+                # The registry ended the lease before the keeper noticed: lost for good, and
+                # the next acquire opens a new incarnation (which adopts what the old one held).
+                assert self._lease is not None  # no lease was named, so none can have ended
+                self._lease.current.mark_lost(str(exc.details.get("reason") or "expired"))
+                continue
+            return named, named.session_key == key
+        raise SessionExpiredError(
+            f"session {session_id!r}: the gateway's lease ended twice while opening it; "
+            "nothing was sent",
+            session=session_id,
+            reason="lease_expired",
+        )
+
+    def _mint(self, session_id: str) -> str:
+        return f"{_key_prefix(session_id, self._epoch)}#{self._epoch}-{uuid.uuid4().hex}"
+
+    async def _lease_id(self, session_id: str) -> str | None:
+        if self._lease is None:
+            return None
+        try:
+            return (await self._lease.acquire()).lease_id
+        except AgenticLoRAError:
+            raise
+        except Exception as exc:
+            raise RequestRefusedError(
+                f"session {session_id!r}: the gateway's lease was not confirmed ({exc!r}); "
+                "nothing was sent",
+                session=session_id,
+                stage="lease",
+            ) from exc
+
+    async def _replayed(self, verb: str, session_id: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        try:
+            return await call()  # the common case, without the retry machinery's cost
+        except Exception as exc:
+            if not _is_transient(exc) or self._attempts == 1:
+                return self._refused(verb, session_id, exc)
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(self._attempts - 1),
+                wait=self._wait,
+                retry=retry_if_exception(_is_transient),
+                reraise=True,
+            ):
+                with attempt:
+                    logger.warning(
+                        "replaying registry call with the same request id",
+                        extra={
+                            "session": session_id,
+                            "verb": verb,
+                            "attempt": attempt.retry_state.attempt_number + 1,
+                        },
+                    )
+                    return await call()
+        except Exception as exc:
+            return self._refused(verb, session_id, exc)
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+    @staticmethod
+    def _refused(verb: str, session_id: str, exc: Exception) -> NoReturn:
+        if isinstance(exc, AgenticLoRAError):
+            raise exc
+        raise RequestRefusedError(
+            f"session {session_id!r}: {verb} was not confirmed by the registry ({exc!r}); "
+            "nothing was sent",
+            session=session_id,
+            stage=verb,
+        ) from exc
+
+    # --- use ------------------------------------------------------------------------------------
 
     def touch(self, session_id: str) -> None:
         """Mark ``session_id`` as used now (called when a request of it ends)."""
-        if session_id in self._last_used:
-            self._last_used[session_id] = self._clock()
+        cached = self._cached.get(session_id)
+        if cached is not None:
+            cached.last_used = self._clock()
 
     def live(self) -> int:
-        """Sessions opened here and not yet closed."""
-        return len(self._last_used)
+        """Sessions this process holds (opened here or adopted) and has not closed yet."""
+        return len(self._cached) + len(self._adopted)
 
-    def _remember_closed(self, session_id: str, why: str) -> None:
-        if self._reuse:
-            return
-        self._closed[session_id] = why
-        self._closed.move_to_end(session_id)
-        while len(self._closed) > self._memory:
-            self._closed.popitem(last=False)
+    def adopted(self) -> int:
+        """Sessions adopted from this gateway's previous incarnation and not used here since."""
+        return len(self._adopted)
+
+    # --- closing --------------------------------------------------------------------------------
 
     async def close(self, session_id: str, *, why: str = "closed") -> ReleaseResult | None:
-        """Close the live Session ``session_id``; None when there is none.
+        """Close the Session ``session_id`` wherever it was opened; None when there is none.
 
-        The id is refused from the moment the close starts, so no request can slip in and open
-        a second lifecycle while the first one drains.
+        The registry tombstones the id from the moment the close starts (``begin_close``), on
+        every replica, so no request can open a second lifecycle while the first one drains. An
+        id the registry does not know is tombstoned too (a straggler must not open it later)
+        and answers None, as does an id already closed.
         """
+        task = self._opening.get(session_id)
+        if task is not None:
+            await asyncio.wait([task])  # its outcome is its requests' business, not the close's
         session = self._versioning.get(session_id)
+        created = False
         if session is None:
-            return None
-        self._remember_closed(session_id, why)
+            found = await self._find_for_close(session_id)
+            if found is None:
+                return None
+            key, created = found
+            # A request may have opened it here meanwhile: that local copy is the one to close.
+            session = self._versioning.get(session_id) or self._versioning.open_session(
+                session_id, session_key=key
+            )
         result = await session.close()
-        self._last_used.pop(session_id, None)
-        return result
+        self._cached.pop(session_id, None)
+        logger.info(
+            "session closed",
+            extra={"session": session.key, "version": _version_of(session), "why": why},
+        )
+        return None if created else result
+
+    async def _find_for_close(self, session_id: str) -> tuple[str, bool] | None:
+        """The registry key to close for ``session_id`` and whether the name was new here, or
+        None when it is closed already."""
+        prefix = _key_prefix(session_id, self._epoch)
+        try:
+            named, created = await self._open_named(session_id)
+        except (SessionClosedError, SessionExpiredError):
+            adopted = self._adopted.get(prefix)
+            if adopted is None or adopted.closing:
+                return None
+            # A reused lifecycle adopted at a restart: it is not under the (closed) name.
+            del self._adopted[prefix]
+            return adopted.session_key, False
+        adopted = self._adopted.get(prefix)
+        if adopted is not None and adopted.session_key == named.session_key:
+            del self._adopted[prefix]
+        return named.session_key, created
 
     async def reap_idle(self, idle_for: float) -> tuple[str, ...]:
         """Close every Session unused for ``idle_for`` seconds with nothing in flight.
 
-        Sessions whose earlier release was not confirmed (still FINALIZING) are closed again.
-        Returns the ids closed by this call; a release that fails again is logged and retried by
-        the next call.
+        Sessions whose earlier release was not confirmed (still FINALIZING) are closed again, and
+        adopted Sessions count as used when they were adopted. Returns the ids closed by this
+        call; a release that fails again is logged and retried by the next call.
         """
         now = self._clock()
         closed: list[str] = []
-        for session_id, last in list(self._last_used.items()):
+        for session_id, cached in list(self._cached.items()):
             session = self._versioning.get(session_id)
             if session is None:  # closed by someone else (e.g. the Python API)
-                self._last_used.pop(session_id, None)
+                self._cached.pop(session_id, None)
                 continue
             stuck = session.phase is SessionPhase.FINALIZING
-            if not stuck and (session.in_flight or now - last < idle_for):
+            if not stuck and (session.in_flight or now - cached.last_used < idle_for):
                 continue
             try:
                 await self.close(session_id, why="idle")
@@ -172,5 +577,55 @@ class GatewaySessions:
                 )
                 continue
             closed.append(session_id)
-            logger.info("idle Session closed", extra={"session": session.key})
+        opening = {_key_prefix(session_id, self._epoch) for session_id in self._opening}
+        for prefix, adopted in list(self._adopted.items()):
+            if now - adopted.since < idle_for or prefix in opening:
+                continue
+            if await self._close_adopted(prefix, adopted):
+                closed.append(prefix)
         return tuple(closed)
+
+    async def _close_adopted(self, prefix: str, adopted: _Adopted) -> bool:
+        # Set before the first await: a request for this id from now on is refused instead of
+        # opening the Session under our feet (see _open_named).
+        adopted.closing = True
+        key = adopted.session_key
+        try:
+            await self._replayed(
+                "begin_close",
+                prefix,
+                lambda: self._registry.begin_close(
+                    request_id=adopted.begin_close_id, session_key=key
+                ),
+            )
+            result = await self._replayed(
+                "release",
+                prefix,
+                lambda: self._registry.release(request_id=adopted.release_id, session_key=key),
+            )
+        except AgenticLoRAError as exc:
+            logger.warning(
+                "idle adopted Session close not confirmed; retried next round",
+                extra={"session": key, "error": exc.code},
+            )
+            return False
+        if self._adopted.get(prefix) is adopted:
+            del self._adopted[prefix]
+        try:
+            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=[key])
+        except Exception as exc:
+            # Only memory: the record is closed; the name stays a tombstone either way.
+            logger.warning(
+                "forget_sessions failed for an adopted Session",
+                extra={"session": key, "error": repr(exc)},
+            )
+        logger.info(
+            "idle adopted Session closed",
+            extra={"session": key, "version": result.version_id, "why": "idle"},
+        )
+        return True
+
+
+def _version_of(session: Session) -> str | None:
+    binding = session.binding
+    return binding.version_id if binding is not None else None

@@ -30,6 +30,7 @@ from agentic_lora.errors import (
 from agentic_lora.publisher import PhaseEvent, PublicationResult
 from agentic_lora.reclaimer import ReclaimReport
 from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.resolver import ResolveReport
 
 __all__ = [
     "NDJSON",
@@ -43,6 +44,7 @@ __all__ = [
     "phase_event_json",
     "publication_json",
     "reclaim_report_json",
+    "resolve_report_json",
     "should_retry",
     "status_json",
 ]
@@ -67,6 +69,7 @@ _STATUS_BY_CODE: Mapping[str, int] = {
     "SESSION_STATE": 409,
     "SESSION_CLOSED": 409,
     "SESSION_EXPIRED": 409,
+    "VERSION_TOO_STALE": 409,
     "LEASE_EXPIRED": 409,
     "VERSION_NOT_DISPATCHABLE": 410,
     "DISPATCH_ERROR": 400,
@@ -193,6 +196,15 @@ def reclaim_report_json(report: ReclaimReport) -> dict[str, Any]:
         "results": jsonable(report.results),
         "reclaimed": list(report.reclaimed),
         "pending": list(report.pending),
+    }
+
+
+def resolve_report_json(report: ResolveReport) -> dict[str, Any]:
+    """A resolve as JSON: each version's publication result, as ``/admin/publish`` answers it."""
+    return {
+        "results": [publication_json(r) for r in report.results],
+        "resolved": list(report.resolved),
+        "blocked": list(report.blocked),
     }
 
 

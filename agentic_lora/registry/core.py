@@ -97,7 +97,7 @@ MUTATING_VERBS: frozenset[str] = frozenset(
 #: the core stays clock-free: a journal replays every expiry exactly as it first happened. ``now``
 #: is not part of a call's idempotency fingerprint (a replay carries a later time).
 TIMED_VERBS: frozenset[str] = frozenset(
-    {"open_lease", "renew_lease", "resume_leases", "sweep", "open_named"}
+    {"open_lease", "renew_lease", "resume_leases", "sweep", "open_named", "begin_close"}
 )
 
 #: What a new incarnation of an owner does with its predecessor's Sessions: a rollout worker's
@@ -614,7 +614,11 @@ class RegistryCore:
             state=state.value,
         )
 
-    def begin_close(self, session_key: str) -> SessionStatus:
+    def begin_close(self, session_key: str, now: float | None = None) -> SessionStatus:
+        # ``now`` dates a named Session's tombstone (its age bounds how long the name stays
+        # refused); without it (a direct core call) the registry's latest time is used.
+        if now is not None:
+            self._tick(_check_time(now, "now"))
         s = self._sessions.get(session_key)
         if s is None:
             # Close before bind: keep a record so a late bind is refused.

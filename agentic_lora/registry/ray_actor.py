@@ -19,6 +19,8 @@ Ray is an optional extra (``agentic-lora[ray]``); importing this module does not
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from agentic_lora.errors import AgenticLoRAError, error_from_code
 from agentic_lora.registry.core import MUTATING_VERBS
 from agentic_lora.registry.types import (
     Binding,
+    CommitReceipt,
     RegistryStatus,
     VersionStatus,
     from_wire,
@@ -35,6 +38,8 @@ from agentic_lora.registry.types import (
 from agentic_lora.registry.verbs import RegistryVerbs
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_NAMESPACE", "RayRegistryClient", "RegistryActor", "connect"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "agentic-lora-registry"
 DEFAULT_NAMESPACE = "agentic-lora"
@@ -97,6 +102,12 @@ class RayRegistryClient(RegistryVerbs):
     one Ray round trip carries many Sessions' binds and releases, and the actor makes them durable
     in one group commit. A lost batch reply fails every call in it; each caller replays its own
     call with its own request id, as with any lost reply.
+
+    :meth:`peek_version` (the dispatch guard's read) answers from a local cache, refreshed by
+    every status read, every verb that returns a version, the first bind to a version, every
+    ``interval`` seconds once :meth:`start_refresh` runs, and at once for a version whose request
+    an engine refused (:meth:`on_refused`): that is how this process learns that an engine
+    restarted and lost a version (its ``ready_engines``), and that it got it back.
     """
 
     def __init__(self, actor: Any, *, coalesce: bool = True) -> None:
@@ -105,6 +116,11 @@ class RayRegistryClient(RegistryVerbs):
         self._pending: list[tuple[str, str, Any, asyncio.Future[dict[str, Any]]]] = []
         self._deliveries: set[asyncio.Task[None]] = set()
         self._versions: dict[str, VersionStatus] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        self._refetching: dict[str, asyncio.Task[None]] = {}
+        # The highest default revision any reply showed: replies may arrive out of order, and
+        # keeping the maximum means this cache never moves back (a lag is never over-counted).
+        self._default_revision: int | None = None
 
     @property
     def actor(self) -> Any:
@@ -122,7 +138,23 @@ class RayRegistryClient(RegistryVerbs):
             result = _unwrap(await fut)
         if isinstance(result, VersionStatus):
             self._versions[result.version_id] = result
+        elif isinstance(result, CommitReceipt | Binding):
+            self._see_revision(result.default_revision)
         return result
+
+    def _see_revision(self, revision: int) -> None:
+        if self._default_revision is None or revision > self._default_revision:
+            self._default_revision = revision
+
+    def default_revision(self) -> int | None:
+        """The registry's default revision as last seen here (no I/O; None before any read).
+
+        Refreshed by every status read (so by :meth:`start_refresh`), every commit and every
+        bind made through this client. It can only lag behind the registry's, so a Session lag
+        computed from it is never over-estimated (a
+        :class:`~agentic_lora.provenance.DefaultRevisionReader`).
+        """
+        return self._default_revision
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -158,6 +190,7 @@ class RayRegistryClient(RegistryVerbs):
     async def status(self) -> RegistryStatus:
         r: RegistryStatus = await self._read("status")
         self._versions = {v.version_id: v for v in r.versions}
+        self._see_revision(r.default_revision)
         return r
 
     async def version(self, version_id: str) -> VersionStatus:
@@ -181,6 +214,57 @@ class RayRegistryClient(RegistryVerbs):
     def peek_version(self, version_id: str) -> VersionStatus | None:
         """The cached status of a version (no I/O; see the class docstring for its freshness)."""
         return self._versions.get(version_id)
+
+    def start_refresh(self, interval: float) -> None:
+        """Refresh the version cache every ``interval`` seconds until :meth:`stop_refresh`."""
+        if not interval > 0:
+            raise ValueError("the refresh interval must be above 0")
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(
+                self._refresh_every(interval), name="lora-registry-cache-refresh"
+            )
+
+    async def stop_refresh(self) -> None:
+        """Stop the background refresh and any refused-dispatch re-read still running."""
+        tasks = [t for t in (self._refresher, *self._refetching.values()) if t is not None]
+        self._refresher = None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def on_refused(self, engine: str, binding: Binding) -> asyncio.Task[None]:
+        """A dispatch refused by ``engine``: re-read ``binding``'s version now (one read per
+        version at a time, returned), so its holders are current before the next dispatch."""
+        version_id = binding.version_id
+        running = self._refetching.get(version_id)
+        if running is not None:
+            return running
+        task = asyncio.get_running_loop().create_task(
+            self._refetch(version_id), name=f"lora-registry-refetch {version_id}"
+        )
+        self._refetching[version_id] = task
+        task.add_done_callback(lambda _: self._refetching.pop(version_id, None))
+        return task
+
+    async def _refetch(self, version_id: str) -> None:
+        try:
+            await self.fetch_version(version_id)
+        except Exception as exc:
+            logger.warning(
+                "version re-read after a refused dispatch failed",
+                extra={"version": version_id, "error": repr(exc)},
+            )
+
+    async def _refresh_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except Exception as exc:
+                # The cache keeps its last answer; the next interval tries again.
+                logger.warning("version cache refresh failed", extra={"error": repr(exc)})
 
 
 def _unwrap(reply: dict[str, Any]) -> Any:

@@ -1,10 +1,11 @@
 """The registry as a detached Ray actor on a local Ray cluster: one writer shared by name, typed
-errors across the process boundary, lost replies replayed by request id, and a killed actor that
-comes back from its journal."""
+errors across the process boundary, lost replies replayed by request id, a killed actor that
+comes back from its journal, and owner leases kept by workers through the actor."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from agentic_lora.errors import CapacityError, NoPublishedVersionError, SessionClosedError  # noqa: E402
+from agentic_lora.leases import LeaseKeeper  # noqa: E402
 from agentic_lora.registry.ray_actor import RayRegistryClient, connect  # noqa: E402
 from agentic_lora.registry.types import ReadyReceipt, new_request_id  # noqa: E402
 
@@ -114,3 +116,48 @@ async def test_a_killed_actor_restarts_from_its_journal(ray_cluster: None, tmp_p
     assert replay.version_id == "A"
     assert (await replayed(lambda: reg.version("A"))).session_refs == 1
     ray.kill(reg.actor, no_restart=True)
+
+
+def _never(delay: float) -> asyncio.Future[None]:
+    """The sleep of a dead worker: its keeper never renews again."""
+    return asyncio.get_running_loop().create_future()
+
+
+async def test_workers_keep_leases_through_the_actor_restarts_release_and_the_sweeper_expires(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    journal = tmp_path / "j.sqlite"
+    w1, w2 = _client("leases", journal), _client("leases", journal)  # two workers, one actor
+    await _publish(w1, "A")
+    dead = LeaseKeeper(w1, owner="worker-1", ttl=60, sleep=_never)
+    alive = LeaseKeeper(w2, owner="worker-2", ttl=60)
+    for keeper, client, key in ((dead, w1, "w1-s"), (alive, w2, "w2-s")):
+        term = await keeper.acquire()
+        await client.bind_first(request_id=new_request_id(), session_key=key, lease=term.lease_id)
+    assert (await w2.version("A")).session_refs == 2
+
+    # Worker 1 restarts: a new process (client and keeper), the same owner id. Its
+    # predecessor's Session is released by the open itself, not by a TTL.
+    w1b = _client("leases", journal)
+    restarted = LeaseKeeper(w1b, owner="worker-1", ttl=60)
+    await restarted.acquire()
+    assert restarted.incarnation != dead.incarnation
+    assert (await w1b.version("A")).session_refs == 1
+
+    # A worker that stops renewing: the actor's own sweeper expires its lease after the TTL.
+    # Polled with a generous bound: the verdict does not depend on how fast this machine is.
+    silent = LeaseKeeper(w2, owner="worker-3", ttl=1.0, sleep=_never)
+    term = await silent.acquire()
+    await w2.bind_first(request_id=new_request_id(), session_key="w3-s", lease=term.lease_id)
+    assert (await w2.version("A")).session_refs == 2
+    give_up = time.monotonic() + 60
+    while (await w2.version("A")).session_refs != 1:
+        assert time.monotonic() < give_up, "the actor's sweeper never expired the silent lease"
+        await asyncio.sleep(0.1)
+    owners = {lease.owner for lease in (await w2.status()).leases}
+    assert owners == {"worker-1", "worker-2"}  # the renewing ones are untouched
+
+    for keeper in (dead, alive, restarted, silent):
+        await keeper.aclose()
+    assert (await w2.status()).leases == ()
+    ray.kill(w1.actor, no_restart=True)

@@ -22,8 +22,12 @@ because nothing below it ever resends (see :mod:`agentic_lora.transport`):
   continuing the partial assistant message (``continue_final_message``) with the rest of the token
   budget, bounded by ``max_resumes``.
 * **unreadable tool call**: sampled again, bounded by ``max_resamples``.
-* any other middleware refusal (the Session is closing, its version is being reclaimed): the
-  episode ends ``FAILED`` with the error code.
+* any other middleware refusal (the Session is closing, its version is being reclaimed, or its
+  version fell more than ``max_version_lag`` publications behind: ``VERSION_TOO_STALE``): the
+  episode ends ``FAILED`` with the error code; whether to train on it is the trainer's choice.
+
+Every :class:`~agentic_lora_agent.records.Episode` carries the Session's
+:meth:`~agentic_lora.session.Session.provenance` (which version produced it and each turn's lag).
 """
 
 from __future__ import annotations
@@ -287,6 +291,7 @@ class ToolAgent:
             lora_name=binding.lora_name if binding is not None else None,
             answer=answer,
             error_code=error_code,
+            provenance=self._session.provenance(),
         )
 
     async def _generate_turn(
@@ -383,6 +388,7 @@ class ToolAgent:
         self._in_flight = rid
         started = self._clock()
         reply: _Reply | None = None
+        lag: int | None = None
         outcome = AttemptOutcome.OK
         engine: str | None = None
         code: str | None = None
@@ -391,6 +397,7 @@ class ToolAgent:
         try:
             answer = await session.chat_completions(body)
             engine = answer.engine
+            lag = answer.provenance.lag if answer.provenance is not None else None
             reply = _read_reply(answer.body)
         except (RequestRefusedError, RequestIndeterminateError) as exc:
             refused = isinstance(exc, RequestRefusedError)
@@ -431,6 +438,7 @@ class ToolAgent:
             error_code=code,
             error=error,
             http_status=status,
+            version_lag=lag,
         )
         logger.info(
             "generation %s",

@@ -4,12 +4,18 @@ Every HTTP attempt of a generation, successful or not, is an :class:`AttemptReco
 and the version it was bound to, the engine that served it, tokens, latency and the logprob of
 every sampled token. A :class:`TurnRecord` groups the attempts of one turn (a first attempt, then
 any retry, resume or resample) with the tool calls that followed it.
+
+An :class:`Episode` also carries its Session's provenance (``Session.provenance()``: version id,
+full digest, adapter name, default revision at bind and the lag of every turn), the record a
+trainer stores with the trajectory for importance weighting or for dropping by lag.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from agentic_lora_agent.tools import ToolCall, ToolResult
 
@@ -67,6 +73,9 @@ class AttemptRecord:
     error_code: str | None = None
     error: str | None = None
     http_status: int | None = None
+    # Publications the default was ahead of the bound version when this attempt started (only
+    # for attempts that got a reply; None when unknown).
+    version_lag: int | None = None
 
     @property
     def logprob(self) -> float:
@@ -112,6 +121,8 @@ class Episode:
     lora_name: str | None
     answer: str | None = None
     error_code: str | None = None
+    # The Session's ``provenance()`` when the episode ended (JSON-able; None if not taken).
+    provenance: Mapping[str, Any] | None = None
 
     @property
     def attempts(self) -> tuple[AttemptRecord, ...]:

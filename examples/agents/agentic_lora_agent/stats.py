@@ -58,7 +58,8 @@ def episode_line(episode: Episode, *, short_names: Sequence[tuple[str, str]] = (
 
 
 def episode_json(episode: Episode) -> dict[str, Any]:
-    """``episode`` as plain JSON-ready data (every attempt included)."""
+    """``episode`` as plain JSON-ready data (every attempt included, and the Session's
+    provenance next to them: what a trainer stores with the trajectory)."""
     return {
         "session": episode.session_id,
         "task": episode.task_id,
@@ -67,6 +68,7 @@ def episode_json(episode: Episode) -> dict[str, Any]:
         "answer": episode.answer,
         "error_code": episode.error_code,
         "observations": list(episode.observations),
+        "provenance": dict(episode.provenance) if episode.provenance is not None else None,
         "attempts": [
             {
                 "turn": a.turn,
@@ -85,6 +87,7 @@ def episode_json(episode: Episode) -> dict[str, Any]:
                 "finish_reason": a.finish_reason,
                 "http_status": a.http_status,
                 "error_code": a.error_code,
+                "version_lag": a.version_lag,
             }
             for a in episode.attempts
         ],
