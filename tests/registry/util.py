@@ -6,7 +6,13 @@ import hashlib
 from typing import Any
 
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.types import ReadyReceipt, Reservation, new_request_id
+from agentic_lora.registry.types import (
+    Binding,
+    LeaseGrant,
+    ReadyReceipt,
+    Reservation,
+    new_request_id,
+)
 
 E0, E1 = "e0", "e1"
 
@@ -71,3 +77,39 @@ def reclaim(core: RegistryCore, version_id: str) -> None:
 
 def new_core(capacity: int = 2, **kw: Any) -> RegistryCore:
     return RegistryCore(engines=(E0, E1), capacity=capacity, **kw)
+
+
+def lease(
+    core: RegistryCore,
+    owner: str,
+    incarnation: str,
+    *,
+    now: float,
+    ttl: float = 10.0,
+    on_restart: str = "release",
+) -> LeaseGrant:
+    grant: LeaseGrant = call(
+        core,
+        "open_lease",
+        owner=owner,
+        incarnation=incarnation,
+        ttl=ttl,
+        now=now,
+        on_restart=on_restart,
+    )
+    return grant
+
+
+def bind_on(core: RegistryCore, session: str, lease_id: str | None) -> Binding:
+    binding: Binding = call(core, "bind_first", session_key=session, lease=lease_id)
+    return binding
+
+
+class FakeClock:
+    """An injected registry clock: time moves only when a test (or machine rule) moves it."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
