@@ -7,6 +7,9 @@
   on, with the publication windows, commits and reclaims; Session refs per version from the
   registry; request latency by completion time.
 * ``memory_rss.png``: RSS over the million Session open/close cycles.
+* ``recovery.png``: per fault kind (``bench/chaos.py``), every run's time from the kill -9 to the
+  killed part running again, to the first committed publication and to the first successful
+  generation of an affected Session, with the issue's goals drawn where they apply.
 
 A plot whose JSON is missing is skipped with a note. Usage: python bench/plot.py
 """
@@ -28,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-__all__ = ["main", "plot_dispatch", "plot_memory", "plot_publication"]
+__all__ = ["main", "plot_dispatch", "plot_memory", "plot_publication", "plot_recovery"]
 
 IMG_DIR = REPO_ROOT / "docs" / "img"
 VARIANT_COLOURS = {
@@ -253,11 +256,75 @@ def plot_memory() -> Path | None:
     return _save(fig, "memory_rss.png")
 
 
+# --- recovery ------------------------------------------------------------------------------------
+
+RECOVERY_TIMES = (
+    ("back_s", "killed part runs again", "#7f7f7f"),
+    ("first_publication_s", "first committed publication", "#1f77b4"),
+    ("first_affected_generation_s", "first generation of an affected Session", "#2ca02c"),
+    ("slots_back_s", "slots back (worker)", "#ff7f0e"),
+    ("restart_releases_s", "restart released the old lease (worker, from its restart)", "#9467bd"),
+)
+FAULT_LABELS = {
+    "engine": "engine restart",
+    "gateway": "gateway process",
+    "registry-host": "registry host\n(inside a publication)",
+    "worker": "rollout worker",
+    "registry-actor": "registry actor (Ray)",
+}
+
+
+def plot_recovery() -> Path | None:
+    """Each run's recovery times per fault kind (dots), medians (bars), goals (red ticks)."""
+    data = _load("chaos")
+    if data is None:
+        return None
+    runs = data["runs"]
+    kinds = [k for k in FAULT_LABELS if any(r["kind"] == k for r in runs)]
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 1.3 * len(kinds)))
+    height = 0.8 / len(RECOVERY_TIMES)
+    for j, (key, label, colour) in enumerate(RECOVERY_TIMES):
+        for i, kind in enumerate(kinds):
+            values = [r[key] for r in runs if r["kind"] == kind and r.get(key) is not None]
+            if not values:
+                continue
+            y = i + (j - (len(RECOVERY_TIMES) - 1) / 2) * height
+            values.sort()
+            ax.barh(y, values[len(values) // 2], height, color=colour, alpha=0.35,
+                    label=label if i == next(
+                        n for n, k in enumerate(kinds)
+                        if any(r["kind"] == k and r.get(key) is not None for r in runs)
+                    ) else None)  # fmt: skip
+            ax.scatter(values, [y] * len(values), color=colour, s=14, zorder=3)
+    goals: dict[str, list[float]] = {}
+    for r in runs:
+        if r["kind"] == "engine" and r.get("back_s") is not None:
+            goals.setdefault("engine", []).append(r["back_s"] + 5.0)
+    ttl = data.get("settings", {}).get("lease_ttl", 5.0)
+    if "worker" in kinds:
+        goals["worker"] = [ttl + 5.0]
+    for i, kind in enumerate(kinds):
+        for g in goals.get(kind, []):
+            ax.plot([g, g], [i - 0.45, i + 0.45], color="#d62728", linewidth=1.5)
+    ax.plot([], [], color="#d62728", label="goal: engine back + 5 s / lease TTL + 5 s")
+    ax.set_yticks(range(len(kinds)), [FAULT_LABELS[k] for k in kinds])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds after the kill -9 (bars: median; dots: every run)")
+    ax.set_title(
+        f"Recovery per fault kind ({data['settings']['repeat']} runs each, "
+        "two SGLang engines on a 2-core CPU machine)"
+    )
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, "recovery.png")
+
+
 def main() -> None:
     """Draw every plot whose data exists."""
     plot_dispatch()
     plot_publication()
     plot_memory()
+    plot_recovery()
 
 
 if __name__ == "__main__":

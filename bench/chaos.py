@@ -1,0 +1,273 @@
+"""Recovery per fault kind: how long after a kill -9 the fleet publishes and serves again.
+
+Runs the chaos suite's scenarios (``tests/chaos/scenarios.py``: the same topologies, agents,
+publication loop and invariant checks as the chaos tests) on two real SGLang engines started for
+this run, ``--repeat`` times per fault kind, and measures on one monotonic clock:
+
+* **back**: from the fault until the killed part runs again (engine healthy, ``serve`` serving,
+  registry actor restarted by Ray; for a rollout worker, from its second kill to its restart);
+* **first publication**: from the fault to the end of the first publication that committed after
+  it (publications are tried every 3 s, and 1 s after one that did not commit);
+* **first affected generation**: from the fault to the end of the first successful generation of
+  a Session the fault affected (engine: Sessions the killed engine had served and still open;
+  gateway / registry host: Sessions open at the kill; registry actor: any worker Session; rollout
+  worker: from the restart, the restarted worker's first);
+* rollout worker only: **refs released** (its lease expired, TTL 5 s), **slots back** (no version
+  it pinned still holds a slot for it) and **restart releases** (a restarted worker ends its
+  predecessor's two-minute lease).
+
+Every run's invariant violations are counted too (``problems``; the chaos tests fail on any).
+
+Goals (issue 10): engine restart: affected Sessions served again within the engine's start time
++ 5 s, with 0 failed requests for Sessions whose version another engine holds; worker crash:
+slots back within TTL + 5 s, or within 5 s of the owner's restart.
+
+Prints a table and writes ``bench/out/chaos.json`` (``bench/plot.py`` draws
+``docs/img/recovery.png`` from it).
+
+Usage: python bench/chaos.py [--repeat 3] [--faults engine,gateway,registry-host,worker,registry-actor]
+       [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, add_example_agents_to_path, engine_log_dir, machine, print_table
+from common import write_result as write_json
+
+__all__ = ["FAULTS", "main", "run_fault", "summarize_runs"]
+
+logger = logging.getLogger(__name__)
+
+#: Fault kinds, in the order they run.
+FAULTS = ("engine", "gateway", "registry-host", "worker", "registry-actor")
+RAY_FAULTS = frozenset({"worker", "registry-actor"})
+TIMES = (
+    "back_s",
+    "first_publication_s",
+    "first_affected_generation_s",
+    "refs_released_s",
+    "slots_back_s",
+    "restart_releases_s",
+)
+
+
+async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int) -> dict[str, Any]:
+    """One run of fault ``kind``; the scenario's report as a dict (plus the wall time)."""
+    from tests.chaos import scenarios
+    from tests.chaos.support import scenario_rng
+
+    rng = scenario_rng(f"bench-{kind}-{index}", seed)
+    started = time.monotonic()
+    if kind == "engine":
+        report = await scenarios.engine_restart(fleet, workdir, rng, name=f"{kind}-{index}")
+    elif kind in ("gateway", "registry-host"):
+        during = "traffic" if kind == "gateway" else "publication"
+        report = await scenarios.serve_killed(
+            fleet, workdir, rng, during=during, name=f"{kind}-{index}"
+        )
+    else:
+        fault = "worker" if kind == "worker" else "actor"
+        report = await scenarios.ray_topology(
+            fleet, workdir, rng, fault=fault, name=f"{kind}-{index}"
+        )
+    out = report.as_dict()
+    out["kind"] = kind
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    for key in ("refs_released_s", "slots_back_s", "restart_releases_s", "engine_start_s"):
+        if key in report.times:
+            out[key] = report.times[key]
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"n": 0, "median": None, "min": None, "max": None}
+    return {
+        "n": len(values),
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+def _failed_after(run: dict[str, Any]) -> int:
+    """Failed attempts that started after the fault (for the gateway kinds that includes the
+    refusals while it was down: nothing was sent)."""
+    if "failed_after_fault" in run["times"]:
+        return int(run["times"]["failed_after_fault"])
+    return len(run["failures"].get("after", ()))
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per fault kind: every time's median / min / max, failures after the fault, problems, goals."""
+    out: dict[str, Any] = {}
+    for kind in FAULTS:
+        mine = [r for r in runs if r["kind"] == kind]
+        if not mine:
+            continue
+        goals: dict[str, list[bool]] = {}
+        for r in mine:
+            for goal, held in r["goals"].items():
+                goals.setdefault(goal, []).append(bool(held))
+        out[kind] = {
+            "runs": len(mine),
+            **{t: _stats([r[t] for r in mine if r.get(t) is not None]) for t in TIMES},
+            "engine_start_s": _stats(
+                [r["engine_start_s"] for r in mine if r.get("engine_start_s")]
+            ),
+            "failed_after_fault": sum(_failed_after(r) for r in mine),
+            "lost_in_flight": sum(
+                len(r["failures"].get("in_flight", ())) + len(r["failures"].get("cut_by_kill", ()))
+                for r in mine
+            ),
+            "requests": sum(r["requests"] for r in mine),
+            "problems": sum(len(r["problems"]) for r in mine),
+            "goals": {goal: f"{sum(h)}/{len(h)}" for goal, h in goals.items()},
+        }
+    return out
+
+
+def report(summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """Print the per-fault table, the goals, and every problem a run found."""
+
+    def cell(stats: dict[str, Any]) -> str:
+        if not stats["n"]:
+            return "-"
+        return f"{stats['median']:.1f} ({stats['min']:.1f}-{stats['max']:.1f})"
+
+    print("\n== recovery, seconds from the fault: median (min-max) ==")
+    print_table(
+        ["fault", "runs", "back", "first publication", "first affected gen", "failed after",
+         "lost in flight", "problems"],
+        [
+            [kind, s["runs"], cell(s["back_s"]), cell(s["first_publication_s"]),
+             cell(s["first_affected_generation_s"]), s["failed_after_fault"], s["lost_in_flight"],
+             s["problems"]]
+            for kind, s in summary.items()
+        ],
+    )  # fmt: skip
+    if "worker" in summary:
+        w = summary["worker"]
+        print(
+            f"\nrollout worker: refs released {cell(w['refs_released_s'])}, slots back "
+            f"{cell(w['slots_back_s'])} after the kill; a restart released its predecessor's "
+            f"refs {cell(w['restart_releases_s'])} after it was started"
+        )
+    if "engine" in summary:
+        print(f"engine start time: {cell(summary['engine']['engine_start_s'])}")
+    print("\n== goals (runs that held / runs) ==")
+    for kind, s in summary.items():
+        for goal, held in s["goals"].items():
+            n, total = (int(x) for x in held.split("/"))
+            print(f"  {'HOLDS ' if n == total else 'MISSES'}  {kind}: {goal} ({held})")
+    for r in runs:
+        for problem in r["problems"]:
+            print(f"  problem in {r['kind']} run {r['seed_name']}: {problem}")
+
+
+async def main_async(a: argparse.Namespace) -> dict[str, Any]:
+    """Start a fleet (and a Ray cluster if needed), run every chosen fault ``a.repeat`` times."""
+    from agentic_lora_harness.engine_env import ensure_engine_env
+    from agentic_lora_harness.engines import EngineFleet
+    from agentic_lora_harness.fixture import build_fixture
+
+    from tests.chaos.support import chaos_seed
+
+    seed = a.seed if a.seed is not None else chaos_seed()
+    started = machine()
+    env = await asyncio.to_thread(ensure_engine_env)
+    fixture = await asyncio.to_thread(build_fixture)
+    runs: list[dict[str, Any]] = []
+    ray_up = False
+    async with EngineFleet(env, fixture, count=2, log_dir=engine_log_dir()) as fleet:
+        try:
+            for kind in a.faults:
+                if kind in RAY_FAULTS and not ray_up:
+                    import ray
+
+                    from tests.chaos.scenarios import RAY_NAMESPACE
+
+                    ray.init(
+                        num_cpus=2,
+                        include_dashboard=False,
+                        namespace=RAY_NAMESPACE,
+                        log_to_driver=False,
+                    )
+                    ray_up = True
+                for index in range(a.repeat):
+                    with tempfile.TemporaryDirectory(prefix=f"bench-chaos-{kind}-") as tmp:
+                        run = await run_fault(kind, fleet, Path(tmp), seed, index)
+                    runs.append(run)
+                    print(
+                        f"{kind} #{index}: back {run['back_s']} s, first publication "
+                        f"{run['first_publication_s']} s, first affected generation "
+                        f"{run['first_affected_generation_s']} s, problems {len(run['problems'])}"
+                        f" (wall {run['wall_s']} s)",
+                        flush=True,
+                    )
+        finally:
+            if ray_up:
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+    started["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    from tests.chaos.scenarios import AGENTS, LEASE_TTL
+
+    return {
+        "machine": started,
+        "settings": {
+            "repeat": a.repeat,
+            "faults": list(a.faults),
+            "seed": seed,
+            "engines": 2,
+            "agents": AGENTS,
+            "lease_ttl": LEASE_TTL,
+        },
+        "summary": summarize_runs(runs),
+        "runs": runs,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse arguments, run, print, write bench/out/chaos.json."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--repeat", type=int, default=3, help="runs per fault kind")
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated fault kinds, from: {', '.join(FAULTS)}",
+    )
+    p.add_argument("--seed", type=int, help="seed of the random fault points (default: fresh)")
+    a = p.parse_args(argv)
+    a.faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+    unknown = sorted(set(a.faults) - set(FAULTS))
+    if unknown or a.repeat < 1:
+        p.error(f"unknown faults {unknown}" if unknown else "--repeat must be positive")
+    # The scenarios live with the chaos tests, so the benchmark measures what the tests check.
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    add_example_agents_to_path()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = asyncio.run(main_async(a))
+    report(result["summary"], result["runs"])
+    print(f"\nwritten: {write_json('chaos', result)}")
+
+
+if __name__ == "__main__":
+    main()
