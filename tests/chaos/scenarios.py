@@ -526,6 +526,7 @@ async def serve_killed(
                 affected = set(load.live) - parked
                 fault_at = now()
                 await serve.kill()
+                dead_at = now()
                 restarted = await serve.start()
                 back_at = now()
                 report.back_s = round(back_at - fault_at, 3)
@@ -591,6 +592,18 @@ async def serve_killed(
     report.episodes = len(load.episodes)
     report.publications = _publication_counts(pubs)
     report.problems += [f"agent loop error: {e}" for e in load.errors]
+    # A request that started while serve was being killed may have reached it: only those that
+    # started once it was dead must be typed refusals.
+    untyped = [
+        f"{a.session_id} {a.outcome.value} {a.error_code}"
+        for a in load.failed(started_after=dead_at)
+        if not _typed_refusal(a.outcome.value, a.error_code)
+    ]
+    if untyped:
+        report.problems.append(
+            f"{len(untyped)} requests that started after serve was dead failed otherwise than "
+            f"by a typed refusal (nothing sent): {untyped[:8]}"
+        )
     slack = LEASE_TTL + PUBLICATION_SLACK
     report.goals = {
         f"publication within TTL + {PUBLICATION_SLACK:.0f} s of the restart": (
@@ -806,10 +819,15 @@ async def ray_topology(
         "in_flight": [_line(a) for a in failed if a["start"] < fault_at <= a["end"]],
         "after": [_line(a) for a in failed if a["start"] >= fault_at],
     }
-    if report.failures["after"]:
+    untyped = [
+        _line(a)
+        for a in failed
+        if a["start"] >= fault_at and not _typed_refusal(a["outcome"], a["error_code"])
+    ]
+    if untyped:
         report.problems.append(
-            f"{len(report.failures['after'])} requests that started after the fault failed: "
-            f"{report.failures['after'][:8]}"
+            f"{len(untyped)} requests that started after the fault failed otherwise than by a "
+            f"typed refusal (nothing sent): {untyped[:8]}"
         )
     for w in workers:
         for e in w.events():
@@ -825,6 +843,19 @@ async def ray_topology(
             f"(first after {report.first_publication_s} s)"
         )
     return report
+
+
+#: Typed answers that say nothing was sent and the Session cannot go on: refused while a part was
+#: away is the other kind (outcome ``refused``).
+_ENDED_SESSION_CODES = frozenset({"SESSION_EXPIRED", "SESSION_CLOSED"})
+
+
+def _typed_refusal(outcome: str, code: str | None) -> bool:
+    """Whether a failed attempt is one a fault may cause without breaking a rule: refused before
+    anything was sent (the gateway or the registry was away: the agent may try again, and a bind
+    is replayed with its request id), or the typed end of a Session whose lease or name ended.
+    Never indeterminate: nothing that was sent was lost."""
+    return outcome == "refused" or code in _ENDED_SESSION_CODES
 
 
 def _line(a: dict[str, Any]) -> str:

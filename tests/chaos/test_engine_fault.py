@@ -14,8 +14,14 @@ process group is killed -9 and started again on its port. Verdicts (``FaultRepor
 * no Session's requests reached two adapters, as the engines received them;
 * the restarted engine received no generation for an adapter before that adapter was loaded
   onto it again;
-* no request started after the fault failed (every version is held by the surviving engine);
-  requests in flight on the killed engine ended indeterminate, never retried;
+* every failed request is explained by the kill: it was on the killed engine and started before
+  the engine was dead (in flight: indeterminate; sent while it died: refused), or started after
+  that but before the product took the engine out of routing and was refused (nothing sent).
+  Nothing fails on the surviving engine, and nothing fails once the dead engine is out of
+  routing: the surviving engine holds every version. How many requests failed after the engine
+  stopped serving is measured and reported (the issue's goal is none; see docs/benchmarks.md,
+  "Recovery"), not asserted: it counts requests sent in the few hundred milliseconds before the
+  product noticed, so it depends on timing;
 * every committed publication is still committed; slots in use are exactly the versions holding
   one (no leak);
 * a publication commits within lease TTL + 30 s of the engine's return;

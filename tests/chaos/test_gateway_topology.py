@@ -18,11 +18,14 @@ differ in *where* it dies:
   no process is finishing any more.
 
 Verdicts (``FaultReport.problems``): no Session's requests reached two adapters, as the engines
-received them (a running agent continues on its bound version or gets a typed refusal); every
-publication a caller saw committed is still committed and slots in use are exactly the versions
-holding one; a publication commits within lease TTL + 30 s of serve's return; once the load
-stops every retired version is reclaimed and no publication is left pending (the one cut by the
-kill is resolved by the restarted process).
+received them (a running agent continues on its bound version or gets a typed refusal: a
+request that starts after the kill fails only as refused, nothing sent, while serve is away, or
+as SESSION_EXPIRED/SESSION_CLOSED; the four parked Sessions must be served again, on their
+version, after serve is back and a new default is committed); every publication a caller saw
+committed is still committed and slots in use are exactly the versions holding one; a
+publication commits within lease TTL + 30 s of serve's return; once the load stops every retired
+version is reclaimed and no publication is left pending (the one cut by the kill is resolved by
+the restarted process).
 """
 
 from __future__ import annotations

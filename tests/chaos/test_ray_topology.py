@@ -20,8 +20,12 @@ the taps too, so the engine side sees every worker's Sessions.
   request ids; nothing is lost.
 
 Verdicts (``FaultReport.problems``) as in the other chaos tests: one adapter per Session at the
-engine side; every commit kept, no leaked slot; a publication within lease TTL + 30 s; every
-retired version reclaimed once the load stops.
+engine side; a request that starts after the fault fails only by a typed refusal (refused,
+nothing sent, e.g. a bind while the actor is away, replayed later with its request id; or
+SESSION_EXPIRED); every commit kept, no leaked slot; a publication within lease TTL + 30 s;
+every retired version reclaimed once the load stops. The killed worker's lease must end no
+earlier than half its TTL after the kill (else the check watched the wrong lease), and the
+restarted worker must end its predecessor's two-minute lease long before that TTL.
 """
 
 from __future__ import annotations
