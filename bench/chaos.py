@@ -184,7 +184,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     from agentic_lora_harness.engines import EngineFleet
     from agentic_lora_harness.fixture import build_fixture
 
-    from tests.chaos.support import chaos_seed
+    from tests.chaos.support import chaos_seed, fleet_left_as_found
 
     seed = a.seed if a.seed is not None else chaos_seed()
     started = machine()
@@ -209,7 +209,8 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                     ray_up = True
                 for index in range(a.repeat):
                     with tempfile.TemporaryDirectory(prefix=f"bench-chaos-{kind}-") as tmp:
-                        run = await run_fault(kind, fleet, Path(tmp), seed, index)
+                        async with fleet_left_as_found(fleet):
+                            run = await run_fault(kind, fleet, Path(tmp), seed, index)
                     runs.append(run)
                     print(
                         f"{kind} #{index}: back {run['back_s']} s, first publication "

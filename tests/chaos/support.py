@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1292,3 +1292,35 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"(no log: {exc})"
+
+
+async def _listed_adapters(client: httpx.AsyncClient, base_url: str) -> set[str]:
+    response = await client.get(f"{base_url}/v1/models")
+    assert response.status_code == 200, response.text
+    return {card["id"] for card in response.json()["data"] if card.get("parent") is not None}
+
+
+@contextlib.asynccontextmanager
+async def fleet_left_as_found(fleet: Any) -> AsyncIterator[None]:
+    """Around one scenario on a shared fleet: afterwards every engine runs again and lists only
+    adapters it listed before (an engine that was restarted lists less: it lost what it had).
+
+    A scenario ends with its last default still loaded and pinned: left there, it would hold
+    one of the engine's LoRA slots and the next scenario's publications would find the engine
+    full, so every leftover is unloaded."""
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False
+    ) as client:
+        before = {name: await _listed_adapters(client, url) for name, url in fleet.engines}
+        yield
+        for name in fleet.names:
+            if fleet.pid(name) is None:  # a scenario that failed between kill and restart
+                await fleet.arestart(name)
+        for name, url in fleet.engines:
+            for leftover in sorted(await _listed_adapters(client, url) - before[name]):
+                response = await client.post(
+                    f"{url}/unload_lora_adapter", json={"lora_name": leftover}
+                )
+                assert response.json()["success"] is True, response.text
+        for name, url in fleet.engines:
+            assert await _listed_adapters(client, url) <= before[name], name
