@@ -1,0 +1,40 @@
+"""Rollout workers on Ray: the trainer publishes, worker actors run agent Sessions.
+
+See ``examples/ray_rollout/README.md``. The parts:
+
+* :class:`RolloutWorker` (``worker.py``): the worker actor body; one ``Versioning`` on the shared
+  registry actor, an owner lease under a stable ``owner`` id, ``agents`` example-agent loops;
+* ``driver.py``: the registry actor, the trainer's ``Deployment`` (publisher, reclaimer) and
+  :func:`spawn_worker`;
+* :func:`rollout` (``rollout.py``): the whole example on a running fleet;
+* ``__main__.py``: ``python -m agentic_lora_rollout`` starts two SGLang engines on the tiny fixture
+  model (the test harness) and runs :func:`rollout` on them.
+"""
+
+from .driver import (
+    REGISTRY_NAMESPACE,
+    reclaim_until_settled,
+    registry_actor,
+    settled,
+    spawn_worker,
+    trainer_deployment,
+    worker_runtime_env,
+)
+from .rollout import RolloutReport, publish_when_free, rollout
+from .worker import EpisodeLoop, RolloutWorker, WorkerConfig
+
+__all__ = [
+    "REGISTRY_NAMESPACE",
+    "EpisodeLoop",
+    "RolloutReport",
+    "RolloutWorker",
+    "WorkerConfig",
+    "publish_when_free",
+    "reclaim_until_settled",
+    "registry_actor",
+    "rollout",
+    "settled",
+    "spawn_worker",
+    "trainer_deployment",
+    "worker_runtime_env",
+]

@@ -1,0 +1,149 @@
+"""The driver's side: the registry actor, the trainer's Deployment, and the rollout worker actors.
+
+The driver (the trainer's process) owns the named registry actor
+(:func:`~agentic_lora.registry.ray_actor.connect`, journaled) and the only publisher and reclaimer
+(a :class:`~agentic_lora.deployment.Deployment` on the actor's client). Rollout workers are Ray
+actors in their own processes (:func:`spawn_worker`); they find the registry by name.
+
+A reclaim can only start in the driver, but the releases that make a retired version reclaimable
+happen in the workers' processes, which cannot poke the driver's reclaimer:
+:func:`reclaim_until_settled` runs rounds until nothing is left to reclaim (a trainer would run
+one before each publication, or every few seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import agentic_lora_agent
+
+from agentic_lora.config import load_settings
+from agentic_lora.deployment import Deployment
+from agentic_lora.registry.ray_actor import RayRegistryClient, connect
+from agentic_lora.registry.types import RegistryStatus, VersionState
+
+from .worker import RolloutWorker, WorkerConfig
+
+__all__ = [
+    "REGISTRY_NAMESPACE",
+    "reclaim_until_settled",
+    "registry_actor",
+    "settled",
+    "spawn_worker",
+    "trainer_deployment",
+    "worker_runtime_env",
+]
+
+#: The Ray namespace the example's registry actor lives in.
+REGISTRY_NAMESPACE = "agentic-lora-rollout"
+
+#: Versions a reclaim round still has to finish.
+_UNFINISHED = frozenset(
+    {VersionState.LOADING, VersionState.ABORTED, VersionState.RETIRED, VersionState.RECLAIMING}
+)
+
+
+def worker_runtime_env() -> dict[str, Any]:
+    """A Ray ``runtime_env`` whose workers can import this package and the example agent.
+
+    Ray puts only the driver's working directory on a worker's ``sys.path``; the two example
+    packages live elsewhere, so they go on the workers' ``PYTHONPATH``.
+    """
+    here = Path(__file__).resolve().parents[1]
+    agents = Path(agentic_lora_agent.__file__).resolve().parents[1]
+    paths = [str(here), str(agents), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
+
+
+def registry_actor(
+    engines: Mapping[str, str], *, name: str, journal: Path, prefix: str = "policy_lora"
+) -> RayRegistryClient:
+    """The named, detached, journaled registry actor (created here; workers look it up)."""
+    return connect(
+        engines=list(engines),
+        capacity=2,
+        prefix=prefix,
+        journal_path=journal,
+        name=name,
+        namespace=REGISTRY_NAMESPACE,
+    )
+
+
+def trainer_deployment(
+    registry: RayRegistryClient,
+    engines: Mapping[str, str],
+    *,
+    base_model: str,
+    store_root: Path,
+    prefix: str = "policy_lora",
+) -> Deployment:
+    """The trainer's publisher and reclaimer on the shared registry (the ``http-push`` backend,
+    writing adapter directories under ``store_root``, which the engines must read at that path).
+
+    It opens no Sessions, so its own owner lease (opened at a first bind) never opens.
+    """
+    settings = load_settings(
+        enable_versioned_lora_publication=True,
+        engines=[f"{name}={url}" for name, url in engines.items()],
+        capacity=2,
+        base_model_name=base_model,
+        engine_max_loaded_loras=3,
+        engine_max_loras_per_batch=3,
+        lora_name_prefix=prefix,
+        request_timeout=120.0,
+    )
+    # Built from backend_options, the backend is the Deployment's: its aclose closes it.
+    return Deployment.from_settings(
+        settings, backend_options={"store_root": store_root}, registry=registry
+    )
+
+
+def spawn_worker(config: WorkerConfig) -> Any:
+    """Start one rollout worker actor (its own process); call ``start`` on it next.
+
+    ``max_restarts=0``: a dead worker stays dead; the framework starts a new one for the same
+    ``owner`` slot, and that restart releases the dead one's Sessions. ``num_cpus=0``: the
+    workers wait on engines, they do not compute.
+    """
+    import ray
+
+    actor = ray.remote(RolloutWorker).options(
+        num_cpus=0,
+        max_restarts=0,
+        max_task_retries=0,
+        runtime_env=worker_runtime_env(),
+    )
+    return actor.remote(config)
+
+
+def settled(status: RegistryStatus) -> bool:
+    """Nothing pending, retired or reclaiming: the only slot in use is the default's."""
+    return status.pending_version is None and not any(
+        v.state in _UNFINISHED for v in status.versions
+    )
+
+
+async def reclaim_until_settled(
+    deployment: Deployment, *, deadline_s: float = 120.0, pause_s: float = 0.5
+) -> RegistryStatus:
+    """Reclaim rounds until the registry is :func:`settled`; raises TimeoutError past the
+    deadline (a Session some worker never closed keeps its version)."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        await deployment.reclaim()
+        status = await deployment.status()
+        if settled(status):
+            return status
+        if time.monotonic() > give_up:
+            raise TimeoutError(
+                "not settled: "
+                + ", ".join(
+                    f"{v.version_id}={v.state.value}/{v.session_refs}" for v in status.versions
+                )
+            )
+        await asyncio.sleep(pause_s)
