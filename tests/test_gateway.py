@@ -291,7 +291,9 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert all(e.holds(a_name) for e in stack.fleet.engines.values())
 
         http = stack.http()
-        closed = await http.post("/v1/sessions/episode-old/close")
+        closed = await http.post(
+            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
+        )
         assert closed.status_code == 200
         assert closed.json() == {
             "session": "episode-old",
@@ -315,7 +317,9 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert err.value.response.headers["x-agentic-outcome"] == "refused"
         assert len(stack.routes.sent) == 1
 
-        again = await http.post("/v1/sessions/episode-old/close")
+        again = await http.post(
+            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
+        )
         assert again.json()["found"] is False
 
 
@@ -327,8 +331,9 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
         response = await stack.http().post(
             "/v1/sessions/mine/close", headers={"authorization": "Bearer someone-else"}
         )
-        assert response.status_code == 400
-        assert response.json()["error"]["code"] == "INVALID_REQUEST"
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "ACCESS_DENIED"
+        assert response.json()["error"]["details"]["reason"] == "not_owner"
         assert stack.gateway.versioning.get("mine") is not None
 
 
@@ -456,13 +461,28 @@ async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path
 
 
 @pytest.mark.asyncio
-async def test_the_explicit_session_header_wins_over_the_api_key(tmp_path: Path) -> None:
+async def test_two_headers_naming_different_sessions_are_a_400_that_opens_nothing(
+    tmp_path: Path,
+) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
         agent = stack.agent("key-is-not-the-session", default_headers={"X-Agentic-Session": "s7"})
-        await chat(agent)
+        with pytest.raises(openai.BadRequestError) as err:
+            await chat(agent)
+        assert err.value.response.json()["error"]["details"] == {
+            "reason": "conflicting_session_headers"
+        }
+        assert stack.gateway.sessions.live() == 0
+        # The same id in both headers, or the explicit header alone, is one Session.
+        await chat(stack.agent("s7", default_headers={"X-Agentic-Session": "s7"}))
+        explicit = await stack.http().post(
+            "/v1/completions",
+            json={"model": BASE_MODEL, "prompt": "x"},
+            headers={"X-Agentic-Session": "s7"},
+        )
+        assert explicit.status_code == 200
+        assert stack.gateway.sessions.live() == 1
         assert stack.gateway.versioning.get("s7") is not None
-        assert stack.gateway.versioning.get("key-is-not-the-session") is None
 
 
 # --- idle expiry --------------------------------------------------------------------------------
@@ -519,7 +539,9 @@ async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
         await stack.publish("A", 1)
         agent = stack.agent("worker-3")
         await chat(agent)
-        await stack.http().post("/v1/sessions/worker-3/close")
+        await stack.http().post(
+            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
+        )
         await stack.publish("B", 2)
         raw = await agent.chat.completions.with_raw_response.create(
             model=BASE_MODEL, messages=[{"role": "user", "content": "next episode"}]
@@ -671,8 +693,13 @@ async def test_dispatch_logs_carry_the_stable_keys(
             "dispatch ok",
             "dispatch indeterminate",
         ]
+        tag = stack.gateway.sessions.tag("logged")
+        assert tag.startswith("s-")
+        assert "logged" not in tag
         for record in records:
-            assert str(getattr(record, "session")).startswith("logged#")  # noqa: B009
+            # A keyed hash of the id (the bearer credential), never the id itself.
+            assert getattr(record, "session") == tag  # noqa: B009
+            assert "logged" not in record.getMessage()
             assert getattr(record, "version") == "A"  # noqa: B009
             assert getattr(record, "engine") in ("e0", "e1")  # noqa: B009
             assert getattr(record, "attempt") == 1  # noqa: B009
@@ -777,7 +804,10 @@ async def test_openai_client_pinned_across_a_publication_on_real_engines(
                     assert again == first == await direct(raw, urls[0], a["lora_name"])
                     assert fresh == await direct(raw, urls[1], b["lora_name"])
 
-                    closed = await http.post(f"/v1/sessions/{tag}-old/close")
+                    closed = await http.post(
+                        f"/v1/sessions/{tag}-old/close",
+                        headers={"authorization": f"Bearer {tag}-old"},
+                    )
                     assert closed.json()["released_now"] is True
                     await gateway.deployment.reclaimer.settled()
                     await admin.reclaim()

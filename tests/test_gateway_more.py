@@ -73,7 +73,7 @@ async def test_malformed_bodies_and_ids_are_400s_that_never_reach_an_engine(
         assert listed.json()["error"] == {
             "code": "INVALID_REQUEST",
             "message": "the body must be a JSON object",
-            "details": {"route": "/generate"},
+            "details": {"route": "/generate", "reason": "not_object"},
         }
         assert listed.headers["x-agentic-outcome"] == "refused"
 

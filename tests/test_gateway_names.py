@@ -177,7 +177,9 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
         await first.publish("A", 1)
         agent = first.agent("agent-x")
         await chat(agent)
-        closed = await first.http().post("/v1/sessions/agent-x/close")
+        closed = await first.http().post(
+            "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
+        )
         assert closed.json()["found"] is True
         await crash(first)
 
@@ -193,7 +195,9 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
             }
             assert err.value.response.headers["x-agentic-outcome"] == "refused"
             assert len(routes.sent) == 1  # the straggler reached no engine
-            again = await second.http().post("/v1/sessions/agent-x/close")
+            again = await second.http().post(
+                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
+            )
             assert again.json()["found"] is False
         finally:
             await second.gateway.aclose()
@@ -220,7 +224,7 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
             clock.now += 29.0
             assert await sessions.reap_idle(30.0) == ()
             clock.now += 1.0
-            assert await sessions.reap_idle(30.0) == ("gone",)
+            assert await sessions.reap_idle(30.0) == (sessions.tag("gone"),)
             assert (sessions.adopted(), sessions.live()) == (0, 0)
             # Its ref is released, so the retired A can be reclaimed; its id is a tombstone.
             report = await second.admin().reclaim()
@@ -236,6 +240,45 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
             await bury(first)
 
 
+async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_another_tag_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a stable hash key (no admin token, no AGENTIC_LORA_SESSION_HASH_KEY) a restarted
+    # gateway tags ids differently from its predecessor, whose tags prefix the adopted keys.
+    journal = str(tmp_path / "registry.sqlite")
+    clock = FakeClock()
+    async with fleet_and_routes() as (fleet, routes):
+        monkeypatch.setenv("AGENTIC_LORA_SESSION_HASH_KEY", "the key before the crash")
+        first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
+        await first.publish("A", 1)
+        await chat(first.agent("agent-x"), "turn 1")
+        await crash(first)
+
+        monkeypatch.setenv("AGENTIC_LORA_SESSION_HASH_KEY", "another key after it")
+        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal, clock=clock)
+        try:
+            sessions = second.gateway.sessions
+            assert sessions.adopted() == 1
+            await second.publish("B", 2)
+            clock.now += 29.0
+            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
+                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 2"}]
+            )
+            assert turn.headers["x-agentic-version"] == "A"
+            # Held under its name again: not an adopted leftover the idle expiry may close.
+            assert (sessions.adopted(), sessions.live()) == (0, 1)
+            clock.now += 1.0
+            assert await sessions.reap_idle(30.0) == ()
+            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
+                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 3"}]
+            )
+            assert turn.headers["x-agentic-version"] == "A"
+        finally:
+            await second.gateway.aclose()
+            await second.aclose_clients()
+            await bury(first)
+
+
 async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) -> None:
     journal = str(tmp_path / "registry.sqlite")
     async with fleet_and_routes() as (fleet, routes):
@@ -245,7 +288,9 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
         await first.publish("A", 1)
         worker = first.agent("worker-3")
         await chat(worker, "episode 1")
-        await first.http().post("/v1/sessions/worker-3/close")
+        await first.http().post(
+            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
+        )
         await first.publish("B", 2)
         raw = await worker.chat.completions.with_raw_response.create(
             model=BASE_MODEL, messages=[{"role": "user", "content": "episode 2"}]
@@ -310,7 +355,9 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             assert routes.models().count(f"{BASE_MODEL}:{a_name}") == 3
 
             # Closed on replica 1: refused on replica 2, which holds a cached copy.
-            closed = await one.http().post("/v1/sessions/agent-x/close")
+            closed = await one.http().post(
+                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
+            )
             assert closed.json()["version_id"] == "A"
             sent = len(routes.sent)
             with pytest.raises(openai.ConflictError) as err:
@@ -319,7 +366,9 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             assert len(routes.sent) == sent
 
             # Opened only on replica 2, closed through replica 1 (which never saw it).
-            closed = await one.http().post("/v1/sessions/agent-y/close")
+            closed = await one.http().post(
+                "/v1/sessions/agent-y/close", headers={"authorization": "Bearer agent-y"}
+            )
             assert closed.json() == {
                 "session": "agent-y",
                 "found": True,
@@ -383,7 +432,9 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
             await stack.publish("A", 1)
             agent = stack.agent("episode-7")
             await chat(agent)
-            await stack.http().post("/v1/sessions/episode-7/close")
+            await stack.http().post(
+                "/v1/sessions/episode-7/close", headers={"authorization": "Bearer episode-7"}
+            )
             await stack.publish("B", 2)
 
             clock.now += 599.0
@@ -473,7 +524,9 @@ async def test_closing_an_id_the_registry_never_saw_tombstones_it(tmp_path: Path
             await stack.publish("A", 1)
             probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
             http = stack.http()
-            closed = await http.post("/v1/sessions/never-used/close")
+            closed = await http.post(
+                "/v1/sessions/never-used/close", headers={"authorization": "Bearer never-used"}
+            )
             assert closed.json() == {
                 "session": "never-used",
                 "found": False,

@@ -214,5 +214,5 @@ async def test_gateway_refuses_a_too_stale_session_with_409_and_lets_it_close(
         assert refused.headers["x-agentic-outcome"] == "refused"
         assert refused.headers["x-should-retry"] == "false"
         assert stack.fleet.calls(EngineOp.GENERATE) == sent
-        closed = await http.post("/v1/sessions/old/close")
+        closed = await http.post("/v1/sessions/old/close", headers={"x-agentic-session": "old"})
         assert closed.status_code == 200

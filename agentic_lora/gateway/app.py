@@ -6,10 +6,15 @@ Routes (see ``docs/gateway.md`` for the full contract):
 | --- | --- | --- |
 | `POST /v1/chat/completions`, `POST /v1/completions`, `POST /generate` | agents | one generation in the caller's Session |
 | `GET /v1/models` | agents | the served base model |
-| `POST /v1/sessions/{id}/close` | frameworks | end a Session: drain, release exactly once |
+| `POST /v1/sessions/close` | agents, frameworks | end the caller's own Session: drain, release exactly once |
+| `POST /v1/sessions/{id}/close` | frameworks, operators | the same for the Session ``id`` (its own credential or the admin token) |
 | `POST /admin/publish`, `GET /admin/status`, `POST /admin/reclaim`, `POST /admin/resolve` | operators | behind the admin token |
 | `GET /metrics` | monitoring | Prometheus text |
 | `GET /health/live` (alias `GET /health`), `GET /health/ready` | monitoring | liveness; readiness |
+| `GET /openapi.json` | tooling | the OpenAPI document (request models: :mod:`agentic_lora.gateway.schema`) |
+
+Every body is bounded and validated before any Session exists (:mod:`agentic_lora.gateway.limits`,
+:mod:`agentic_lora.gateway.schema`); Session ids never reach a log (:mod:`agentic_lora.gateway.security`).
 
 A generation is exactly one :meth:`~agentic_lora.session.Session.dispatch`: the gateway adds no
 retry, and every failure answers with the error's stable code, an ``X-Agentic-Outcome`` of
@@ -21,97 +26,65 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.auth import read_token
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.deployment import Deployment
 from agentic_lora.errors import (
     AccessDeniedError,
     AgenticLoRAError,
     ConfigurationError,
-    InvalidRequestError,
 )
+from agentic_lora.gateway.admin import AdminRoutes
+from agentic_lora.gateway.generation import PROVENANCE_FIELD, GenerationRoutes, error_response
+from agentic_lora.gateway.limits import GatewayLimits
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.gateway.sessions import GatewaySessions, session_id_from_headers
-from agentic_lora.gateway.wire import (
-    NDJSON,
-    OUTCOME_HEADER,
-    SHOULD_RETRY_HEADER,
-    DispatchOutcome,
-    classify_failure,
-    error_payload,
-    http_status,
-    jsonable,
-    phase_event_json,
-    publication_json,
-    reclaim_report_json,
-    resolve_report_json,
-    should_retry,
-    status_json,
+from agentic_lora.gateway.schema import (
+    ErrorBody,
+    add_request_bodies,
+    request_models,
 )
-from agentic_lora.publisher import PhaseEvent, PublicationResult
+from agentic_lora.gateway.security import (
+    SESSION_HEADER,
+    SessionTagger,
+    caller_of,
+    install_access_log_redactor,
+)
+from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.requests import Route
-from agentic_lora.session import Session, Versioning
+from agentic_lora.session import Versioning
 
 if TYPE_CHECKING:
     from agentic_lora.backends import Backend
     from agentic_lora.metrics import Metrics
 
-__all__ = ["Gateway"]
+__all__ = ["PROVENANCE_FIELD", "Gateway"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION_HEADER = "x-agentic-version"
-_LORA_HEADER = "x-agentic-lora-name"
-_ENGINE_HEADER = "x-agentic-engine"
-# Trajectory provenance of each reply (also in the body's ``agentic_lora`` field).
-_DIGEST_HEADER = "x-agentic-digest"
-_REVISION_AT_BIND_HEADER = "x-agentic-revision-at-bind"
-_LAG_HEADER = "x-agentic-version-lag"
-#: The extension field a JSON object reply carries its turn's provenance in.
-PROVENANCE_FIELD = "agentic_lora"
+#: Environment variable of the key that Session tags in logs are hashed with (optional).
+SESSION_HASH_KEY_ENV = "AGENTIC_LORA_SESSION_HASH_KEY"
+#: Error statuses a route may answer, documented in the OpenAPI document.
+_ERROR_STATUSES = (400, 401, 404, 409, 410, 413, 429, 500, 502, 503)
 
 
-def _error_response(
-    exc: BaseException, *, outcome: DispatchOutcome | None = None, status: int | None = None
-) -> JSONResponse:
-    headers = {SHOULD_RETRY_HEADER: "true" if should_retry(exc) else "false"}
-    if outcome is not None:
-        headers[OUTCOME_HEADER] = outcome.value
-    return JSONResponse(error_payload(exc), status_code=status or http_status(exc), headers=headers)
+def _tagger_for(admin_token: str | None) -> SessionTagger:
+    key = read_token(env=SESSION_HASH_KEY_ENV, what="session hash key")
+    if key is not None:
+        return SessionTagger(key.encode())
+    # Derived from the admin token, so tags (and key prefixes) stay the same across restarts.
+    return SessionTagger.derived(admin_token) if admin_token else SessionTagger()
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw else None
-    except ValueError as exc:
-        raise InvalidRequestError(
-            f"the body is not valid JSON: {exc}", route=request.url.path
-        ) from exc
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the body must be a JSON object", route=request.url.path)
-    return body
-
-
-def _string_field(payload: Mapping[str, Any], name: str) -> str:
-    value = payload.get(name)
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidRequestError(f"`{name}` must be a non-empty string", field=name)
-    return value.strip()
-
-
-class Gateway:
+class Gateway(GenerationRoutes):
     """The HTTP face of one :class:`~agentic_lora.deployment.Deployment`.
 
     Build it with :meth:`from_settings` (it wires metrics and progress into the deployment),
@@ -124,8 +97,12 @@ class Gateway:
       into the deployment, as :meth:`from_settings` does).
     * ``progress``: the hub the deployment reports progress to (its ``on_progress``); a streamed
       publication listens on it.
-    * ``idle_timeout``: close Sessions unused this many seconds (None: never).
+    * ``idle_timeout``: close Sessions unused this many seconds; None takes the settings'
+      ``gateway_idle_timeout`` (default 900 s; 0 there turns expiry off).
     * ``reuse_closed_ids``: let a closed Session id open a new Session (default: refused).
+    * ``limits``: input limits and the Session bound (default: from the settings).
+    * ``tagger``: hashes Session ids for logs and registry keys (default: keyed by
+      ``$AGENTIC_LORA_SESSION_HASH_KEY``, else derived from the admin token, else random).
     """
 
     def __init__(
@@ -139,15 +116,25 @@ class Gateway:
         reuse_closed_ids: bool = False,
         clock: Callable[[], float] = time.monotonic,
         owns_deployment: bool = False,
+        limits: GatewayLimits | None = None,
+        tagger: SessionTagger | None = None,
     ) -> None:
         if idle_timeout is not None and idle_timeout <= 0:
             raise ConfigurationError("idle_timeout must be positive", check="idle_timeout")
         if admin_token is not None and not admin_token.strip():
             raise ConfigurationError("the admin token must not be empty", check="admin_token")
+        settings = deployment.settings
+        if idle_timeout is None and settings.gateway_idle_timeout > 0:
+            idle_timeout = settings.gateway_idle_timeout
         self.deployment = deployment
         self.metrics = metrics
         self.progress = progress if progress is not None else ProgressHub()
         self.idle_timeout = idle_timeout
+        self.limits = limits if limits is not None else GatewayLimits.from_settings(settings)
+        self._models = request_models(self.limits)
+        self._tagger = tagger if tagger is not None else _tagger_for(admin_token)
+        # A full gateway frees places as the idle expiry closes Sessions: one round of it.
+        retry_after = idle_timeout / 4 if idle_timeout is not None else 60.0
         # Session ids are durable names in the registry, held under the Versioning's owner lease
         # (from_settings makes it the gateway's: owner gateway_id, adopt on restart).
         self.sessions = GatewaySessions(
@@ -155,15 +142,16 @@ class Gateway:
             lease=deployment.versioning.lease,
             clock=clock,
             reuse_closed_ids=reuse_closed_ids,
-            deployment_epoch=deployment.settings.deployment_epoch,
+            deployment_epoch=settings.deployment_epoch,
+            tagger=self._tagger,
+            max_sessions=self.limits.max_sessions,
+            retry_after=max(1.0, min(retry_after, 60.0)),
         )
         self._admin_token = admin_token
+        self._admin = AdminRoutes(self, admin_token)
         self._owns_deployment = owns_deployment
-        # Publications run one at a time anyway (the publisher's lock); holding this one around
-        # a whole publication also makes a streamed answer carry only its own progress events.
-        self._publish_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        install_access_log_redactor()
         self.app = self._build_app()
 
     @classmethod
@@ -239,6 +227,7 @@ class Gateway:
         expiry."""
         await self.deployment.start()
         await self.sessions.start()  # opens the lease: a restart adopts its Sessions now
+        await self.learn_engine_limits()
         if self.idle_timeout is not None and self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(
                 self._reap_forever(self.idle_timeout), name="gateway idle sessions"
@@ -251,9 +240,9 @@ class Gateway:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-        if self._background:
+        if self._admin.background:
             # A publication is never cut short: it would leave a version LOADING.
-            await asyncio.wait(set(self._background))
+            await asyncio.wait(set(self._admin.background))
         if self._owns_deployment:
             await self.deployment.aclose()
 
@@ -263,6 +252,40 @@ class Gateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def learn_engine_limits(self) -> GatewayLimits:
+        """Lower ``max_tokens`` to what the engines report they can hold, and return the limits.
+
+        Read from each engine's server information (``context_length`` when the engine was
+        started with one, and the token capacity ``max_total_num_tokens``): no request can
+        generate more than either. An engine that does not answer leaves the limit unchanged;
+        this is called by :meth:`start`, and may be called again after a fleet change.
+        """
+        transport: Any = self.versioning.transport
+        reported: list[int] = []
+        for engine in self.versioning.engines:
+            try:
+                info = await asyncio.wait_for(transport.server_info(engine.name), timeout=10)
+            except Exception as exc:
+                logger.info(
+                    "engine limits not read; the configured max_tokens stays",
+                    extra={"engine": engine.name, "error": type(exc).__name__},
+                )
+                continue
+            if isinstance(info, Mapping):
+                for key in ("context_length", "max_total_num_tokens"):
+                    value = info.get(key)
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                        reported.append(value)
+        limits = self.limits.with_context_length(min(reported) if reported else None)
+        if limits != self.limits:
+            logger.info(
+                "max_tokens lowered to the engines' context",
+                extra={"max_tokens": limits.max_tokens},
+            )
+            self.limits = limits
+            self._models = request_models(limits)
+        return self.limits
 
     async def _reap_forever(self, idle_for: float) -> None:
         while True:
@@ -279,105 +302,47 @@ class Gateway:
             title="agentic-lora gateway",
             docs_url=None,
             redoc_url=None,
-            openapi_url=None,
+            openapi_url="/openapi.json",
         )
 
         async def on_typed_error(request: Request, exc: Exception) -> Response:
-            return _error_response(exc)
+            return error_response(exc)
 
         app.add_exception_handler(AgenticLoRAError, on_typed_error)
+        errors: dict[int | str, dict[str, Any]] = {
+            status: {"model": ErrorBody, "description": "a typed error"}
+            for status in _ERROR_STATUSES
+        }
+        anything: dict[int | str, dict[str, Any]] = {
+            200: {"content": {"application/json": {"schema": {"type": "object"}}}}
+        }
+
+        def add(path: str, endpoint: Callable[..., Awaitable[Response]], method: str) -> None:
+            app.add_api_route(path, endpoint, methods=[method], responses={**anything, **errors})
 
         for route in Route:
-            app.add_api_route(
-                route.value, self._generation_endpoint(route), methods=["POST"], name=route.name
-            )
-        app.add_api_route("/v1/models", self._models, methods=["GET"])
-        app.add_api_route("/v1/sessions/{session_id}/close", self._close, methods=["POST"])
-        app.add_api_route("/admin/publish", self._publish, methods=["POST"])
-        app.add_api_route("/admin/status", self._status, methods=["GET"])
-        app.add_api_route("/admin/reclaim", self._reclaim, methods=["POST"])
-        app.add_api_route("/admin/resolve", self._resolve, methods=["POST"])
+            add(route.value, self._generation_endpoint(route), "POST")
+        add("/v1/models", self._list_models, "GET")
+        add("/v1/sessions/close", self._close_own, "POST")
+        add("/v1/sessions/{session_id}/close", self._close, "POST")
+        add("/admin/publish", self._admin.publish, "POST")
+        add("/admin/status", self._admin.status, "GET")
+        add("/admin/reclaim", self._admin.reclaim, "POST")
+        add("/admin/resolve", self._admin.resolve, "POST")
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
-        app.add_api_route("/health", self._health, methods=["GET"])
-        app.add_api_route("/health/live", self._health, methods=["GET"])
-        app.add_api_route("/health/ready", self._ready, methods=["GET"])
+        add("/health", self._health, "GET")
+        add("/health/live", self._health, "GET")
+        add("/health/ready", self._ready, "GET")
+
+        def openapi() -> dict[str, Any]:
+            # Rebuilt on each call: the limits (and so the models) may change at start.
+            document = get_openapi(title=app.title, version="1", routes=app.routes)
+            return add_request_bodies(document, self._models)
+
+        app.openapi = openapi  # type: ignore[method-assign]
         return app
 
-    # --- generation -----------------------------------------------------------------------------
-
-    def _generation_endpoint(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            return await self._generate(route, request)
-
-        return endpoint
-
-    async def _generate(self, route: Route, request: Request) -> Response:
-        session: Session | None = None
-        session_id: str | None = None
-        try:
-            session_id = session_id_from_headers(request.headers)
-            body = await _json_object(request)
-            session = await self.sessions.open(session_id)
-            reply = await session.dispatch(route, body)
-        except Exception as exc:
-            return self._dispatch_failed(route, session_id, session, exc)
-        finally:
-            if session_id is not None and session is not None:
-                self.sessions.touch(session_id)
-        binding = session.binding
-        assert binding is not None  # a versioned dispatch that returned was bound
-        logger.info(
-            "dispatch ok",
-            extra={
-                "session": session.key,
-                "version": binding.version_id,
-                "engine": reply.engine,
-                "attempt": 1,
-                "route": route.value,
-            },
-        )
-        headers = {
-            _VERSION_HEADER: binding.version_id,
-            _LORA_HEADER: binding.lora_name,
-            _ENGINE_HEADER: reply.engine,
-            OUTCOME_HEADER: DispatchOutcome.OK.value,
-        }
-        body = reply.body
-        turn = reply.provenance
-        if turn is not None:
-            headers[_DIGEST_HEADER] = turn.digest_prefix
-            headers[_REVISION_AT_BIND_HEADER] = str(turn.default_revision_at_bind)
-            if turn.lag is not None:
-                headers[_LAG_HEADER] = str(turn.lag)
-            if isinstance(body, Mapping):
-                # A copy: the reply object stays exactly what the engine answered.
-                body = {**body, PROVENANCE_FIELD: turn.to_dict()}
-        return JSONResponse(body, status_code=reply.status_code, headers=headers)
-
-    def _dispatch_failed(
-        self, route: Route, session_id: str | None, session: Session | None, exc: Exception
-    ) -> Response:
-        # Past session.open the request may have reached an engine; an untyped failure there
-        # is therefore indeterminate (typed errors say for themselves).
-        outcome = classify_failure(exc, sent=session is not None)
-        binding = session.binding if session is not None else None
-        details = exc.details if isinstance(exc, AgenticLoRAError) else {}
-        extra = {
-            "session": session.key if session is not None else session_id,
-            "version": binding.version_id if binding is not None else None,
-            "engine": details.get("engine"),
-            "attempt": 1,
-            "route": route.value,
-            "outcome": outcome.value,
-            "code": exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__,
-        }
-        if isinstance(exc, AgenticLoRAError):
-            logger.warning("dispatch %s: %s", outcome.value, exc, extra=extra)
-        else:
-            logger.error("dispatch failed unexpectedly", exc_info=exc, extra=extra)
-        return _error_response(exc, outcome=outcome)
-
-    async def _models(self) -> Response:
+    async def _list_models(self) -> Response:
         base = self.deployment.settings.base_model_name
         return JSONResponse(
             {
@@ -386,21 +351,38 @@ class Gateway:
             }
         )
 
-    async def _close(self, session_id: str, request: Request) -> Response:
-        try:
-            named: str | None = session_id_from_headers(request.headers)
-        except AccessDeniedError:
-            named = None
-        if named is not None and named != session_id:
-            raise InvalidRequestError(
-                "the request names another Session in its headers than the one it closes",
-                session=session_id,
+    async def _close_own(self, request: Request) -> Response:
+        """``POST /v1/sessions/close``: the caller's own Session, named by its credential (so
+        no Session id is in the path, and none in the access log). The admin token closes the
+        Session named in ``X-Agentic-Session``."""
+        caller = caller_of(request.headers, self._admin_token)
+        if caller.session_id is None:
+            raise AccessDeniedError(
+                "name the Session to close: send `Authorization: Bearer <session id>` or "
+                f"`{SESSION_HEADER}: <session id>`",
+                reason="missing_session",
             )
+        return await self._close_now(caller.session_id)
+
+    async def _close(self, session_id: str, request: Request) -> Response:
+        """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin
+        token."""
+        caller = caller_of(request.headers, self._admin_token)
+        if not caller.admin and caller.session_id != session_id:
+            # The id in the path alone proves nothing: ids are guessable (episode-17).
+            raise AccessDeniedError(
+                "closing a Session takes its own credential (`Authorization: Bearer <session "
+                "id>`) or the admin token",
+                reason="not_owner",
+            )
+        return await self._close_now(session_id)
+
+    async def _close_now(self, session_id: str) -> Response:
         result = await self.sessions.close(session_id)
         logger.info(
             "session close requested",
             extra={
-                "session": session_id,
+                "session": self._tagger.tag(session_id),
                 "version": result.version_id if result is not None else None,
                 "found": result is not None,
             },
@@ -414,148 +396,11 @@ class Gateway:
             }
         )
 
-    # --- admin ----------------------------------------------------------------------------------
-
-    def _require_admin(self, request: Request) -> None:
-        if self._admin_token is None:
-            raise AccessDeniedError(
-                "the admin routes are disabled: start the gateway with an admin token",
-                reason="admin_disabled",
-            )
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-        given = token.strip().encode()
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            given, self._admin_token.encode()
-        ):
-            raise AccessDeniedError(
-                "missing or wrong admin token (send `Authorization: Bearer <admin token>`)",
-                reason="bad_admin_token",
-            )
-
-    async def _publish(self, request: Request) -> Response:
-        self._require_admin(request)
-        payload = await _json_object(request)
-        adapter_dir = _string_field(payload, "adapter_dir")
-        version_id = _string_field(payload, "version_id")
-        if not Path(adapter_dir).is_absolute():
-            raise InvalidRequestError(
-                f"adapter_dir {adapter_dir!r} must be an absolute path on the gateway's host",
-                field="adapter_dir",
-            )
-        if NDJSON in request.headers.get("accept", ""):
-            return StreamingResponse(
-                self._publication_stream(adapter_dir, version_id), media_type=NDJSON
-            )
-        task = self._spawn(self._publish_now(adapter_dir, version_id, None))
-        # Shielded: a client that goes away must not cut a publication short.
-        result = await asyncio.shield(task)
-        return JSONResponse(publication_json(result))
-
-    def _spawn(self, work: Awaitable[PublicationResult]) -> asyncio.Task[PublicationResult]:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-
-        def done(t: asyncio.Task[PublicationResult]) -> None:
-            self._background.discard(t)
-            if not t.cancelled():
-                t.exception()  # retrieved here, so an abandoned stream never leaves it unseen
-
-        task.add_done_callback(done)
-        return task
-
-    async def _publish_now(
-        self,
-        adapter_dir: str,
-        version_id: str,
-        listener: Callable[[PhaseEvent], None] | None,
-    ) -> PublicationResult:
-        async with self._publish_lock:
-            unsubscribe = self.progress.subscribe(listener) if listener is not None else None
-            try:
-                snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
-                result = await self.deployment.publish(version_id, snapshot)
-            except BaseException as exc:
-                if self.metrics is not None and isinstance(exc, Exception):
-                    self.metrics.observe_publication_error(exc)
-                logger.warning(
-                    "publication of %s failed: %s",
-                    version_id,
-                    exc,
-                    extra={"version": version_id},
-                )
-                raise
-            finally:
-                if unsubscribe is not None:
-                    unsubscribe()
-        if self.metrics is not None:
-            self.metrics.observe_publication(result)
-        logger.info(
-            "publication of %s: %s",
-            version_id,
-            result.outcome.value,
-            extra={"version": version_id, "attempt": result.attempt},
-        )
-        return result
-
-    async def _publication_stream(self, adapter_dir: str, version_id: str) -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[PhaseEvent | None] = asyncio.Queue()
-        task = self._spawn(self._publish_now(adapter_dir, version_id, queue.put_nowait))
-        task.add_done_callback(lambda _: queue.put_nowait(None))
-        while (event := await queue.get()) is not None:
-            yield _line({"event": phase_event_json(event)})
-        if task.cancelled():
-            yield _line(error_payload(AgenticLoRAError("the publication was cancelled")))
-        elif (exc := task.exception()) is not None:
-            yield _line(error_payload(exc))
-        else:
-            yield _line({"result": publication_json(task.result())})
-
-    async def _status(self, request: Request) -> Response:
-        self._require_admin(request)
-        status = await self.deployment.status()
-        return JSONResponse(
-            {
-                "registry": status_json(status),
-                "fleet": [
-                    {"engine": e.name, "base_url": e.base_url} for e in self.versioning.engines
-                ],
-                "gateway": {
-                    "sessions": self.sessions.live(),
-                    "adopted": self.sessions.adopted(),
-                },
-            }
-        )
-
-    async def _reclaim(self, request: Request) -> Response:
-        self._require_admin(request)
-        report = await self.deployment.reclaim()
-        return JSONResponse(reclaim_report_json(report))
-
-    async def _resolve(self, request: Request) -> Response:
-        self._require_admin(request)
-        # The body is optional: no body, `{}` or `{"version_id": null}` resolve everything.
-        payload = await _json_object(request) if (await request.body()).strip() else {}
-        version_id = (
-            None if payload.get("version_id") is None else _string_field(payload, "version_id")
-        )
-        # Under the publication lock, so a streamed publication carries only its own events.
-        async with self._publish_lock:
-            report = await self.deployment.resolve(version_id)
-        logger.info(
-            "resolve requested",
-            extra={
-                "version": version_id,
-                "resolved": list(report.resolved),
-                "blocked": list(report.blocked),
-            },
-        )
-        return JSONResponse(resolve_report_json(report))
-
     # --- monitoring -----------------------------------------------------------------------------
 
     async def _metrics(self) -> Response:
         if self.metrics is None:
-            return _error_response(
+            return error_response(
                 ConfigurationError("this gateway runs without metrics", check="metrics"),
                 status=404,
             )
@@ -578,7 +423,3 @@ class Gateway:
 
     async def _health(self) -> Response:
         return JSONResponse({"status": "ok"})
-
-
-def _line(payload: Mapping[str, Any]) -> bytes:
-    return json.dumps(jsonable(payload), separators=(",", ":")).encode() + b"\n"

@@ -2,8 +2,10 @@
 
 An unmodified OpenAI-SDK agent cannot call a Session API; it can only set its API key. So the
 gateway reads the Session id from ``Authorization: Bearer <session id>`` (``api_key=<session
-id>``), or from ``X-Agentic-Session`` when the key is needed for something else (the explicit
-header wins). The first generation of an id opens its Session, which binds at that generation.
+id>``), or from ``X-Agentic-Session``; when both are sent they must name the same Session (see
+:mod:`agentic_lora.gateway.security`). The first generation of an id opens its Session, which
+binds at that generation. Keys minted here start with the id's keyed hash, never the id itself:
+the id is the Session's credential, and keys appear in logs.
 
 **Durable names.** The map from a client's Session id to its registry Session, and the memory of
 closed ids, live in the registry (journaled), not in this process: the first request of an id
@@ -51,32 +53,37 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import (
     AccessDeniedError,
     AgenticLoRAError,
-    InvalidRequestError,
     LeaseExpiredError,
     RequestRefusedError,
     SessionClosedError,
     SessionExpiredError,
     SessionReleaseError,
     SessionStateError,
+    TooManySessionsError,
+)
+from agentic_lora.gateway.replay import replayed
+from agentic_lora.gateway.security import (
+    MAX_SESSION_ID_LENGTH,
+    SESSION_HEADER,
+    SessionTagger,
+    caller_of,
 )
 from agentic_lora.leases import LeaseEvent, LeaseEventKind, LeaseKeeper
-from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import RegistryAPI, in_process_core
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import (
     NamedSession,
     ReleaseResult,
@@ -96,57 +103,21 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: The explicit Session header (wins over ``Authorization``).
-SESSION_HEADER = "x-agentic-session"
-MAX_SESSION_ID_LENGTH = 256
 
+def session_id_from_headers(headers: Mapping[str, str], admin_token: str | None = None) -> str:
+    """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
 
-def _checked(session_id: str, source: str) -> str:
-    if len(session_id) > MAX_SESSION_ID_LENGTH:
-        raise InvalidRequestError(
-            f"the Session id in {source} is longer than {MAX_SESSION_ID_LENGTH} characters",
-            reason="bad_session_id",
-        )
-    if not session_id.isprintable() or any(c.isspace() for c in session_id):
-        raise InvalidRequestError(
-            f"the Session id in {source} must be printable and without whitespace",
-            reason="bad_session_id",
+    See :func:`agentic_lora.gateway.security.caller_of` (two headers naming different Sessions
+    are INVALID_REQUEST). Raises ACCESS_DENIED when the request names no Session.
+    """
+    session_id = caller_of(headers, admin_token).session_id
+    if session_id is None:
+        raise AccessDeniedError(
+            "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
+            f"`{SESSION_HEADER}: <session id>`",
+            reason="missing_session",
         )
     return session_id
-
-
-def session_id_from_headers(headers: Mapping[str, str]) -> str:
-    """The Session id of a request: ``X-Agentic-Session``, else the ``Bearer`` token.
-
-    ``headers`` must look names up case-insensitively (Starlette's and httpx's headers do).
-    Raises ACCESS_DENIED when neither is present.
-    """
-    explicit = headers.get(SESSION_HEADER)
-    if explicit is not None and explicit.strip():
-        return _checked(explicit.strip(), SESSION_HEADER)
-    scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return _checked(token.strip(), "Authorization")
-    raise AccessDeniedError(
-        "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
-        f"`{SESSION_HEADER}: <session id>`",
-        reason="missing_session",
-    )
-
-
-def _is_transient(exc: BaseException) -> bool:
-    # A typed error is the registry's answer; anything else (a lost reply, a dead actor) may
-    # succeed when replayed with the same request id.
-    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
-
-
-def _key_prefix(session_id: str, epoch: int) -> str:
-    """What a key minted here starts with: the id itself, or its digest when the key would not
-    fit the registry's 256 characters (``"<prefix>#<epoch>-<32 hex>"``)."""
-    room = 256 - len(f"#{epoch}-") - 32
-    if len(session_id) <= room:
-        return session_id
-    return "~" + hashlib.sha256(session_id.encode()).hexdigest()
 
 
 def _prefix_of(session_key: str) -> str:
@@ -199,6 +170,9 @@ class GatewaySessions:
         deployment_epoch: int = 0,
         registry_attempts: int = 4,
         registry_wait: wait_base | None = None,
+        tagger: SessionTagger | None = None,
+        max_sessions: int | None = None,
+        retry_after: float = 60.0,
     ) -> None:
         registry = versioning.registry
         if registry is None:
@@ -213,15 +187,16 @@ class GatewaySessions:
         self._reuse = reuse_closed_ids
         self._epoch = deployment_epoch
         self._attempts = max(1, registry_attempts)
+        self._tag = (tagger if tagger is not None else SessionTagger()).tag
+        self._max_sessions = max_sessions
+        self._retry_after = retry_after
         self._wait = (
             registry_wait if registry_wait is not None else wait_exponential(multiplier=0.05, max=1)
         )
         # A synchronous read of the names, where the registry lives in this process.
-        self._core: RegistryCore | None = (
-            registry.core if isinstance(registry, LocalRegistry) else None
-        )
+        self._core: RegistryCore | None = in_process_core(registry)
         self._cached: dict[str, _Cached] = {}
-        # Sessions adopted at a restart, by key prefix (see _key_prefix): the id, for short ids.
+        # Sessions adopted at a restart, by key prefix: the tag of their id (see SessionTagger).
         self._adopted: dict[str, _Adopted] = {}
         self._opening: dict[str, asyncio.Task[Session]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
@@ -271,15 +246,34 @@ class GatewaySessions:
             return self._from_cache(session_id, held)
         task = self._opening.get(session_id)
         if task is None:
+            self._check_room(session_id)
             # No await between the lookup and the registration: concurrent first requests of
             # one id share one open_named, and so one local Session (and one bind task).
             task = asyncio.get_running_loop().create_task(
-                self._open_by_name(session_id), name=f"open session {session_id}"
+                self._open_by_name(session_id), name=f"open session {self._tag(session_id)}"
             )
             self._opening[session_id] = task
             task.add_done_callback(lambda t: self._opened(session_id, t))
         # shield: a request cancelled here leaves the shared open running for the others.
         return await asyncio.shield(task)
+
+    def _check_room(self, session_id: str) -> None:
+        """Refuse a new Session while the gateway holds ``max_sessions`` (TOO_MANY_SESSIONS).
+
+        Counted synchronously with the registration of the open that follows (no await in
+        between), so concurrent first requests cannot all pass one free place. An id this
+        gateway adopted takes no new place: opening it moves it from adopted to held.
+        """
+        limit = self._max_sessions
+        if limit is None or self._tag(session_id) in self._adopted:
+            return
+        if self.live() + len(self._opening) >= limit:
+            raise TooManySessionsError(
+                f"the gateway holds its maximum of {limit} open Sessions; retry after "
+                f"{self._retry_after:.0f} s or close Sessions you no longer use",
+                limit=limit,
+                retry_after=self._retry_after,
+            )
 
     def _opened(self, session_id: str, task: asyncio.Task[Session]) -> None:
         if self._opening.get(session_id) is task:
@@ -365,12 +359,14 @@ class GatewaySessions:
                     session=session_id,
                 )
             return self._from_cache(session_id, held)
-        prefix = _key_prefix(session_id, self._epoch)
+        prefix = self._tag(session_id)
         adopted = self._adopted.get(prefix)
         if named is not None:
             key = named.session_key
-            if adopted is not None and adopted.session_key == key:
-                del self._adopted[prefix]
+            # By the key's own prefix, not this process's tag of the id: a predecessor with
+            # another tag key minted it, and an entry left in _adopted would be reaped as idle
+            # while its agent uses it.
+            self._drop_adopted(key)
         elif adopted is not None and not adopted.closing:
             # A reused lifecycle this gateway's predecessor held (not under the name).
             del self._adopted[prefix]
@@ -392,7 +388,7 @@ class GatewaySessions:
 
     async def _open_named(self, session_id: str) -> tuple[NamedSession, bool]:
         """The registry Session behind the name ``session_id``, and whether this call created it."""
-        adopted = self._adopted.get(_key_prefix(session_id, self._epoch))
+        adopted = self._adopted.get(self._tag(session_id))
         if adopted is not None and adopted.closing:
             raise SessionClosedError(
                 f"session {session_id!r} is being closed for idleness",
@@ -430,7 +426,7 @@ class GatewaySessions:
         )
 
     def _mint(self, session_id: str) -> str:
-        return f"{_key_prefix(session_id, self._epoch)}#{self._epoch}-{uuid.uuid4().hex}"
+        return f"{self._tag(session_id)}#{self._epoch}-{uuid.uuid4().hex}"
 
     async def _lease_id(self, session_id: str) -> str | None:
         if self._lease is None:
@@ -448,42 +444,9 @@ class GatewaySessions:
             ) from exc
 
     async def _replayed(self, verb: str, session_id: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        try:
-            return await call()  # the common case, without the retry machinery's cost
-        except Exception as exc:
-            if not _is_transient(exc) or self._attempts == 1:
-                return self._refused(verb, session_id, exc)
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(self._attempts - 1),
-                wait=self._wait,
-                retry=retry_if_exception(_is_transient),
-                reraise=True,
-            ):
-                with attempt:
-                    logger.warning(
-                        "replaying registry call with the same request id",
-                        extra={
-                            "session": session_id,
-                            "verb": verb,
-                            "attempt": attempt.retry_state.attempt_number + 1,
-                        },
-                    )
-                    return await call()
-        except Exception as exc:
-            return self._refused(verb, session_id, exc)
-        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
-
-    @staticmethod
-    def _refused(verb: str, session_id: str, exc: Exception) -> NoReturn:
-        if isinstance(exc, AgenticLoRAError):
-            raise exc
-        raise RequestRefusedError(
-            f"session {session_id!r}: {verb} was not confirmed by the registry ({exc!r}); "
-            "nothing was sent",
-            session=session_id,
-            stage=verb,
-        ) from exc
+        return await replayed(
+            verb, self._tag(session_id), call, attempts=self._attempts, wait=self._wait
+        )
 
     # --- use ------------------------------------------------------------------------------------
 
@@ -492,6 +455,10 @@ class GatewaySessions:
         cached = self._cached.get(session_id)
         if cached is not None:
             cached.last_used = self._clock()
+
+    def tag(self, session_id: str) -> str:
+        """The keyed hash that stands for ``session_id`` in logs and registry keys."""
+        return self._tag(session_id)
 
     def live(self) -> int:
         """Sessions this process holds (opened here or adopted) and has not closed yet."""
@@ -536,7 +503,7 @@ class GatewaySessions:
     async def _find_for_close(self, session_id: str) -> tuple[str, bool] | None:
         """The registry key to close for ``session_id`` and whether the name was new here, or
         None when it is closed already."""
-        prefix = _key_prefix(session_id, self._epoch)
+        prefix = self._tag(session_id)
         try:
             named, created = await self._open_named(session_id)
         except (SessionClosedError, SessionExpiredError):
@@ -546,10 +513,15 @@ class GatewaySessions:
             # A reused lifecycle adopted at a restart: it is not under the (closed) name.
             del self._adopted[prefix]
             return adopted.session_key, False
-        adopted = self._adopted.get(prefix)
-        if adopted is not None and adopted.session_key == named.session_key:
-            del self._adopted[prefix]
+        self._drop_adopted(named.session_key)
         return named.session_key, created
+
+    def _drop_adopted(self, session_key: str) -> None:
+        """``session_key`` is held under its name again: no longer an adopted leftover."""
+        prefix = _prefix_of(session_key)
+        adopted = self._adopted.get(prefix)
+        if adopted is not None and adopted.session_key == session_key:
+            del self._adopted[prefix]
 
     async def reap_idle(self, idle_for: float) -> tuple[str, ...]:
         """Close every Session unused for ``idle_for`` seconds with nothing in flight.
@@ -577,7 +549,7 @@ class GatewaySessions:
                 )
                 continue
             closed.append(session_id)
-        opening = {_key_prefix(session_id, self._epoch) for session_id in self._opening}
+        opening = {self._tag(session_id) for session_id in self._opening}
         for prefix, adopted in list(self._adopted.items()):
             if now - adopted.since < idle_for or prefix in opening:
                 continue

@@ -24,9 +24,10 @@ from typing import Any
 from agentic_lora.errors import (
     AgenticLoRAError,
     NoPublishedVersionError,
-    RequestIndeterminateError,
     RequestRefusedError,
+    TooManySessionsError,
 )
+from agentic_lora.outcomes import DispatchOutcome, classify_failure
 from agentic_lora.publisher import PhaseEvent, PublicationResult
 from agentic_lora.reclaimer import ReclaimReport
 from agentic_lora.registry.types import RegistryStatus
@@ -59,6 +60,8 @@ SHOULD_RETRY_HEADER = "x-should-retry"
 #: HTTP status per error code; a code missing here takes the entry of its nearest base class.
 _STATUS_BY_CODE: Mapping[str, int] = {
     "INVALID_REQUEST": 400,
+    "REQUEST_TOO_LARGE": 413,
+    "TOO_MANY_SESSIONS": 429,
     "ADAPTER_MISMATCH": 400,
     "INVALID_ADAPTER": 400,
     "INVALID_IDENTITY": 400,
@@ -86,28 +89,6 @@ _STATUS_BY_CODE: Mapping[str, int] = {
 }
 
 
-class DispatchOutcome(enum.StrEnum):
-    """How one generation ended, as far as "may the engine have run it?" goes."""
-
-    OK = "ok"
-    REFUSED = "refused"  # provably not accepted: safe to send again
-    INDETERMINATE = "indeterminate"  # may have run: sending again may run it twice
-
-
-def classify_failure(exc: BaseException, *, sent: bool) -> DispatchOutcome:
-    """The outcome of a failed generation.
-
-    Every typed error except ``REQUEST_INDETERMINATE`` is raised before anything reached an
-    engine (or is the engine's own refusal). Anything else (a cancellation, a bug) is judged by
-    ``sent``: whether the request may already have left for an engine.
-    """
-    if isinstance(exc, RequestIndeterminateError):
-        return DispatchOutcome.INDETERMINATE
-    if isinstance(exc, AgenticLoRAError):
-        return DispatchOutcome.REFUSED
-    return DispatchOutcome.INDETERMINATE if sent else DispatchOutcome.REFUSED
-
-
 def http_status(exc: BaseException) -> int:
     """The HTTP status for ``exc`` (500 for anything that is not a typed error).
 
@@ -129,7 +110,7 @@ def http_status(exc: BaseException) -> int:
 
 def should_retry(exc: BaseException) -> bool:
     """Whether a client may resend on its own: only when nothing ran and a retry can help."""
-    if isinstance(exc, NoPublishedVersionError):
+    if isinstance(exc, NoPublishedVersionError | TooManySessionsError):
         return True
     if not isinstance(exc, RequestRefusedError):
         return False

@@ -1,0 +1,217 @@
+"""The gateway's admin routes: publish, status, reclaim, resolve (all behind the admin token).
+
+The token is compared in constant time (:func:`agentic_lora.auth.bearer_matches`); without a
+configured token every admin route answers 401 ``ACCESS_DENIED`` (``reason="admin_disabled"``).
+Bodies are bounded like every other body of the gateway (:mod:`agentic_lora.gateway.limits`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.auth import bearer_matches
+from agentic_lora.errors import AccessDeniedError, AgenticLoRAError, InvalidRequestError
+from agentic_lora.gateway.limits import parse_json, read_body
+from agentic_lora.gateway.wire import (
+    NDJSON,
+    error_payload,
+    jsonable,
+    phase_event_json,
+    publication_json,
+    reclaim_report_json,
+    resolve_report_json,
+    status_json,
+)
+from agentic_lora.publisher import PhaseEvent, PublicationResult
+
+if TYPE_CHECKING:
+    from agentic_lora.gateway.app import Gateway
+
+__all__ = ["AdminRoutes"]
+
+logger = logging.getLogger(__name__)
+
+
+def _string_field(payload: Mapping[str, Any], name: str) -> str:
+    value = payload.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRequestError(f"`{name}` must be a non-empty string", field=name)
+    return value.strip()
+
+
+def _line(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(jsonable(payload), separators=(",", ":")).encode() + b"\n"
+
+
+class AdminRoutes:
+    """The ``/admin`` handlers of one :class:`~agentic_lora.gateway.app.Gateway`."""
+
+    def __init__(self, gateway: Gateway, admin_token: str | None) -> None:
+        self._gateway = gateway
+        self._token = admin_token
+        # Publications run one at a time anyway (the publisher's lock); holding this one around
+        # a whole publication also makes a streamed answer carry only its own progress events.
+        self.publish_lock = asyncio.Lock()
+        self.background: set[asyncio.Task[Any]] = set()
+
+    def is_admin(self, request: Request) -> bool:
+        """Whether ``request`` carries the admin token."""
+        return self._token is not None and bearer_matches(
+            request.headers.get("authorization"), self._token
+        )
+
+    def require_admin(self, request: Request) -> None:
+        """Raise ACCESS_DENIED unless ``request`` carries the admin token."""
+        if self._token is None:
+            raise AccessDeniedError(
+                "the admin routes are disabled: start the gateway with an admin token",
+                reason="admin_disabled",
+            )
+        if not self.is_admin(request):
+            raise AccessDeniedError(
+                "missing or wrong admin token (send `Authorization: Bearer <admin token>`)",
+                reason="bad_admin_token",
+            )
+
+    async def _payload(self, request: Request, *, optional: bool = False) -> dict[str, Any]:
+        limits = self._gateway.limits
+        path = request.url.path
+        raw = await read_body(request.headers, request.stream(), limits.max_body_bytes, route=path)
+        if optional and not raw.strip():
+            return {}
+        body = parse_json(raw, max_depth=limits.max_json_depth, route=path)
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object", route=path)
+        return body
+
+    async def publish(self, request: Request) -> Response:
+        """``POST /admin/publish``."""
+        self.require_admin(request)
+        payload = await self._payload(request)
+        adapter_dir = _string_field(payload, "adapter_dir")
+        version_id = _string_field(payload, "version_id")
+        if not Path(adapter_dir).is_absolute():
+            raise InvalidRequestError(
+                f"adapter_dir {adapter_dir!r} must be an absolute path on the gateway's host",
+                field="adapter_dir",
+            )
+        if NDJSON in request.headers.get("accept", ""):
+            return StreamingResponse(self._stream(adapter_dir, version_id), media_type=NDJSON)
+        task = self._spawn(self._publish_now(adapter_dir, version_id, None))
+        # Shielded: a client that goes away must not cut a publication short.
+        result = await asyncio.shield(task)
+        return JSONResponse(publication_json(result))
+
+    def _spawn(self, work: Awaitable[PublicationResult]) -> asyncio.Task[PublicationResult]:
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+
+        def done(t: asyncio.Task[PublicationResult]) -> None:
+            self.background.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved here, so an abandoned stream never leaves it unseen
+
+        task.add_done_callback(done)
+        return task
+
+    async def _publish_now(
+        self,
+        adapter_dir: str,
+        version_id: str,
+        listener: Callable[[PhaseEvent], None] | None,
+    ) -> PublicationResult:
+        gateway = self._gateway
+        async with self.publish_lock:
+            unsubscribe = gateway.progress.subscribe(listener) if listener is not None else None
+            try:
+                snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
+                result = await gateway.deployment.publish(version_id, snapshot)
+            except BaseException as exc:
+                if gateway.metrics is not None and isinstance(exc, Exception):
+                    gateway.metrics.observe_publication_error(exc)
+                logger.warning(
+                    "publication of %s failed: %s",
+                    version_id,
+                    exc,
+                    extra={"version": version_id},
+                )
+                raise
+            finally:
+                if unsubscribe is not None:
+                    unsubscribe()
+        if gateway.metrics is not None:
+            gateway.metrics.observe_publication(result)
+        logger.info(
+            "publication of %s: %s",
+            version_id,
+            result.outcome.value,
+            extra={"version": version_id, "attempt": result.attempt},
+        )
+        return result
+
+    async def _stream(self, adapter_dir: str, version_id: str) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[PhaseEvent | None] = asyncio.Queue()
+        task = self._spawn(self._publish_now(adapter_dir, version_id, queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        while (event := await queue.get()) is not None:
+            yield _line({"event": phase_event_json(event)})
+        if task.cancelled():
+            yield _line(error_payload(AgenticLoRAError("the publication was cancelled")))
+        elif (exc := task.exception()) is not None:
+            yield _line(error_payload(exc))
+        else:
+            yield _line({"result": publication_json(task.result())})
+
+    async def status(self, request: Request) -> Response:
+        """``GET /admin/status``."""
+        self.require_admin(request)
+        gateway = self._gateway
+        status = await gateway.deployment.status()
+        return JSONResponse(
+            {
+                "registry": status_json(status),
+                "fleet": [
+                    {"engine": e.name, "base_url": e.base_url} for e in gateway.versioning.engines
+                ],
+                "gateway": {
+                    "sessions": gateway.sessions.live(),
+                    "adopted": gateway.sessions.adopted(),
+                },
+            }
+        )
+
+    async def reclaim(self, request: Request) -> Response:
+        """``POST /admin/reclaim``."""
+        self.require_admin(request)
+        report = await self._gateway.deployment.reclaim()
+        return JSONResponse(reclaim_report_json(report))
+
+    async def resolve(self, request: Request) -> Response:
+        """``POST /admin/resolve``: the body is optional (no body, ``{}`` or
+        ``{"version_id": null}`` resolve everything)."""
+        self.require_admin(request)
+        payload = await self._payload(request, optional=True)
+        version_id = (
+            None if payload.get("version_id") is None else _string_field(payload, "version_id")
+        )
+        # Under the publication lock, so a streamed publication carries only its own events.
+        async with self.publish_lock:
+            report = await self._gateway.deployment.resolve(version_id)
+        logger.info(
+            "resolve requested",
+            extra={
+                "version": version_id,
+                "resolved": list(report.resolved),
+                "blocked": list(report.blocked),
+            },
+        )
+        return JSONResponse(resolve_report_json(report))

@@ -1,0 +1,74 @@
+"""Registry calls of the gateway's Sessions, replayed with one request id when their reply is lost.
+
+A registry verb is idempotent per request id, so a call whose reply was lost (a dead actor, a
+dropped connection) may be sent again with the same id: the registry answers it once. A typed
+error is the registry's answer and is never replayed. When no attempt is confirmed, the caller's
+request is refused with ``REQUEST_REFUSED``: no generation was sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import NoReturn, TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
+from tenacity.wait import wait_base
+
+from agentic_lora.errors import AgenticLoRAError, RequestRefusedError
+from agentic_lora.replay import is_lost_reply
+
+__all__ = ["replayed"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def replayed(
+    verb: str,
+    tag: str,
+    call: Callable[[], Awaitable[_T]],
+    *,
+    attempts: int,
+    wait: wait_base,
+) -> _T:
+    """``call()``, replayed up to ``attempts`` times in all on a transient failure.
+
+    ``tag`` names the Session in logs and errors (a keyed hash, never the Session id).
+    """
+    try:
+        return await call()  # the common case, without the retry machinery's cost
+    except Exception as exc:
+        if not is_lost_reply(exc) or attempts == 1:
+            _refused(verb, tag, exc)
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(attempts - 1),
+            wait=wait,
+            retry=retry_if_exception(is_lost_reply),
+            reraise=True,
+        ):
+            with attempt:
+                logger.warning(
+                    "replaying registry call with the same request id",
+                    extra={
+                        "session": tag,
+                        "verb": verb,
+                        "attempt": attempt.retry_state.attempt_number + 1,
+                    },
+                )
+                return await call()
+    except Exception as exc:
+        _refused(verb, tag, exc)
+    raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+
+def _refused(verb: str, tag: str, exc: Exception) -> NoReturn:
+    if isinstance(exc, AgenticLoRAError):
+        raise exc
+    raise RequestRefusedError(
+        f"session {tag}: {verb} was not confirmed by the registry ({exc!r}); nothing was sent",
+        session=tag,
+        stage=verb,
+    ) from exc
