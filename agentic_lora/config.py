@@ -11,11 +11,12 @@ whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``
 ``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
 ``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in backend for another
 engine kind), ``journal_path``, ``gateway_id``, ``session_name_ttl``, ``resolve_backoff``,
-``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``, ``settings`` (a value of the wrong type) and, at start-up against live
+``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``, ``gateway_limits``, ``settings`` (a value of the wrong type) and, at start-up against live
 engines (:func:`verify_fleet`), ``engine_lora``.
 
-``engine_kind`` says what software the engines run, which decides how a Session names its adapter
-(see :mod:`agentic_lora.middleware`): ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
+``engine_kind`` says what software the engines run: the name of an installed engine dialect
+(entry-point group ``agentic_lora.engines``, see :mod:`agentic_lora.engines.dialect`), which
+decides how a Session names its adapter: ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
 the ``vllm`` backend (and that backend a vLLM fleet): vLLM's unload does not wait for in-flight
 requests, so its backend waits for the Sessions' own count first
 (:meth:`agentic_lora.deployment.Deployment.from_settings` wires that).
@@ -35,16 +36,24 @@ import argparse
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentic_lora.backends import EngineRef
 from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
+from agentic_lora.engines.dialect import (
+    SlotSettings,
+    check_lora_slots,
+    dialect_names,
+    load_dialect,
+)
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import check_lease_timing, check_owner
-from agentic_lora.middleware import ENGINE_KINDS, EngineKind
+
+if TYPE_CHECKING:
+    from agentic_lora.transport import EngineTransport
 
 __all__ = [
     "BUILTIN_BACKEND_ENGINE_KINDS",
@@ -52,6 +61,7 @@ __all__ = [
     "add_arguments",
     "check_engine_server_info",
     "from_args",
+    "given_flags",
     "load_settings",
     "verify_fleet",
 ]
@@ -83,8 +93,9 @@ def _parse_engine(value: Any, index: int) -> EngineRef:
 class AgenticLoRASettings(BaseSettings):
     """Everything the versioned-publication feature needs, checked at construction.
 
-    ``engine_kind`` is ``"sglang"`` or ``"vllm"``: how requests address an adapter, and which
-    built-in backends fit. Engine slot counts are the engines' SGLang options:
+    ``engine_kind`` names the engine dialect (``"sglang"`` or ``"vllm"``, or any installed
+    ``agentic_lora.engines`` plugin): how requests address an adapter, and which built-in
+    backends fit. Engine slot counts are the engines' SGLang options:
     ``engine_max_loaded_loras`` is
     ``--max-loaded-loras`` (must hold every managed version plus one: ``capacity + 1``) and
     ``engine_max_loras_per_batch`` is ``--max-loras-per-batch`` (SGLang keeps one slot unpinned,
@@ -134,7 +145,7 @@ class AgenticLoRASettings(BaseSettings):
     deployment_epoch: int = 0
     engine_max_loaded_loras: int | None = None
     engine_max_loras_per_batch: int | None = None
-    engine_kind: EngineKind = "sglang"
+    engine_kind: str = "sglang"
     gateway_url: str | None = None
     gateway_retries_disabled: bool = False
     gateway_id: str = "gateway"
@@ -149,6 +160,14 @@ class AgenticLoRASettings(BaseSettings):
     lease_renew_interval: float | None = None
     owner_id: str | None = None
     max_version_lag: int | None = None
+    # The Session gateway's input limits and Session bounds (docs/gateway.md, "Security").
+    gateway_max_body_bytes: int = 4 * 1024 * 1024
+    gateway_max_json_depth: int = 64
+    gateway_max_messages: int = 1024
+    gateway_max_n: int = 8
+    gateway_max_tokens: int = 32768
+    gateway_max_sessions: int = 2048
+    gateway_idle_timeout: float = 900.0
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -171,6 +190,14 @@ class AgenticLoRASettings(BaseSettings):
             value = [value]
         return tuple(_parse_engine(v, i) for i, v in enumerate(value))
 
+    @field_validator("engine_kind")
+    @classmethod
+    def _engine_kind(cls, value: str) -> str:
+        installed = dialect_names()
+        if value not in installed:
+            raise ValueError(f"no engine dialect named {value!r}; installed: {list(installed)}")
+        return value
+
     @model_validator(mode="after")
     def _fail_fast(self) -> AgenticLoRASettings:
         _validate(self)
@@ -178,7 +205,7 @@ class AgenticLoRASettings(BaseSettings):
 
 
 #: Which engine kind each built-in backend publishes to (third-party backends are not checked).
-BUILTIN_BACKEND_ENGINE_KINDS: Mapping[str, EngineKind] = {
+BUILTIN_BACKEND_ENGINE_KINDS: Mapping[str, str] = {
     "http-push": "sglang",
     "dcs": "sglang",
     "vllm": "vllm",
@@ -226,7 +253,7 @@ def _validate(s: AgenticLoRASettings) -> None:
             f"capacity {s.capacity} < 2: a retired version and the published one must coexist",
             capacity=s.capacity,
         )
-    _check_slots(
+    check_lora_slots(
         s.capacity, s.engine_max_loaded_loras, s.engine_max_loras_per_batch, source="settings"
     )
     if s.gateway_url is not None and not s.gateway_retries_disabled:
@@ -280,6 +307,31 @@ def _validate(s: AgenticLoRASettings) -> None:
             journal_path=str(s.journal_path),
         )
     _check_gateway_names(s.gateway_id, s.session_name_ttl)
+    _check_gateway_limits(s)
+
+
+def _check_gateway_limits(s: AgenticLoRASettings) -> None:
+    limits = {
+        "gateway_max_body_bytes": s.gateway_max_body_bytes,
+        "gateway_max_json_depth": s.gateway_max_json_depth,
+        "gateway_max_messages": s.gateway_max_messages,
+        "gateway_max_n": s.gateway_max_n,
+        "gateway_max_tokens": s.gateway_max_tokens,
+        "gateway_max_sessions": s.gateway_max_sessions,
+    }
+    for name, value in limits.items():
+        if value < 1:
+            raise _fail("gateway_limits", f"{name} {value} must be 1 or more", limit=name)
+    # A chat request is already 4 levels deep ({"messages": [{"content": [{...}]}]}).
+    if s.gateway_max_json_depth < 4:
+        raise _fail("gateway_limits", "gateway_max_json_depth must be 4 or more", limit="depth")
+    # 0 turns idle expiry off; anything else must be a finite number of seconds.
+    if not 0 <= s.gateway_idle_timeout < float("inf"):
+        raise _fail(
+            "gateway_limits",
+            f"gateway_idle_timeout {s.gateway_idle_timeout} must be 0 (off) or positive seconds",
+            limit="gateway_idle_timeout",
+        )
 
 
 def _check_gateway_names(gateway_id: str, name_ttl: float) -> None:
@@ -301,70 +353,45 @@ def _check_gateway_names(gateway_id: str, name_ttl: float) -> None:
         )
 
 
-def _check_slots(
-    capacity: int, max_loaded: int | None, per_batch: int | None, *, source: str
-) -> None:
-    if max_loaded is not None and max_loaded < capacity + 1:
-        raise _fail(
-            "engine_lora_slots",
-            f"{source}: max_loaded_loras {max_loaded} < capacity + 1 = {capacity + 1} "
-            "(every managed version plus one free slot)",
-            max_loaded_loras=max_loaded,
-            capacity=capacity,
-        )
-    if per_batch is not None and per_batch - 1 < capacity:
-        raise _fail(
-            "pinned_slots",
-            f"{source}: max_loras_per_batch {per_batch} leaves {per_batch - 1} pinnable slots, "
-            f"fewer than capacity {capacity}",
-            max_loras_per_batch=per_batch,
-            capacity=capacity,
-        )
+def slot_settings(settings: AgenticLoRASettings) -> SlotSettings:
+    """What ``settings`` say about the engines' LoRA slots."""
+    return SlotSettings(
+        settings.capacity, settings.engine_max_loaded_loras, settings.engine_max_loras_per_batch
+    )
 
 
 def check_engine_server_info(
     settings: AgenticLoRASettings, engine: str, info: Mapping[str, Any]
 ) -> None:
-    """Check one engine's ``/get_server_info`` against the settings (LoRA on, enough slots)."""
-    if not info.get("enable_lora"):
-        raise _fail("engine_lora", f"engine {engine} runs without --enable-lora", engine=engine)
-
-    def as_int(key: str) -> int | None:
-        v = info.get(key)
-        return v if isinstance(v, int) else None
-
-    max_loaded, per_batch = as_int("max_loaded_loras"), as_int("max_loras_per_batch")
-    _check_slots(settings.capacity, max_loaded, per_batch, source=f"engine {engine}")
-    for key, declared, actual in (
-        ("max_loaded_loras", settings.engine_max_loaded_loras, max_loaded),
-        ("max_loras_per_batch", settings.engine_max_loras_per_batch, per_batch),
-    ):
-        if declared is not None and actual is not None and declared != actual:
-            raise _fail(
-                "engine_lora_slots",
-                f"engine {engine} runs with {key}={actual}, settings say {declared}",
-                engine=engine,
-            )
+    """Check one engine's server info against the settings (LoRA on, enough slots), the way the
+    settings' engine dialect reads it."""
+    load_dialect(settings.engine_kind).check_server_info(
+        info, engine=engine, slots=slot_settings(settings)
+    )
 
 
-async def verify_fleet(settings: AgenticLoRASettings, transport: Any) -> None:
+async def verify_fleet(settings: AgenticLoRASettings, transport: EngineTransport) -> None:
     """Start-up check against the live engines (versioned mode only): LoRA on, enough slots.
 
-    ``transport`` is an :class:`~agentic_lora.transport.EngineTransport` (anything with an async
-    ``server_info(engine)``). SGLang engines only: vLLM publishes no server information outside
-    its development mode, so for ``engine_kind="vllm"`` nothing is read here; the first
-    publication's load and probe prove runtime LoRA on every engine before anything binds to it.
+    Server info is read and checked by the settings' engine dialect through ``transport``. A
+    dialect whose engines publish none (vLLM, outside its development mode) reads nothing: then
+    the first publication's load and probe prove runtime LoRA on every engine before anything
+    binds to it.
     """
     if not settings.enable_versioned_lora_publication:
         return
-    if settings.engine_kind == "vllm":
-        logger.info(
-            "vLLM engines publish no server info; LoRA support is proven by the first publication",
-            extra={"engine_kind": settings.engine_kind},
-        )
-        return
+    dialect = load_dialect(settings.engine_kind)
+    slots = slot_settings(settings)
     for ref in settings.engines:
-        check_engine_server_info(settings, ref.name, await transport.server_info(ref.name))
+        info = await dialect.read_server_info(transport.engine_http(ref.name))
+        if info is None:
+            logger.info(
+                "the engines publish no server info; LoRA support is proven by the first "
+                "publication",
+                extra={"engine_kind": settings.engine_kind},
+            )
+            return
+        dialect.check_server_info(info, engine=ref.name, slots=slots)
 
 
 # --- argparse -----------------------------------------------------------------------------------
@@ -426,7 +453,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     (
         "--versioned-lora-engine-kind",
         "engine_kind",
-        {"choices": list(ENGINE_KINDS), "help": "engine software: how requests name an adapter"},
+        {"help": "engine dialect (entry point in agentic_lora.engines): sglang or vllm"},
     ),
     (
         "--versioned-lora-gateway-url",
@@ -497,6 +524,48 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
             "publications behind the default (default: no bound)",
         },
     ),
+    (
+        "--versioned-lora-gateway-max-body-bytes",
+        "gateway_max_body_bytes",
+        {"type": int, "help": "gateway: largest request body (default 4 MiB; 413 beyond)"},
+    ),
+    (
+        "--versioned-lora-gateway-max-json-depth",
+        "gateway_max_json_depth",
+        {"type": int, "help": "gateway: deepest JSON nesting of a body (default 64)"},
+    ),
+    (
+        "--versioned-lora-gateway-max-messages",
+        "gateway_max_messages",
+        {"type": int, "help": "gateway: most chat messages per request (default 1024)"},
+    ),
+    (
+        "--versioned-lora-gateway-max-n",
+        "gateway_max_n",
+        {"type": int, "help": "gateway: largest n (samples per request, default 8)"},
+    ),
+    (
+        "--versioned-lora-gateway-max-tokens",
+        "gateway_max_tokens",
+        {
+            "type": int,
+            "help": "gateway: largest max_tokens / max_new_tokens (default 32768, lowered to the "
+            "engines' context length when they report it)",
+        },
+    ),
+    (
+        "--versioned-lora-gateway-max-sessions",
+        "gateway_max_sessions",
+        {"type": int, "help": "gateway: open Sessions at most (default 2048; 429 beyond)"},
+    ),
+    (
+        "--versioned-lora-gateway-idle-timeout",
+        "gateway_idle_timeout",
+        {
+            "type": float,
+            "help": "gateway: close Sessions idle this many seconds (default 900; 0 off)",
+        },
+    ),
 )
 
 
@@ -519,12 +588,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             opts["default"] = None
         else:
             opts.setdefault("default", None)
+        if field == "engine_kind":
+            opts["choices"] = list(dialect_names())  # the installed dialects, read now
         group.add_argument(flag, dest=_PREFIX + field, **opts)
     return parser
 
 
-def from_args(namespace: argparse.Namespace, **overrides: Any) -> AgenticLoRASettings:
-    """Settings from parsed arguments: given flags win over ``AGENTIC_LORA_*`` env, then defaults."""
+def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The settings fields the command line set (flags of :func:`add_arguments`), by field name."""
     values: dict[str, Any] = {}
     flag = getattr(namespace, "enable_versioned_lora_publication", None)
     if flag is not None:
@@ -533,8 +604,12 @@ def from_args(namespace: argparse.Namespace, **overrides: Any) -> AgenticLoRASet
         v = getattr(namespace, _PREFIX + field, None)
         if v is not None:
             values[field] = v
-    values.update(overrides)
-    return AgenticLoRASettings(**values)
+    return values
+
+
+def from_args(namespace: argparse.Namespace, **overrides: Any) -> AgenticLoRASettings:
+    """Settings from parsed arguments: given flags win over ``AGENTIC_LORA_*`` env, then defaults."""
+    return AgenticLoRASettings(**{**given_flags(namespace), **overrides})
 
 
 def load_settings(**values: Any) -> AgenticLoRASettings:

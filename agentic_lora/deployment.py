@@ -23,8 +23,9 @@ Frameworks that already have their own registry (a Ray actor shared by many work
 then only the process that publishes needs a publisher, and every rollout worker only needs
 :attr:`Deployment.versioning`.
 
-On vLLM (``engine_kind="vllm"``) the backend's unload does not wait for requests still running on
-the version, so :meth:`Deployment.from_settings` hands the backend a drain hook bound to
+When the engine dialect's unload does not wait for requests still running on the version
+(``unload_waits_for_requests`` is False: vLLM), :meth:`Deployment.from_settings` hands the backend
+a drain hook (option :data:`~agentic_lora.engines.dialect.DRAIN_OPTION`) bound to
 :meth:`Versioning.wait_drained`: a reclaim unloads only once this process's Sessions have no
 request in flight on it.
 """
@@ -42,13 +43,13 @@ from agentic_lora.adapter_backend import DrainHook
 from agentic_lora.backends import Backend
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.discovery import load_backend
+from agentic_lora.engines.dialect import DRAIN_OPTION, load_dialect
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import OnRestart
 from agentic_lora.middleware import Middleware
 from agentic_lora.publisher import PhaseEvent, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimReport
-from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.api import RegistryAPI, change_feed, refusal_feed
 from agentic_lora.registry.types import (
     Binding,
     LeaseGrant,
@@ -137,11 +138,12 @@ class Deployment:
         )
         versioning.on_refused.append(self._on_refused)
         # A Ray client's version cache must learn about a restart too (see RayRegistryClient).
-        refresh_on_refused = getattr(registry, "on_refused", None)
-        if callable(refresh_on_refused):
-            versioning.on_refused.append(refresh_on_refused)
-        if isinstance(registry, LocalRegistry):
-            registry.add_listener(self._on_registry_change)
+        refusals = refusal_feed(registry)
+        if refusals is not None:
+            versioning.on_refused.append(refusals.on_refused)
+        changes = change_feed(registry)
+        if changes is not None:
+            changes.add_listener(self._on_registry_change)
         self._started = False
 
     @classmethod
@@ -161,9 +163,10 @@ class Deployment:
         """Build every part from validated settings (the flag must be on).
 
         ``middleware`` are framework middlewares for every Session's dispatch chain (see
-        :class:`Versioning`). With ``engine_kind="vllm"`` and no ``backend`` given, the loaded
-        backend gets ``wait_drained`` bound to :meth:`Versioning.wait_drained`; a ``backend`` passed
-        in must have been given its drain hook by the caller. ``lease_owner`` and
+        :class:`Versioning`). When the dialect's unload does not wait for in-flight requests and
+        no ``backend`` is given, the loaded backend gets its drain hook (``wait_drained``) bound
+        to :meth:`Versioning.wait_drained`; a ``backend`` passed in must have been given its drain
+        hook by the caller. ``lease_owner`` and
         ``lease_on_restart`` go to :meth:`Versioning.from_settings` (the Sessions' owner lease).
         """
         if not settings.enable_versioned_lora_publication:
@@ -176,9 +179,9 @@ class Deployment:
         drain: _SessionDrain | None = None
         if backend is None:
             options = dict(backend_options or {})
-            if settings.engine_kind == "vllm":
-                drain = _SessionDrain(options.pop("wait_drained", None))
-                options["wait_drained"] = drain
+            if not load_dialect(settings.engine_kind).unload_waits_for_requests:
+                drain = _SessionDrain(options.pop(DRAIN_OPTION, None))
+                options[DRAIN_OPTION] = drain
             backend = load_backend(settings.backend, **options)
         versioning = Versioning.from_settings(
             settings,

@@ -1,4 +1,4 @@
-"""Entry-point discovery shared by the plugin groups (routers and backends).
+"""Entry-point discovery shared by the plugin groups (routers, backends and engine dialects).
 
 A plugin is any installed distribution that declares an entry point in one of the groups below;
 the built-in ones are declared in this project's ``pyproject.toml``. Lookups are by name, and a
@@ -15,6 +15,7 @@ from agentic_lora.errors import ConfigurationError
 
 __all__ = [
     "BACKENDS_GROUP",
+    "DIALECTS_GROUP",
     "ROUTERS_GROUP",
     "load_backend",
     "load_plugin",
@@ -23,8 +24,10 @@ __all__ = [
 
 ROUTERS_GROUP = "agentic_lora.routers"
 BACKENDS_GROUP = "agentic_lora.backends"
+DIALECTS_GROUP = "agentic_lora.engines"
 
-_CHECKS = {ROUTERS_GROUP: "router", BACKENDS_GROUP: "backend"}
+# The settings field each group's plugin is named by (the ConfigurationError's ``check``).
+_CHECKS = {ROUTERS_GROUP: "router", BACKENDS_GROUP: "backend", DIALECTS_GROUP: "engine_kind"}
 
 
 def _entry_points(group: str) -> dict[str, EntryPoint]:

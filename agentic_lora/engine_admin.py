@@ -24,15 +24,17 @@ Every call is one HTTP attempt; nothing here retries. A failure is classified:
 HTTP 200 with ``success: false`` is a failure: bodies are checked, not just status codes.
 
 :class:`AdminHttpClient` is the plumbing every engine's admin client shares (one attempt per call,
-transport failures classified, typed errors logged with stable keys); :class:`EngineAdminClient`
-adds SGLang's routes and answer shapes, ``agentic_lora_vllm.admin.VllmAdminClient`` vLLM's.
+transport failures classified by :mod:`agentic_lora.engines.wire`'s table, the one the generation
+transport uses, typed errors logged with stable keys). It is an
+:class:`~agentic_lora.engines.wire.EngineHttp`, so the engine dialect reads server info and the
+incarnation through it with the same code as through the generation transport.
+:class:`EngineAdminClient` adds SGLang's routes and answer shapes,
+``agentic_lora_vllm.admin.VllmAdminClient`` vLLM's.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,10 +42,19 @@ from typing import Any, Self
 
 import httpx
 
+from agentic_lora.engines.sglang import FINGERPRINT_FIELDS, SGLANG, server_fingerprint
+from agentic_lora.engines.wire import (
+    HttpAnswer,
+    Outcome,
+    classify_exception,
+    decode_body,
+    make_engine_client,
+)
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
 from agentic_lora.http_limits import engine_limits
 
 __all__ = [
+    "FINGERPRINT_FIELDS",
     "AdminHttpClient",
     "AdminTimeouts",
     "EngineAdminClient",
@@ -59,26 +70,6 @@ logger = logging.getLogger(__name__)
 #: The phrase SGLang's LoRA registry uses when asked to unregister a name it does not hold
 #: (``LoRARegistry.unregister``). It is the only signal that an unload found nothing to do.
 ABSENT_MARKER = "does not exist"
-
-#: ``/server_info`` fields that identify one engine process. ``startup_time`` holds the
-#: process's own measured start-up durations (perf-counter deltas) and ``random_seed`` is drawn
-#: at start unless pinned, so together they change on every restart and never during a run.
-FINGERPRINT_FIELDS: tuple[str, ...] = (
-    "version",
-    "model_path",
-    "served_model_name",
-    "port",
-    "random_seed",
-    "startup_time",
-)
-
-# Failures that happen before a request leaves this process: the engine never saw it.
-_NOT_SENT: tuple[type[httpx.TransportError], ...] = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
-    httpx.UnsupportedProtocol,
-)
 
 
 class UnloadOutcome(enum.StrEnum):
@@ -131,13 +122,6 @@ class ServerInfo:
     raw: Mapping[str, Any]
 
 
-def server_fingerprint(info: Mapping[str, Any]) -> str:
-    """A short stable hash of the process-identifying fields of a ``/server_info`` body."""
-    picked = {name: info.get(name) for name in FINGERPRINT_FIELDS}
-    canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
 class AdminHttpClient:
     """One engine's admin HTTP endpoint: one attempt per call, every failure classified.
 
@@ -163,15 +147,14 @@ class AdminHttpClient:
         self.engine = engine or self.base_url
         self.timeouts = timeouts or AdminTimeouts()
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
-            limits=engine_limits(),
-            # An HTTP(S)_PROXY from the environment would put one more hop, which may retry or
-            # log credentials, between the control plane and the engine: engines are reached
-            # directly, as the generation transport does.
-            trust_env=False,
-            follow_redirects=False,
-        )
+        if client is None:
+            # The generation transport's factory: no retries, no environment proxy, no redirects.
+            client, _ = make_engine_client(
+                "httpx",
+                httpx.Timeout(self.timeouts.read, connect=self.timeouts.connect),
+                engine_limits(),
+            )
+        self._client = client
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it."""
@@ -207,6 +190,17 @@ class AdminHttpClient:
         except httpx.TransportError as exc:
             raise self._transport_failure(op, exc, None) from exc
 
+    async def get_answer(self, op: str, path: str) -> HttpAnswer:
+        """``GET path`` (one attempt): any answer, or BackendRefused/AmbiguousError on the wire."""
+        response = await self._send_get(op, path)
+        return HttpAnswer(response.status_code, decode_body(response), response.text)
+
+    def failure(self, outcome: Outcome, op: str, message: str, **details: Any) -> BackendError:
+        """BackendRefusedError (refused) or BackendAmbiguousError (indeterminate), logged."""
+        if outcome is Outcome.REFUSED:
+            return self._refused(op, message, **details)
+        return self._ambiguous(op, message, **details)
+
     @staticmethod
     def _adapters_in(cards: list[Any]) -> dict[str, str]:
         """``{name: path}`` of the adapter cards in a ``/v1/models`` ``data`` array."""
@@ -221,9 +215,7 @@ class AdminHttpClient:
         self, op: str, exc: httpx.TransportError, lora_name: str | None
     ) -> BackendError:
         reason = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, _NOT_SENT):
-            return self._refused(op, reason, lora_name=lora_name)
-        return self._ambiguous(op, reason, lora_name=lora_name)
+        return self.failure(classify_exception(exc), op, reason, lora_name=lora_name)
 
     def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
         logger.info(
@@ -352,14 +344,9 @@ class EngineAdminClient(AdminHttpClient):
     # --- server ----------------------------------------------------------------------------
 
     async def server_info(self) -> ServerInfo:
-        """``/server_info`` (falling back to the older ``/get_server_info``)."""
-        op = "server_info"
-        try:
-            body = await self._get_json(op, "/server_info")
-        except BackendRefusedError as exc:
-            if exc.details.get("status") != 404:
-                raise
-            body = await self._get_json(op, "/get_server_info")
+        """``/server_info`` (falling back to the older ``/get_server_info``), as the SGLang
+        dialect reads it (:meth:`~agentic_lora.engines.sglang.SGLangDialect.read_server_info`)."""
+        body = await SGLANG.read_server_info(self)
         version = body.get("version")
         model_path = body.get("model_path")
         return ServerInfo(

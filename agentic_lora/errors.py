@@ -33,6 +33,8 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── AdapterMismatchError       ADAPTER_MISMATCH      caller named another adapter than the binding
     │   ├── SessionStateError          SESSION_STATE         Session cannot dispatch in its state
     │   ├── InvalidRequestError        INVALID_REQUEST       malformed generation request; nothing was sent
+    │   │   └── RequestTooLargeError   REQUEST_TOO_LARGE     body over the gateway's size limit; nothing was sent
+    │   ├── TooManySessionsError       TOO_MANY_SESSIONS     the gateway holds its maximum of open Sessions
     │   ├── VersionTooStaleError       VERSION_TOO_STALE     bound version too many publications behind; nothing sent
     │   ├── RequestRefusedError        REQUEST_REFUSED       engine provably did not accept the request
     │   │   └── VersionUnavailableError VERSION_UNAVAILABLE  no engine holds the bound version right now; nothing sent
@@ -78,6 +80,7 @@ __all__ = [
     "RegistryError",
     "RequestIndeterminateError",
     "RequestRefusedError",
+    "RequestTooLargeError",
     "RevisionConflictError",
     "SessionClosedError",
     "SessionExpiredError",
@@ -85,12 +88,14 @@ __all__ = [
     "SessionStateError",
     "SessionStillBoundError",
     "StaleAttemptError",
+    "TooManySessionsError",
     "UnknownEngineError",
     "UnknownVersionError",
     "VersionConflictError",
     "VersionNotDispatchableError",
     "VersionTooStaleError",
     "VersionUnavailableError",
+    "error_code",
     "error_from_code",
 ]
 
@@ -253,6 +258,20 @@ class InvalidRequestError(DispatchError):
     code = "INVALID_REQUEST"
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than the gateway accepts (``details``: ``limit`` in bytes).
+    Refused as soon as the limit was passed, without reading the rest; nothing was sent."""
+
+    code = "REQUEST_TOO_LARGE"
+
+
+class TooManySessionsError(DispatchError):
+    """The gateway already holds its maximum of open Sessions (``details``: ``limit``,
+    ``retry_after`` seconds). A request of a new Session id is refused; nothing was opened."""
+
+    code = "TOO_MANY_SESSIONS"
+
+
 class VersionTooStaleError(DispatchError):
     """The Session's bound version is more than ``max_version_lag`` publications behind the
     current default (``details``: ``lag``, ``max_version_lag``, ``version``, ``session``).
@@ -322,3 +341,11 @@ _BY_CODE: dict[str, type[AgenticLoRAError]] = {c.code: c for c in _all_subclasse
 def error_from_code(code: str, message: str, **details: Any) -> AgenticLoRAError:
     """Rebuild a typed error from its wire form (``to_dict``); unknown codes give the base class."""
     return _BY_CODE.get(code, AgenticLoRAError)(message, **details)
+
+
+def error_code(exc: BaseException) -> str:
+    """``exc``'s stable code, or its type name when it is not a typed error (for logs and reports).
+
+    Metrics do not use it as a label: a type name is an open set (see :mod:`agentic_lora.metrics`).
+    """
+    return exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__

@@ -78,13 +78,13 @@ from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import (
-    AgenticLoRAError,
     ConfigurationError,
     LeaseExpiredError,
     SessionExpiredError,
 )
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import LeaseGrant, new_request_id
+from agentic_lora.replay import is_lost_reply
 
 if TYPE_CHECKING:
     from agentic_lora.config import AgenticLoRASettings
@@ -198,12 +198,6 @@ def check_lease_timing(ttl: object, renew_interval: object) -> None:
             "a lease renewed no more often than it expires is lost between two renewals",
             check="lease",
         )
-
-
-def _is_transient(exc: BaseException) -> bool:
-    # A typed error is the registry's answer; anything else (a lost reply, a dead actor, a
-    # timeout) may succeed when replayed with the same request id.
-    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
 
 
 class LeaseTerm:
@@ -563,7 +557,7 @@ class LeaseKeeper:
         return AsyncRetrying(
             stop=stop,
             wait=self._retry_wait,
-            retry=retry_if_exception(_is_transient),
+            retry=retry_if_exception(is_lost_reply),
             sleep=self._sleep,
             reraise=True,
         )

@@ -53,9 +53,11 @@ from prometheus_client import (
 )
 
 from agentic_lora.errors import AgenticLoRAError
-from agentic_lora.gateway.wire import DispatchOutcome, classify_failure
 from agentic_lora.middleware import Dispatch, EngineCall, Middleware
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus, PublicationResult
+from agentic_lora.outcomes import DispatchOutcome, classify_failure
+from agentic_lora.phases import Phase, PhaseEvent, PhaseStatus
+from agentic_lora.publisher import PublicationResult
+from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.types import RegistryStatus, VersionState, VersionStatus
 from agentic_lora.requests import Route
 from agentic_lora.transport import EngineReply
@@ -216,7 +218,8 @@ class Metrics:
         self.publications.labels(outcome=result.outcome.value.lower()).inc()
 
     def observe_publication_error(self, error: BaseException) -> None:
-        """A publication that raised (a typed error's code, or the exception's type name)."""
+        """A publication that raised: a typed error's code, else ``AGENTIC_LORA_ERROR`` (an
+        exception's type name would make the label set open-ended)."""
         code = error.code if isinstance(error, AgenticLoRAError) else "AGENTIC_LORA_ERROR"
         self.publications.labels(outcome="error").inc()
         self.publication_errors.labels(code=code).inc()
@@ -271,10 +274,10 @@ class Metrics:
 
     def watch_registry(self, registry: object) -> bool:
         """Listen to ``registry`` if it offers ``add_listener`` (``LocalRegistry`` does)."""
-        add = getattr(registry, "add_listener", None)
-        if not callable(add):
+        feed = change_feed(registry)
+        if feed is None:
             return False
-        add(self.on_registry_change)
+        feed.add_listener(self.on_registry_change)
         return True
 
     # --- exposition -----------------------------------------------------------------------------

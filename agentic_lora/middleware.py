@@ -11,12 +11,11 @@ For a versioned Session the chain is::
         -> RoutingMiddleware -> TransportEndpoint
 
 * :class:`AdapterPinMiddleware` writes the Session's bound ``lora_name`` into the body the way
-  the engine kind (:data:`EngineKind`) addresses an adapter, and refuses a caller that named
-  another adapter. SGLang: ``lora_path`` for ``/generate``, ``model="<base>:<lora_name>"`` for
-  OpenAI routes (a bare adapter name in ``model`` would silently run the base model). vLLM:
-  ``model=<lora_name>`` on OpenAI routes (``"<base>:<lora_name>"`` is an unknown model there, and
-  ``lora_path`` is ignored, so the base model would answer); vLLM has no ``/generate``, which is
-  refused before anything is sent.
+  the engine dialect addresses an adapter (:meth:`~agentic_lora.engines.dialect.EngineDialect.pin`),
+  and refuses a caller that named another adapter. SGLang: ``lora_path`` for ``/generate``,
+  ``model="<base>:<lora_name>"`` for OpenAI routes; vLLM: ``model=<lora_name>``. A route the
+  engine does not serve was refused by the Session before it bound (the one route check per
+  request).
 * :class:`DispatchGuardMiddleware` refuses, locally, a version that is reclaiming or gone: an
   engine would otherwise reload it from its old path and resurrect it behind the registry's back.
   It also hands on which engines hold the version right now (``EngineCall.engines``: an engine
@@ -41,12 +40,12 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.sglang import SGLANG
 from agentic_lora.errors import (
-    AdapterMismatchError,
     ConfigurationError,
-    InvalidRequestError,
     RequestRefusedError,
     SessionStateError,
     VersionNotDispatchableError,
@@ -58,14 +57,12 @@ from agentic_lora.routing import EngineHealth, Router
 from agentic_lora.transport import EngineReply, EngineTransport
 
 __all__ = [
-    "ENGINE_KINDS",
     "AdapterInFlight",
     "AdapterPinMiddleware",
     "Dispatch",
     "DispatchGuard",
     "DispatchGuardMiddleware",
     "EngineCall",
-    "EngineKind",
     "InFlight",
     "Middleware",
     "PeekGuard",
@@ -73,17 +70,10 @@ __all__ = [
     "RoutingMiddleware",
     "TransportEndpoint",
     "build_chain",
-    "check_route",
     "pin_adapter",
 ]
 
 logger = logging.getLogger(__name__)
-
-EngineKind = Literal["sglang", "vllm"]
-"""The engine software behind the fleet; it decides how a request names its adapter."""
-
-#: Every :data:`EngineKind`, in a stable order (for flags and messages).
-ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 
 
 @dataclass(eq=False, slots=True)
@@ -134,7 +124,7 @@ class EngineCall:
 
 Dispatch = Callable[[EngineCall], Awaitable[EngineReply]]
 
-RefusedListener = Callable[[str, Binding], None]
+RefusedListener = Callable[[str, Binding], object]
 """``listener(engine, binding)``: ``engine`` refused a request of a Session bound to ``binding``.
 
 Called synchronously on the dispatch path, so it must only note or schedule (poke a repairer,
@@ -171,91 +161,18 @@ def build_chain(endpoint: Dispatch, middleware: Sequence[Middleware]) -> Dispatc
 # --- adapter pinning ----------------------------------------------------------------------------
 
 
-def check_route(route: Route, engine_kind: EngineKind) -> None:
-    """Raise InvalidRequestError when ``engine_kind`` engines do not serve ``route``."""
-    if engine_kind == "vllm" and route is Route.GENERATE:
-        raise InvalidRequestError(
-            "vLLM engines have no /generate route; send /v1/completions or /v1/chat/completions "
-            "(the Session names its adapter in `model`); nothing was sent",
-            route=route.value,
-            engine_kind=engine_kind,
-            reason="route_unsupported",
-        )
-
-
-def _sglang_model(base_model: str, lora_name: str, given: Any) -> str:
-    pinned = f"{base_model}:{lora_name}"
-    if given is None or given in (base_model, pinned, lora_name):
-        # A bare adapter name in ``model`` would be read by SGLang as a base model name and
-        # silently served without the adapter: it is rewritten to the explicit form.
-        return pinned
-    if not isinstance(given, str):
-        raise AdapterMismatchError("`model` must be a string", given=repr(given))
-    _, sep, adapter = given.partition(":")
-    raise AdapterMismatchError(
-        f"request names model {given!r} but this Session is bound to {pinned!r}",
-        given=given,
-        bound=lora_name,
-        given_adapter=adapter.strip() if sep else given,
-    )
-
-
-def _vllm_model(base_model: str | None, lora_name: str, given: Any) -> str:
-    # The base model's name, or SGLang's explicit "<base>:<adapter>" form, can only mean this
-    # Session's adapter here; vLLM would answer the first without it and 404 the second.
-    same = {lora_name} if not base_model else {lora_name, base_model, f"{base_model}:{lora_name}"}
-    if given is None or given in same:
-        return lora_name
-    if not isinstance(given, str):
-        raise AdapterMismatchError("`model` must be a string", given=repr(given))
-    raise AdapterMismatchError(
-        f"request names model {given!r} but this Session is bound to {lora_name!r}",
-        given=given,
-        bound=lora_name,
-    )
-
-
 def pin_adapter(
     route: Route,
     body: Mapping[str, Any],
     lora_name: str,
     base_model: str | None,
     *,
-    engine_kind: EngineKind = "sglang",
+    dialect: EngineDialect = SGLANG,
 ) -> dict[str, Any]:
-    """``body`` with the bound adapter written in; a different adapter named by the caller raises.
-
-    SGLang: ``/generate`` gets ``lora_path=lora_name``; OpenAI routes get
-    ``model="<base>:<lora_name>"`` (SGLang gives the adapter in ``model`` precedence over
-    ``lora_path``; an explicit ``lora_path`` is still checked so the two can never disagree).
-
-    vLLM: OpenAI routes get ``model=<lora_name>``; a ``lora_path`` is checked, then dropped (vLLM
-    ignores it, so it selects nothing); ``/generate`` raises InvalidRequestError (see
-    :func:`check_route`).
-    """
-    out = dict(body)
-    given_path = out.get("lora_path")
-    if given_path is not None and given_path != lora_name:
-        raise AdapterMismatchError(
-            f"request names adapter {given_path!r} but this Session is bound to {lora_name!r}",
-            given=given_path,
-            bound=lora_name,
-        )
-    check_route(route, engine_kind)
-    if engine_kind == "vllm":
-        out.pop("lora_path", None)
-        out["model"] = _vllm_model(base_model, lora_name, out.get("model"))
-        return out
-    if route is Route.GENERATE:
-        out["lora_path"] = lora_name
-        return out
-    if not base_model:
-        raise ConfigurationError(
-            "OpenAI routes need the base model name to address an adapter",
-            check="base_model_name",
-        )
-    out["model"] = _sglang_model(base_model, lora_name, out.get("model"))
-    return out
+    """``body`` with the bound adapter written in the ``dialect``'s way; a different adapter
+    named by the caller raises AdapterMismatchError (see
+    :meth:`~agentic_lora.engines.dialect.EngineDialect.pin`)."""
+    return dialect.pin(route, body, lora_name, base_model)
 
 
 class AdapterPinMiddleware:
@@ -266,16 +183,11 @@ class AdapterPinMiddleware:
         next_dispatch: Dispatch,
         *,
         base_model: str | None,
-        engine_kind: EngineKind = "sglang",
+        dialect: EngineDialect = SGLANG,
     ) -> None:
-        if engine_kind not in ENGINE_KINDS:
-            raise ConfigurationError(
-                f"engine kind {engine_kind!r} is not one of {list(ENGINE_KINDS)}",
-                check="engine_kind",
-            )
         self._next = next_dispatch
         self._base_model = base_model
-        self._engine_kind: EngineKind = engine_kind
+        self._pin = dialect.pin
 
     async def __call__(self, call: EngineCall) -> EngineReply:
         binding = call.binding
@@ -285,13 +197,7 @@ class AdapterPinMiddleware:
                 "a versioned dispatch reached the adapter pin without a binding",
                 session=call.session_key,
             )
-        body = pin_adapter(
-            call.route,
-            call.body,
-            binding.lora_name,
-            self._base_model,
-            engine_kind=self._engine_kind,
-        )
+        body = self._pin(call.route, call.body, binding.lora_name, self._base_model)
         return await self._next(call.with_body(body))
 
 

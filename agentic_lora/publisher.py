@@ -40,18 +40,9 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
-
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
-from tenacity.wait import wait_base
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import Backend, EngineRef, PublicationTarget
@@ -62,7 +53,10 @@ from agentic_lora.errors import (
     CapacityError,
     ConfigurationError,
     RegistryError,
+    error_code,
 )
+from agentic_lora.fleet import fixed_fleet
+from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus, PhaseTiming
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import (
     CommitReceipt,
@@ -72,7 +66,10 @@ from agentic_lora.registry.types import (
     VersionStatus,
     new_request_id,
 )
+from agentic_lora.replay import RegistryRetry
 
+# Phase types and RegistryRetry live in agentic_lora.phases and agentic_lora.replay; they stay
+# importable from here for callers written before they moved.
 __all__ = [
     "EngineReport",
     "Phase",
@@ -101,51 +98,6 @@ class PublicationOutcome(enum.StrEnum):
     SKIPPED = "SKIPPED"  # capacity refused after bootstrap; nothing was transferred
     FAILED_CLEAN = "FAILED_CLEAN"  # aborted; every engine confirmed cleanup; slot freed
     BLOCKED = "BLOCKED"  # outcome or cleanup unconfirmed: slot held, publications blocked
-
-
-class Phase(enum.StrEnum):
-    """Steps of publication and reclaim (per engine, or fleet-wide when ``engine`` is None)."""
-
-    RESERVE = "reserve"
-    OBSERVE = "observe_incarnation"
-    PREPARE = "prepare"
-    RECORD_READY = "record_ready"
-    COMMIT = "commit"
-    ABORT = "abort"
-    CLEANUP = "cleanup"
-    CONFIRM_CLEANUP = "confirm_cleanup"
-    CLAIM_RECLAIM = "claim_reclaim"
-    RECLAIM = "reclaim"
-    CONFIRM_RECLAIM = "confirm_reclaim"
-
-
-class PhaseStatus(enum.StrEnum):
-    STARTED = "STARTED"
-    DONE = "DONE"
-    FAILED = "FAILED"
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseEvent:
-    """What a progress callback receives: a phase started, finished or failed on an engine."""
-
-    engine: str | None
-    phase: Phase
-    status: PhaseStatus
-    seconds: float | None = None
-    error_code: str | None = None
-    version_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseTiming:
-    """How long one phase took on one engine (``engine`` None: fleet-wide)."""
-
-    engine: str | None
-    phase: Phase
-    seconds: float
-    ok: bool
-    error_code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,87 +150,6 @@ class ResolveTrigger(Protocol):
     def poke(self) -> None: ...
 
 
-def _is_lost_reply(exc: BaseException) -> bool:
-    # A typed error is the registry's answer; anything else may have been a lost reply.
-    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
-
-
-@dataclass(frozen=True)
-class RegistryRetry:
-    """Replays a registry call (same request id) when its reply may have been lost."""
-
-    attempts: int = 5
-    wait: wait_base = field(default_factory=lambda: wait_exponential(multiplier=0.05, max=2.0))
-
-    async def call(self, verb: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn`` until it answers (or raises a typed error); re-raise the last lost reply."""
-
-        def _log(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            logger.warning(
-                "registry %s reply lost (%r); replaying with the same request id",
-                verb,
-                exc,
-                extra={"attempt": state.attempt_number},
-            )
-
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.attempts),
-            wait=self.wait,
-            retry=retry_if_exception(_is_lost_reply),
-            before_sleep=_log,
-            reraise=True,
-        )
-
-        async def attempt() -> T:
-            # A coroutine function, so tenacity awaits each try (a lambda would not be awaited).
-            return await fn()
-
-        result: T = await retrying(attempt)
-        return result
-
-
-class PhaseRecorder:
-    """Collects phase timings of one publication or reclaim and forwards progress events."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        on_progress: Callable[[PhaseEvent], None] | None,
-        version_id: str | None = None,
-    ) -> None:
-        self._clock = clock
-        self._on_progress = on_progress
-        self._version_id = version_id
-        self.timings: list[PhaseTiming] = []
-
-    def _emit(self, event: PhaseEvent) -> None:
-        if self._on_progress is None:
-            return
-        try:
-            self._on_progress(event)
-        except Exception:
-            logger.exception("progress callback failed")
-
-    @contextlib.asynccontextmanager
-    async def phase(self, engine: str | None, phase: Phase) -> AsyncIterator[None]:
-        """Time the enclosed block as ``phase`` on ``engine`` (a failure is recorded and re-raised)."""
-        start = self._clock()
-        vid = self._version_id
-        self._emit(PhaseEvent(engine, phase, PhaseStatus.STARTED, version_id=vid))
-        try:
-            yield
-        except BaseException as exc:
-            seconds = self._clock() - start
-            code = getattr(exc, "code", type(exc).__name__)
-            self.timings.append(PhaseTiming(engine, phase, seconds, False, code))
-            self._emit(PhaseEvent(engine, phase, PhaseStatus.FAILED, seconds, code, vid))
-            raise
-        seconds = self._clock() - start
-        self.timings.append(PhaseTiming(engine, phase, seconds, True))
-        self._emit(PhaseEvent(engine, phase, PhaseStatus.DONE, seconds, version_id=vid))
-
-
 @dataclass
 class _Run:
     """Mutable state of one publish/resolve call."""
@@ -312,14 +183,6 @@ class _Run:
             engines=tuple(self.reports[name] for name in sorted(self.reports)),
             timings=tuple(self.recorder.timings),
         )
-
-
-def fixed_fleet(engines: Sequence[EngineRef]) -> tuple[EngineRef, ...]:
-    """The fixed fleet a publisher or reclaimer drives: non-empty, distinct engine names."""
-    names = [e.name for e in engines]
-    if not names or len(set(names)) != len(names):
-        raise ConfigurationError(f"the fleet needs distinct engines, got {names}", engines=names)
-    return tuple(engines)
 
 
 class Publisher:
@@ -528,7 +391,7 @@ class Publisher:
                 )
         except Exception as exc:
             # Collected, not propagated: the other engines' prepares run to their own end.
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning("prepare failed on %s: %s", engine.name, exc, extra=extra)
             return EngineReport(engine.name, ready=False, error_code=code, error=str(exc))
         logger.info("READY on %s", engine.name, extra=extra)
@@ -549,7 +412,7 @@ class Publisher:
         try:
             await self._observe_or_raise(run, engine)
         except Exception as exc:
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             return EngineReport(engine.name, ready=True, error_code=code, error=str(exc))
         return EngineReport(engine.name, ready=True)
 
@@ -685,7 +548,7 @@ class Publisher:
                     ),
                 )
         except Exception as exc:
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning("cleanup unconfirmed on %s: %s", engine.name, exc, extra=extra)
             return EngineReport(engine.name, cleaned=False, error_code=code, error=str(exc))
         logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)

@@ -38,18 +38,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agentic_lora.backends import Backend, EngineRef
-from agentic_lora.errors import AgenticLoRAError, ConfigurationError, SessionStillBoundError
-from agentic_lora.publisher import (
-    Phase,
-    PhaseEvent,
-    PhaseRecorder,
-    PhaseTiming,
-    RegistryRetry,
-    fixed_fleet,
-)
+from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
+from agentic_lora.fleet import fixed_fleet
+from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
 from agentic_lora.repair import VersionLocks
+from agentic_lora.replay import RegistryRetry
 
 __all__ = ["ReclaimOutcome", "ReclaimReport", "ReclaimResult", "Reclaimer"]
 
@@ -230,7 +225,7 @@ class Reclaimer:
         except Exception as exc:
             # The claim's fate is unknown (replies lost) or the version moved on: a later round
             # replays it; claim_reclaim is idempotent.
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning("claim of %s failed: %s", version_id, exc, extra={"version": version_id})
             return ReclaimResult(
                 version_id,
@@ -301,4 +296,4 @@ class Reclaimer:
         except Exception as exc:
             # Collected: the other engines' unloads run to their own end.
             logger.warning("reclaim unconfirmed on %s: %s", engine.name, exc, extra=extra)
-            return exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            return error_code(exc)

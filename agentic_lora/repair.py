@@ -67,22 +67,16 @@ from typing import Protocol, runtime_checkable
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import Backend, EngineRef, PublicationTarget
 from agentic_lora.errors import (
-    AgenticLoRAError,
     BackendRefusedError,
     ConfigurationError,
     EngineRestartedError,
     InvalidStateError,
     RegistryError,
     UnknownVersionError,
+    error_code,
 )
-from agentic_lora.publisher import (
-    Phase,
-    PhaseEvent,
-    PhaseRecorder,
-    PhaseStatus,
-    RegistryRetry,
-    fixed_fleet,
-)
+from agentic_lora.fleet import fixed_fleet
+from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import (
     RegistryStatus,
@@ -90,6 +84,7 @@ from agentic_lora.registry.types import (
     VersionStatus,
     new_request_id,
 )
+from agentic_lora.replay import RegistryRetry
 from agentic_lora.routing import EngineHealth
 
 __all__ = [
@@ -565,7 +560,7 @@ class Repairer:
     def _engine_down(self, engine: str, exc: BaseException) -> None:
         was_ok = self._engine_ok.get(engine, True)
         self._engine_ok[engine] = False
-        code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+        code = error_code(exc)
         if was_ok:
             logger.warning(
                 "engine does not answer its incarnation probe; not ready",
@@ -592,9 +587,7 @@ class Repairer:
         try:
             status = await self.registry.status()
         except Exception as exc:
-            self._status_error = (
-                exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
-            )
+            self._status_error = error_code(exc)
             logger.warning("registry status read failed", extra={"error_code": self._status_error})
             return None
         self._status_at = self._monotonic()
@@ -623,7 +616,7 @@ class Repairer:
                     ),
                 )
         except Exception as exc:
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning(
                 "could not record a new engine incarnation",
                 extra={"engine": engine, "incarnation": incarnation, "error_code": code},
@@ -690,7 +683,7 @@ class Repairer:
             try:
                 v = await self.registry.version(version_id)
             except Exception as exc:
-                code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+                code = error_code(exc)
                 return self._count(
                     [RepairResult(version_id, e.name, RepairOutcome.FAILED, code) for e in engines]
                 )
@@ -761,7 +754,7 @@ class Repairer:
         except Exception as exc:
             # Ambiguous or refused, the engine is not routed to for it (no READY): the next round
             # prepares again, and HTTP push adopts a copy that did get loaded without reloading.
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning(
                 "repair of %s failed on %s: %s", target.version_id, engine.name, exc, extra=extra
             )
@@ -777,7 +770,7 @@ class Repairer:
             return await self._refused(recorder, engine, target, exc.code, exc)
         except Exception as exc:
             # The READY's fate is unknown: it may be recorded and routed to, so never clean it.
-            code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            code = error_code(exc)
             logger.warning(
                 "repair READY of %s on %s unconfirmed", target.version_id, engine.name, extra=extra
             )
@@ -831,7 +824,7 @@ class Repairer:
                 with contextlib.suppress(BackendRefusedError):
                     await self.backend.cleanup(engine, target)
         except Exception as exc:
-            cleanup_code = exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__
+            cleanup_code = error_code(exc)
             logger.error(
                 "cleanup after a refused repair of %s on %s unconfirmed (%s)",
                 target.version_id,

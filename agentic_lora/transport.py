@@ -14,18 +14,19 @@ Whether to generate again is the caller's decision, made with the classification
 * :class:`~agentic_lora.errors.RequestIndeterminateError`: it may have (a timeout or reset after
   the request went out, a 5xx, an unreadable reply).
 
-Control-plane calls (``/abort_request``, ``/get_server_info``) are idempotent, so they alone are
-retried, a bounded number of times.
+The classification is :mod:`agentic_lora.engines.wire`'s (the admin clients use the same table).
+Control-plane calls (abort by id, server info; their routes are the engine dialect's, see
+:mod:`agentic_lora.engines.dialect`) are idempotent, so they alone are retried, a bounded number of
+times.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from tenacity import (
@@ -38,6 +39,18 @@ from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 from agentic_lora.backends import EngineRef
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.sglang import SGLANG
+from agentic_lora.engines.wire import (
+    EngineHttp,
+    HttpAnswer,
+    HttpTransportKind,
+    Outcome,
+    classify_exception,
+    classify_status,
+    decode_body,
+    make_engine_client,
+)
 from agentic_lora.errors import (
     ConfigurationError,
     DispatchError,
@@ -63,72 +76,6 @@ logger = logging.getLogger(__name__)
 
 #: The generation retry policy: one attempt, never a second.
 GENERATION_STOP: stop_base = stop_after_attempt(1)
-
-HttpTransportKind = Literal["aiohttp", "httpx"]
-
-
-class Outcome(enum.StrEnum):
-    """The answer to "may the engine have accepted this request?"."""
-
-    REFUSED = "refused"  # provably not accepted
-    INDETERMINATE = "indeterminate"  # may have been accepted
-
-
-# httpx errors raised before a single byte of the request left this process.
-_NOT_SENT: tuple[type[Exception], ...] = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
-    httpx.UnsupportedProtocol,
-)
-
-
-def _aiohttp_connect_phase_errors() -> tuple[type[BaseException], ...] | None:
-    try:
-        import aiohttp
-    except ImportError:  # pragma: no cover - aiohttp ships with httpx-aiohttp, a core dependency
-        return None
-    return (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-
-
-def _aiohttp_error_base() -> type[BaseException] | None:
-    try:
-        import aiohttp
-    except ImportError:  # pragma: no cover
-        return None
-    return aiohttp.ClientError
-
-
-def classify_exception(exc: BaseException) -> Outcome:
-    """Classify a failed HTTP exchange by whether the request can have reached the engine.
-
-    httpx-aiohttp maps every ``aiohttp.ClientConnectionError`` to ``httpx.ConnectTimeout``, even a
-    server disconnect after the request was written; the httpx type alone would call that
-    "refused". So when an aiohttp error is in the cause chain it decides: only a failure to
-    connect (``ClientConnectorError``, ``ConnectionTimeoutError``) proves nothing was sent.
-    """
-    aio_base = _aiohttp_error_base()
-    connect_phase = _aiohttp_connect_phase_errors()
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if aio_base is not None and isinstance(cause, aio_base):
-            assert connect_phase is not None
-            return Outcome.REFUSED if isinstance(cause, connect_phase) else Outcome.INDETERMINATE
-        cause = cause.__cause__
-    if isinstance(exc, _NOT_SENT):
-        return Outcome.REFUSED
-    return Outcome.INDETERMINATE
-
-
-def classify_status(status_code: int) -> Outcome | None:
-    """None for a 2xx answer; 4xx: refused (the engine rejected it); anything else: indeterminate."""
-    if 200 <= status_code < 300:
-        return None
-    if 400 <= status_code < 500:
-        return Outcome.REFUSED
-    return Outcome.INDETERMINATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,15 +131,6 @@ def _encode(body: Mapping[str, Any]) -> bytes:
         ) from exc
 
 
-def _decode(response: httpx.Response) -> Any:
-    if not response.content:
-        return None
-    try:
-        return response.json()
-    except ValueError:
-        return response.text
-
-
 def _failure(
     outcome: Outcome,
     message: str,
@@ -200,27 +138,6 @@ def _failure(
 ) -> DispatchError:
     cls = RequestRefusedError if outcome is Outcome.REFUSED else RequestIndeterminateError
     return cls(f"{message} [{outcome.value}]", outcome=outcome.value, **details)
-
-
-def _make_client(
-    kind: HttpTransportKind, timeout: httpx.Timeout, limits: httpx.Limits
-) -> tuple[httpx.AsyncClient, HttpTransportKind]:
-    transport: httpx.AsyncBaseTransport
-    if kind == "aiohttp":
-        try:
-            from httpx_aiohttp import AiohttpTransport
-        except ImportError:
-            logger.warning("httpx-aiohttp is not installed; using httpx's default transport")
-            kind = "httpx"
-        else:
-            transport = AiohttpTransport(retries=0, limits=limits, trust_env=False)
-    if kind == "httpx":
-        transport = httpx.AsyncHTTPTransport(retries=0, limits=limits, trust_env=False)
-    # trust_env=False: an environment proxy would be another hop that may retry.
-    client = httpx.AsyncClient(
-        transport=transport, timeout=timeout, follow_redirects=False, trust_env=False
-    )
-    return client, kind
 
 
 class EngineTransport:
@@ -237,6 +154,7 @@ class EngineTransport:
         keepalive_expiry: float = ENGINE_KEEPALIVE_EXPIRY,
         control_attempts: int = 3,
         control_wait: wait_base | None = None,
+        dialect: EngineDialect = SGLANG,
     ) -> None:
         if not engines:
             raise ConfigurationError(
@@ -252,12 +170,18 @@ class EngineTransport:
         self._engines: dict[str, EngineRef] = {e.name: e for e in engines}
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=connect_timeout)
         limits = engine_limits(max_connections, keepalive_expiry)  # see agentic_lora.http_limits
-        self._client, self._kind = _make_client(http_transport, timeout, limits)
+        self._client, self._kind = make_engine_client(http_transport, timeout, limits)
         self._control_attempts = control_attempts
         self._control_wait: wait_base = (
             control_wait if control_wait is not None else wait_exponential(multiplier=0.05, max=1.0)
         )
+        self._dialect = dialect
         self._closed = False
+
+    @property
+    def dialect(self) -> EngineDialect:
+        """The engine dialect: the routes of abort and server info."""
+        return self._dialect
 
     @property
     def engines(self) -> tuple[EngineRef, ...]:
@@ -283,9 +207,17 @@ class EngineTransport:
         return ref
 
     async def _exchange(
-        self, engine: str, method: str, path: str, content: bytes | None, rid: str | None
+        self,
+        engine: str,
+        method: str,
+        path: str,
+        content: bytes | None,
+        rid: str | None,
+        *,
+        check_status: bool = True,
     ) -> EngineReply:
-        """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError."""
+        """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
+        (``check_status=False``: only for what happened on the wire; any answer is returned)."""
         ref = self._ref(engine)
         url = ref.base_url.rstrip("/") + path
         headers = {"content-type": "application/json"} if content is not None else None
@@ -326,8 +258,8 @@ class EngineTransport:
                 ) from exc
         finally:
             await response.aclose()
-        body = _decode(response)
-        status_outcome = classify_status(response.status_code)
+        body = decode_body(response)
+        status_outcome = classify_status(response.status_code) if check_status else None
         if status_outcome is not None:
             what = "refused" if status_outcome is Outcome.REFUSED else "failed and may have run"
             raise _failure(
@@ -372,27 +304,48 @@ class EngineTransport:
     async def abort(self, engine: str, rid: str) -> None:
         """Ask ``engine`` to abort request ``rid`` (idempotent: retried on transport failures).
 
-        SGLang answers 200 whether or not the request is still running; the request itself then
-        ends with ``finish_reason.type == "abort"``.
+        The route is the dialect's (:meth:`~agentic_lora.engines.dialect.EngineDialect.abort_request`;
+        InvalidRequestError, nothing sent, when the engine cannot abort by id). SGLang answers 200
+        whether or not the request is still running; the request itself then ends with
+        ``finish_reason.type == "abort"``.
         """
-        content = _encode({"rid": rid})
+        path, payload = self._dialect.abort_request(rid)
+        content = _encode(payload)
         async for attempt in self._control_policy():
             with attempt:
-                await self._exchange(engine, "POST", "/abort_request", content, rid)
+                await self._exchange(engine, "POST", path, content, rid)
         logger.info("abort sent", extra={"engine": engine, "rid": rid})
 
-    async def server_info(self, engine: str) -> Mapping[str, Any]:
-        """SGLang ``GET /get_server_info`` (server args and scheduler info), retried when lost."""
+    async def server_info(self, engine: str) -> Mapping[str, Any] | None:
+        """The engine's server info as its dialect reads it (None: the engine publishes none)."""
+        return await self._dialect.read_server_info(self.engine_http(engine))
+
+    def engine_http(self, engine: str) -> EngineHttp:
+        """``engine`` as a dialect reads it: idempotent GETs, lost replies asked again."""
+        self._ref(engine)
+        return _ControlHttp(self, engine)
+
+    async def _control_get(self, engine: str, path: str) -> HttpAnswer:
+        if self._closed:
+            raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
         reply: EngineReply | None = None
         async for attempt in self._control_policy():
             with attempt:
-                reply = await self._exchange(engine, "GET", "/get_server_info", None, None)
+                reply = await self._exchange(engine, "GET", path, None, None, check_status=False)
+                if classify_status(reply.status_code) is Outcome.INDETERMINATE:
+                    # A 5xx may be the engine's passing trouble: asked again, like a lost reply.
+                    raise _failure(
+                        Outcome.INDETERMINATE,
+                        f"GET {path} to {engine} failed: HTTP {reply.status_code}",
+                        status=reply.status_code,
+                        body=reply.body,
+                        engine=engine,
+                        path=path,
+                    )
         assert reply is not None
-        if not isinstance(reply.body, Mapping):
-            raise RequestIndeterminateError(
-                f"/get_server_info of {engine} is not a JSON object", engine=engine
-            )
-        return reply.body
+        body = reply.body
+        text = body if isinstance(body, str) else "" if body is None else json.dumps(body)
+        return HttpAnswer(reply.status_code, reply.body, text)
 
     async def aclose(self) -> None:
         """Close the HTTP client (idempotent)."""
@@ -405,3 +358,23 @@ class EngineTransport:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class _ControlHttp:
+    """One engine of an :class:`EngineTransport`, as an :class:`EngineHttp`."""
+
+    def __init__(self, transport: EngineTransport, engine: str) -> None:
+        self._transport = transport
+        self._engine = engine
+
+    @property
+    def engine(self) -> str:
+        return self._engine
+
+    async def get_answer(self, op: str, path: str) -> HttpAnswer:
+        return await self._transport._control_get(self._engine, path)
+
+    def failure(self, outcome: Outcome, op: str, message: str, **details: Any) -> Exception:
+        return _failure(
+            outcome, f"{op} of {self._engine}: {message}", engine=self._engine, **details
+        )

@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import ReadyReceipt, new_request_id
+from agentic_lora.testing.publish import publish_by_verbs
 
 __all__ = [
     "BENCH_DIR",
@@ -287,17 +287,7 @@ async def publish_in_registry(
     registry: LocalRegistry, engine: str, version_id: str = "bench"
 ) -> str:
     """Commit one version by registry verbs alone (for engines that load nothing); its lora_name."""
-    digest = "cd" * 32
-    r = await registry.reserve(request_id=new_request_id(), version_id=version_id, digest=digest)
-    await registry.record_ready(
-        request_id=new_request_id(),
-        receipt=ReadyReceipt(engine, version_id, r.digest, r.lora_name, r.attempt, "bench"),
-    )
-    status = await registry.status()
-    await registry.commit(
-        request_id=new_request_id(),
-        version_id=version_id,
-        attempt=r.attempt,
-        expected_default_revision=status.default_revision,
+    r = await publish_by_verbs(
+        registry, version_id, (engine,), digest="cd" * 32, incarnation="bench"
     )
     return r.lora_name

@@ -22,30 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.registry import LocalRegistry, ReadyReceipt, RegistryAPI, new_request_id
+from common import rss_mb
+
+from agentic_lora.registry import LocalRegistry, RegistryAPI
+from agentic_lora.testing.publish import publish_by_verbs
 
 ENGINES = ("e0", "e1")
 DIGEST = "ab" * 32
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 async def publish(reg: RegistryAPI) -> None:
-    r = await reg.reserve(request_id=new_request_id(), version_id="A", digest=DIGEST)
-    for e in ENGINES:
-        await reg.record_ready(
-            request_id=new_request_id(),
-            receipt=ReadyReceipt(e, "A", r.digest, r.lora_name, r.attempt, "i"),
-        )
-    await reg.commit(
-        request_id=new_request_id(), version_id="A", attempt=1, expected_default_revision=0
-    )
+    await publish_by_verbs(reg, "A", ENGINES, digest=DIGEST, incarnation="i")
 
 
 async def cycle(reg: RegistryAPI, key: str) -> None:

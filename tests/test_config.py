@@ -21,7 +21,7 @@ from agentic_lora.config import (
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
-from tests.test_session_support import ENGINES, make_transport
+from tests.session_support import ENGINES, make_transport
 
 FLEET = [f"{n}={u}" for n, u in ENGINES.items()]
 
@@ -239,8 +239,8 @@ async def test_verify_fleet_reads_every_engine() -> None:
     try:
         with respx.mock(using="httpx") as mock:
             good = {"enable_lora": True, "max_loaded_loras": 3, "max_loras_per_batch": 3}
-            mock.get(ENGINES["e0"] + "/get_server_info").respond(200, json=good)
-            e1 = mock.get(ENGINES["e1"] + "/get_server_info").respond(
+            mock.get(ENGINES["e0"] + "/server_info").respond(200, json=good)
+            e1 = mock.get(ENGINES["e1"] + "/server_info").respond(
                 200, json={**good, "max_loaded_loras": 2}
             )
             with pytest.raises(ConfigurationError, match="engine e1") as err:

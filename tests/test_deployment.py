@@ -24,9 +24,9 @@ from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
 from agentic_lora.transport import EngineReply
-from tests.test_session_support import log_signal
-from tests.vllm.scripted_engine import ScriptedVllmEngine, VllmOp
+from tests.session_support import log_signal
 
 pytestmark = pytest.mark.asyncio
 

@@ -20,9 +20,9 @@ from agentic_lora.errors import (
     VersionConflictError,
 )
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.gateway.wire import DispatchOutcome
 from agentic_lora.metrics import Metrics
 from agentic_lora.middleware import EngineCall, InFlight, build_chain
+from agentic_lora.outcomes import DispatchOutcome
 from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus
 from agentic_lora.requests import Route
 from agentic_lora.transport import EngineReply
@@ -110,7 +110,9 @@ async def test_a_scrape_during_a_run_shows_the_counters_moving(tmp_path: Path) -
         assert value(m, "agentic_lora_capacity_slots_in_use") == 2
 
         for session_id in ("episode-1", "episode-2"):
-            await stack.http().post(f"/v1/sessions/{session_id}/close")
+            await stack.http().post(
+                f"/v1/sessions/{session_id}/close", headers={"x-agentic-session": session_id}
+            )
         await stack.gateway.deployment.reclaimer.settled()
         m = await scrape(stack)
         assert value(m, "agentic_lora_reclaim_wait_seconds_count", result="ok") == 2

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from agentic_lora_vllm.dialect import VllmDialect
 
 from agentic_lora.errors import (
     AdapterMismatchError,
@@ -36,8 +37,9 @@ from agentic_lora.registry.types import Binding, VersionState, VersionStatus, ne
 from agentic_lora.requests import Route
 from agentic_lora.routing import EngineHealth, InFlightCounter
 from agentic_lora.transport import EngineReply
-from tests.test_session_support import harness, publish
+from tests.session_support import harness, publish
 
+VLLM = VllmDialect()
 LORA = "policy_lora@0-v1-0123456789abcdef"
 BASE = "base-model"
 BINDING = Binding(
@@ -98,7 +100,7 @@ def test_vllm_openai_routes_name_the_adapter_itself_as_the_model(
     body: dict[str, Any] = {"prompt": "x", "lora_path": LORA}
     if given is not None:
         body["model"] = given
-    out = pin_adapter(route, body, LORA, BASE, engine_kind="vllm")
+    out = pin_adapter(route, body, LORA, BASE, dialect=VLLM)
     assert out["model"] == LORA
     assert "lora_path" not in out  # vLLM ignores it: never sent, so it cannot mislead a reader
     assert body.get("model") == given  # the caller's body is not modified
@@ -117,38 +119,37 @@ def test_vllm_openai_routes_name_the_adapter_itself_as_the_model(
 )
 def test_vllm_requests_naming_another_adapter_are_refused(body: dict[str, Any]) -> None:
     with pytest.raises(AdapterMismatchError):
-        pin_adapter(Route.COMPLETIONS, {"prompt": "x", **body}, LORA, BASE, engine_kind="vllm")
+        pin_adapter(Route.COMPLETIONS, {"prompt": "x", **body}, LORA, BASE, dialect=VLLM)
 
 
 def test_vllm_pins_without_a_base_model_but_then_cannot_recognise_it() -> None:
-    assert pin_adapter(Route.COMPLETIONS, {"prompt": "x"}, LORA, None, engine_kind="vllm") == {
+    assert pin_adapter(Route.COMPLETIONS, {"prompt": "x"}, LORA, None, dialect=VLLM) == {
         "prompt": "x",
         "model": LORA,
     }
     with pytest.raises(AdapterMismatchError):
         pin_adapter(
-            Route.COMPLETIONS, {"prompt": "x", "model": BASE}, LORA, None, engine_kind="vllm"
+            Route.COMPLETIONS, {"prompt": "x", "model": BASE}, LORA, None, dialect=VLLM
         )
 
 
 def test_vllm_has_no_generate_route() -> None:
+    # The route is checked by the Session before it binds (once), not by the pin.
     with pytest.raises(InvalidRequestError) as err:
-        pin_adapter(Route.GENERATE, {"text": "x"}, LORA, BASE, engine_kind="vllm")
+        VLLM.check_route(Route.GENERATE)
     assert err.value.details["reason"] == "route_unsupported"
+    assert err.value.details["engine_kind"] == "vllm"
 
 
 @pytest.mark.asyncio
-async def test_the_pin_middleware_addresses_the_adapter_per_engine_kind() -> None:
+async def test_the_pin_middleware_addresses_the_adapter_per_dialect() -> None:
     sglang = build_chain(endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE)])
     vllm = build_chain(
-        endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE, engine_kind="vllm")]
+        endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE, dialect=VLLM)]
     )
     call = EngineCall(Route.COMPLETIONS, {"prompt": "x", "model": BASE}, "s#1", BINDING)
     assert (await sglang(call)).body["model"] == f"{BASE}:{LORA}"
     assert (await vllm(call)).body["model"] == LORA
-    with pytest.raises(ConfigurationError) as err:
-        AdapterPinMiddleware(endpoint, base_model=BASE, engine_kind="tgi")  # type: ignore[arg-type]
-    assert err.value.details["check"] == "engine_kind"
 
 
 @pytest.mark.asyncio

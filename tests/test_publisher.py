@@ -1,7 +1,8 @@
 """Publication against scripted SGLang engines (respx) and the real LocalRegistry.
 
-One named test per publication row of the RFC's fault table (section 7.1), plus the publisher's
-own rules (bootstrap, skip on capacity, blocked on unknown outcomes, progress and timings).
+One named test per publication rule of the fault scenarios (rules 7.1-1 to 7.1-3), plus the
+publisher's own rules (bootstrap, skip on capacity, blocked on unknown outcomes, progress and
+timings).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ async def publish(world: World, version_id: str, snapshot: AdapterSnapshot) -> P
     return (await world.publisher.publish(version_id, snapshot)).outcome
 
 
-# --- RFC 7.1: staged READY, one engine at a time ---------------------------------------------
+# --- rule 7.1-1: staged READY, one engine at a time ------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -197,7 +198,7 @@ async def test_b_ready_on_e0_only_keeps_the_default_then_both_ready_commit_switc
     assert world.state("v1") is VersionState.RETIRED
 
 
-# --- RFC 7.1: duplicate publication and content conflict ---------------------------------------
+# --- rule 7.1-2: duplicate publication and content conflict ------------------------------------
 
 
 @pytest.mark.asyncio
@@ -324,7 +325,7 @@ async def test_a_new_id_with_an_old_versions_content_is_a_new_publication(world:
         assert engine.physical_loads[world.name("v3")] == 1
 
 
-# --- RFC 7.1: failures never move the default; cleanup on both before the slot is freed ---------
+# --- rule 7.1-3: failures never move the default; cleanup on both before the slot is freed ------
 
 
 @pytest.mark.asyncio

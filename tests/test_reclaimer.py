@@ -1,7 +1,8 @@
 """Reclaim against scripted SGLang engines (respx) and the real LocalRegistry.
 
-One named test per reclaim row of the RFC's fault table (section 7.1), plus the reclaimer's own
-rules (native refcount, joined concurrent reclaims, the poke-driven background loop).
+One named test per reclaim rule of the fault scenarios (rules 7.1-7 and 7.1-8), plus the
+reclaimer's own rules (native refcount, joined concurrent reclaims, the poke-driven background
+loop).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ async def a_retired_and_bound_b_published(world: World) -> None:
     assert world.state("v1") is VersionState.RETIRED
 
 
-# --- RFC 7.1: capacity 2, repeated reclaim, late unload receipts -------------------------------
+# --- rule 7.1-8: capacity 2, repeated reclaim, late unload receipts ----------------------------
 
 
 @pytest.mark.asyncio

@@ -57,8 +57,9 @@ from agentic_lora.session import Session, Versioning
 from agentic_lora.store import AdapterStore
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
+from agentic_lora.testing.publish import publish_by_verbs
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
-from tests.test_session_support import RecordingRegistry
+from tests.session_support import RecordingRegistry
 
 # A failing assertion must not leave a gated load holding the Deployment's shutdown forever.
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -778,14 +779,8 @@ async def test_the_ray_client_cache_learns_a_restart_from_a_refused_dispatch_and
     client = RayRegistryClient(_Handle(actor))
     other = RayRegistryClient(_Handle(actor))  # another process: a repairer's registry client
     try:
-        r = await client.reserve(request_id=new_request_id(), version_id="A", digest=A.digest)
-        for e in ("e0", "e1"):
-            await client.record_ready(
-                request_id=new_request_id(),
-                receipt=ReadyReceipt(e, "A", A.digest, r.lora_name, r.attempt, f"{e}-1"),
-            )
-        await client.commit(
-            request_id=new_request_id(), version_id="A", attempt=1, expected_default_revision=0
+        r = await publish_by_verbs(
+            client, "A", ("e0", "e1"), digest=A.digest, incarnation=lambda e: f"{e}-1"
         )
         binding = await client.bind_first(request_id=new_request_id(), session_key="s")
         assert client.peek_version("A").ready_engines == ("e0", "e1")  # type: ignore[union-attr]

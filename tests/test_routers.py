@@ -23,7 +23,7 @@ from agentic_lora.registry.types import Binding
 from agentic_lora.requests import Route
 from agentic_lora.routing import EngineHealth, Router, available_routers, load_router
 from agentic_lora.transport import EngineReply
-from tests.test_session_support import harness, publish
+from tests.session_support import harness, publish
 
 FLEET = ("e0", "e1", "e2", "e3")
 

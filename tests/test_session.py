@@ -21,7 +21,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.session import Session, SessionPhase, Versioning
-from tests.test_session_support import BASE_MODEL, commit, harness, publish, ready, stage
+from tests.session_support import BASE_MODEL, commit, harness, publish, ready, stage
 
 
 def binding_of(s: Session) -> Binding | None:

@@ -8,7 +8,7 @@ import pytest
 
 from agentic_lora.errors import SessionClosedError, SessionReleaseError, SessionStateError
 from agentic_lora.session import TRANSITIONS, Session, SessionPhase, next_phase
-from tests.test_session_support import harness, publish
+from tests.session_support import harness, publish
 
 
 def phase_of(s: Session) -> SessionPhase:

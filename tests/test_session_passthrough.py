@@ -9,7 +9,7 @@ import pytest
 
 from agentic_lora.requests import GenerateRequest
 from agentic_lora.session import SessionPhase
-from tests.test_session_support import harness
+from tests.session_support import harness
 
 LEGACY = {
     "sampling_params": {"max_new_tokens": 16, "temperature": 0.7},

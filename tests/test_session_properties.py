@@ -17,7 +17,7 @@ from agentic_lora.errors import (
     SessionReleaseError,
 )
 from agentic_lora.session import SessionPhase
-from tests.test_session_support import Harness, harness, publish
+from tests.session_support import Harness, harness, publish
 
 STEPS = st.sampled_from(
     [

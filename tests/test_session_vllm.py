@@ -19,7 +19,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
-from tests.test_session_support import BASE_MODEL, harness, log_signal, publish
+from tests.session_support import BASE_MODEL, harness, log_signal, publish
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

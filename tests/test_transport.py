@@ -166,8 +166,10 @@ async def test_abort_is_retried_on_transport_failures_but_not_on_a_4xx() -> None
 async def test_server_info_and_unknown_engine_and_closed_transport() -> None:
     t = transport()
     with respx.mock(using="httpx") as mock:
-        mock.get(URL + "/get_server_info").respond(200, json={"enable_lora": True})
-        assert (await t.server_info("e0"))["enable_lora"] is True
+        mock.get(URL + "/server_info").respond(200, json={"enable_lora": True})
+        info = await t.server_info("e0")
+        assert info is not None
+        assert info["enable_lora"] is True
         with pytest.raises(UnknownEngineError):
             await t.send("e9", "/generate", {"text": "x"})
         await t.aclose()

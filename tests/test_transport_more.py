@@ -123,15 +123,44 @@ async def test_server_info_that_is_not_an_object_is_indeterminate() -> None:
     t = transport()
     try:
         with respx.mock(using="httpx") as mock:
-            route = mock.get(URL + "/get_server_info").respond(200, json=["not", "an", "object"])
+            route = mock.get(URL + "/server_info").respond(200, json=["not", "an", "object"])
             with pytest.raises(RequestIndeterminateError) as err:
                 await t.server_info("e0")
             # A well-formed 200 is an answer, not a lost reply: asked once.
             assert route.call_count == 1
     finally:
         await t.aclose()
-    assert err.value.message == "/get_server_info of e0 is not a JSON object"
+    assert err.value.message == (
+        "server_info of e0: /server_info is not a JSON object [indeterminate]"
+    )
     assert err.value.details["engine"] == "e0"
+    assert err.value.details["outcome"] == "indeterminate"
+
+
+@pytest.mark.asyncio
+async def test_server_info_falls_back_to_the_legacy_path_and_retries_a_5xx() -> None:
+    t = transport(attempts=2)
+    try:
+        with respx.mock(using="httpx") as mock:
+            new = mock.get(URL + "/server_info").respond(404, json={"detail": "Not Found"})
+            old = mock.get(URL + "/get_server_info")
+            old.side_effect = [httpx.Response(503), httpx.Response(200, json={"enable_lora": 1})]
+            assert await t.server_info("e0") == {"enable_lora": 1}
+            assert (new.call_count, old.call_count) == (1, 2)
+            # A 4xx other than 404 is the engine's answer: refused, never asked again.
+            new.respond(403, json={"detail": "no"})
+            with pytest.raises(RequestRefusedError) as refused:
+                await t.server_info("e0")
+            assert refused.value.details["status"] == 403
+            assert new.call_count == 2
+            # A 5xx on every attempt: indeterminate, after the bound.
+            new.respond(500)
+            with pytest.raises(RequestIndeterminateError) as failed:
+                await t.server_info("e0")
+            assert failed.value.details["status"] == 500
+            assert new.call_count == 4
+    finally:
+        await t.aclose()
 
 
 @pytest.mark.asyncio
@@ -139,7 +168,7 @@ async def test_server_info_lost_replies_are_asked_again_up_to_the_bound() -> Non
     t = transport(attempts=2)
     try:
         with respx.mock(using="httpx") as mock:
-            route = mock.get(URL + "/get_server_info")
+            route = mock.get(URL + "/server_info")
             route.side_effect = [httpx.ReadError("lost"), httpx.Response(200, json={"ok": 1})]
             assert await t.server_info("e0") == {"ok": 1}
             assert route.call_count == 2
@@ -205,13 +234,13 @@ async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them
     from agentic_lora.transport import EngineTransport
 
     seen: list[httpx.Limits] = []
-    real = transport_module._make_client
+    real = transport_module.make_engine_client
 
     def spy(kind: Any, timeout: httpx.Timeout, limits: httpx.Limits) -> Any:
         seen.append(limits)
         return real(kind, timeout, limits)
 
-    monkeypatch.setattr(transport_module, "_make_client", spy)
+    monkeypatch.setattr(transport_module, "make_engine_client", spy)
     engines = [EngineRef("e0", "http://127.0.0.1:1")]
     for given, expected in ((None, 2.0), (1.5, 1.5)):
         made = (

@@ -1,12 +1,11 @@
-"""The vLLM backend against a scripted vLLM 0.32.0 engine (respx): every outcome class."""
+"""The vLLM backend against a scripted vLLM 0.32.0 engine (respx): what only it does (the drain
+hook, vLLM's error bodies and routes, metrics). What every HTTP backend does alike is in
+``test_push_backends.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,25 +15,11 @@ import pytest_asyncio
 import respx
 from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
-from hypothesis import HealthCheck, settings
 
-from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.backends import EngineRef
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
-from agentic_lora.identity import make_lora_name
-from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.backend_conformance import (
-    BackendConformance,
-    EngineDouble,
-    Failure,
-    Operation,
-)
-from agentic_lora.testing.sglang_engine import Fault, FaultKind
-from tests.vllm.scripted_engine import ScriptedVllmEngine, VllmOp
-
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-NAME_A = make_lora_name("policy_lora", 0, "v1", A.digest)
-TARGET_A = PublicationTarget("v1", A.digest, NAME_A, 1)
+from agentic_lora.testing.vllm_engine import Fault, FaultKind, ScriptedVllmEngine, VllmOp
+from tests.test_push_backends import NAME_A, TARGET_A, A, drained_at_once
 
 
 @dataclass
@@ -49,10 +34,6 @@ class DrainGate:
         self.asked.append(lora_name)
         self.entered.set()
         await self.release.wait()
-
-
-async def drained_at_once(lora_name: str) -> None:
-    """A drain hook for tests where nothing is in flight."""
 
 
 @dataclass
@@ -78,16 +59,18 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         await backend.aclose()
 
 
+@pytest_asyncio.fixture
+async def no_runtime_updates(tmp_path: Path) -> AsyncIterator[tuple[VllmBackend, EngineRef]]:
+    """An engine started without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: no load or unload route."""
+    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000", runtime_lora_updating=False)
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = VllmBackend(tmp_path, wait_drained=drained_at_once)
+        yield backend, EngineRef("e0", engine.base_url)
+        await backend.aclose()
+
+
 # --- construction ---------------------------------------------------------------------------
-
-
-def test_it_is_a_backend(tmp_path: Path) -> None:
-    assert isinstance(VllmBackend(tmp_path, wait_drained=drained_at_once), Backend)
-
-
-def test_a_relative_store_root_is_a_configuration_error() -> None:
-    with pytest.raises(ConfigurationError, match="absolute"):
-        VllmBackend("relative/store", wait_drained=drained_at_once)
 
 
 def test_a_drain_hook_that_is_not_callable_is_a_configuration_error(tmp_path: Path) -> None:
@@ -100,31 +83,14 @@ def test_a_drain_hook_that_is_not_callable_is_a_configuration_error(tmp_path: Pa
 
 
 @pytest.mark.asyncio
-async def test_prepare_stores_registers_and_probes_the_exact_name(fleet: Fleet) -> None:
-    receipt = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
+async def test_prepare_registers_and_probes_the_exact_name(fleet: Fleet) -> None:
+    # The receipt and the stored bytes: test_push_backends.py. Here: vLLM's own request shapes.
+    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
     stored = fleet.store / "e0" / NAME_A
     # Exactly name and path: never load_inplace, and vLLM has no pinned flag.
     assert fleet.e0.bodies(VllmOp.LOAD) == [{"lora_name": NAME_A, "lora_path": str(stored)}]
     probes = fleet.e0.bodies(VllmOp.COMPLETION)
     assert [(p["model"], p["max_tokens"], p["temperature"]) for p in probes] == [(NAME_A, 1, 0.0)]
-    assert fleet.e0.held_digest(NAME_A) == A.digest  # the engine read our bytes
-    assert (receipt.engine, receipt.version_id, receipt.digest, receipt.lora_name) == (
-        "e0",
-        "v1",
-        A.digest,
-        NAME_A,
-    )
-    assert receipt.attempt == 1
-    assert receipt.incarnation == await fleet.backend.incarnation(fleet.ref0)
-
-
-@pytest.mark.asyncio
-async def test_a_repeated_prepare_never_loads_twice(fleet: Fleet) -> None:
-    first = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    second = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert first == second
-    assert fleet.e0.physical_loads[NAME_A] == 1
-    assert fleet.e0.count(VllmOp.LOAD) == 1
 
 
 # --- prepare: clean refusals ----------------------------------------------------------------
@@ -149,14 +115,6 @@ async def test_http_200_with_an_error_body_is_a_refusal_not_a_success(fleet: Fle
 
 
 @pytest.mark.asyncio
-async def test_an_unreachable_engine_refuses_before_anything_is_loaded(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.METRICS, Fault(FaultKind.UNREACHABLE))
-    with pytest.raises(BackendRefusedError, match="unreadable"):
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.count(VllmOp.LOAD) == 0
-
-
-@pytest.mark.asyncio
 async def test_a_load_that_never_connected_is_refused(fleet: Fleet) -> None:
     fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.UNREACHABLE))
     with pytest.raises(BackendRefusedError, match="ConnectError"):
@@ -165,48 +123,16 @@ async def test_a_load_that_never_connected_is_refused(fleet: Fleet) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_snapshot_that_is_not_the_target_is_refused_without_io(fleet: Fleet) -> None:
-    with pytest.raises(BackendRefusedError, match="digest"):
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, B)
-    assert fleet.e0.calls == []
-
-
-@pytest.mark.asyncio
-async def test_a_stored_copy_with_other_content_is_refused_before_loading(fleet: Fleet) -> None:
-    B.write_peft_dir(fleet.store / "e0" / NAME_A)  # wrong bytes under A's name
-    with pytest.raises(BackendRefusedError) as info:
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert info.value.details["reason"] == "manifest_mismatch"
-    assert fleet.e0.calls == []
-
-
-@pytest.mark.asyncio
-async def test_runtime_lora_updating_off_is_a_refusal_naming_the_route(tmp_path: Path) -> None:
-    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000", runtime_lora_updating=False)
-    with respx.mock(assert_all_called=False) as router:
-        engine.mount(router)
-        backend = VllmBackend(tmp_path, wait_drained=drained_at_once)
-        try:
-            with pytest.raises(BackendRefusedError, match="Not Found") as info:
-                await backend.prepare(EngineRef("e0", engine.base_url), TARGET_A, A)
-        finally:
-            await backend.aclose()
+async def test_runtime_lora_updating_off_is_a_refusal_naming_the_route(
+    no_runtime_updates: tuple[VllmBackend, EngineRef],
+) -> None:
+    backend, ref = no_runtime_updates
+    with pytest.raises(BackendRefusedError, match="Not Found") as info:
+        await backend.prepare(ref, TARGET_A, A)
     assert info.value.details["status"] == 404
 
 
 # --- prepare: ambiguous outcomes ------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_a_lost_load_reply_is_ambiguous_and_cleanup_resolves_it(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.LOSE_REPLY))
-    with pytest.raises(BackendAmbiguousError):
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.held_digest(NAME_A) == A.digest  # it did load: the reply was lost
-    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
-    assert fleet.e0.held_digest(NAME_A) is None
-    assert fleet.e0.physical_unloads[NAME_A] == 1
-    assert not (fleet.store / "e0" / NAME_A).exists()
 
 
 @pytest.mark.asyncio
@@ -252,14 +178,6 @@ async def test_a_success_the_listing_does_not_confirm_is_ambiguous(fleet: Fleet)
 
 
 @pytest.mark.asyncio
-async def test_a_probe_that_fails_after_the_load_is_ambiguous(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.COMPLETION, Fault(FaultKind.SERVER_ERROR))
-    with pytest.raises(BackendAmbiguousError, match="does not serve"):
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.held_digest(NAME_A) == A.digest
-
-
-@pytest.mark.asyncio
 async def test_a_probe_answered_by_another_model_is_ambiguous(fleet: Fleet) -> None:
     # Same method and URL as the engine's own route: respx replaces it.
     fleet.router.post(f"{fleet.e0.base_url}/v1/completions").respond(
@@ -292,43 +210,12 @@ async def test_cleanup_unloads_and_removes_the_directory_without_a_drain(fleet: 
 
 
 @pytest.mark.asyncio
-async def test_cleanup_of_an_absent_adapter_is_confirmed(fleet: Fleet) -> None:
-    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
-    assert fleet.e0.count(VllmOp.UNLOAD) == 1
-    assert fleet.e0.physical_unloads[NAME_A] == 0
-
-
-@pytest.mark.asyncio
-async def test_an_unload_refusal_leaves_cleanup_unconfirmed(fleet: Fleet) -> None:
-    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    fleet.e0.script(VllmOp.UNLOAD, Fault(FaultKind.OK_BUT_FAILED, "busy"))
+async def test_a_missing_unload_route_is_never_taken_for_an_absent_adapter(
+    no_runtime_updates: tuple[VllmBackend, EngineRef],
+) -> None:
+    backend, ref = no_runtime_updates
     with pytest.raises(BackendAmbiguousError, match="not confirmed"):
-        await fleet.backend.cleanup(fleet.ref0, TARGET_A)
-    assert fleet.e0.held_digest(NAME_A) == A.digest
-    assert (fleet.store / "e0" / NAME_A).is_dir()
-
-
-@pytest.mark.asyncio
-async def test_a_missing_unload_route_is_never_taken_for_an_absent_adapter(tmp_path: Path) -> None:
-    engine = ScriptedVllmEngine("e0", "http://127.0.0.1:32000", runtime_lora_updating=False)
-    with respx.mock(assert_all_called=False) as router:
-        engine.mount(router)
-        backend = VllmBackend(tmp_path, wait_drained=drained_at_once)
-        try:
-            with pytest.raises(BackendAmbiguousError, match="not confirmed"):
-                await backend.cleanup(EngineRef("e0", engine.base_url), TARGET_A)
-        finally:
-            await backend.aclose()
-
-
-@pytest.mark.asyncio
-async def test_a_cleanup_that_overtook_its_prepare_fences_it(fleet: Fleet) -> None:
-    await fleet.backend.cleanup(fleet.ref0, TARGET_A)
-    with pytest.raises(BackendRefusedError, match="fenced"):
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.count(VllmOp.LOAD) == 0
-    retry = PublicationTarget("v1", A.digest, NAME_A, 2)
-    assert (await fleet.backend.prepare(fleet.ref0, retry, A)).attempt == 2
+        await backend.cleanup(ref, TARGET_A)
 
 
 # --- reclaim --------------------------------------------------------------------------------
@@ -389,20 +276,6 @@ async def test_a_failing_drain_hook_leaves_reclaim_unconfirmed(fleet: Fleet) -> 
 
 
 @pytest.mark.asyncio
-async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(fleet: Fleet) -> None:
-    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    fleet.e0.script(VllmOp.UNLOAD, Fault(FaultKind.LOSE_REPLY))
-    with pytest.raises(BackendAmbiguousError):
-        await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
-    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
-    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
-    assert fleet.e0.physical_unloads[NAME_A] == 1
-    # Lost one, retried once (found absent); the third call was answered from memory.
-    assert fleet.e0.count(VllmOp.UNLOAD) == 2
-    assert fleet.drain.asked == [NAME_A, NAME_A]
-
-
-@pytest.mark.asyncio
 async def test_a_reclaimed_name_is_never_loaded_again(fleet: Fleet) -> None:
     await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
     await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
@@ -411,29 +284,10 @@ async def test_a_reclaimed_name_is_never_loaded_again(fleet: Fleet) -> None:
             f"{fleet.e0.base_url}/v1/completions", json={"model": NAME_A, "prompt": [0]}
         )
     assert late.status_code == 404  # vLLM refuses a name it no longer knows
-    with pytest.raises(BackendRefusedError, match="fenced"):
-        await fleet.backend.prepare(fleet.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
     assert fleet.e0.physical_loads[NAME_A] == 1
 
 
 # --- incarnation ----------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_incarnation_is_stable_and_changes_on_restart(fleet: Fleet) -> None:
-    first = await fleet.backend.incarnation(fleet.ref0)
-    assert await fleet.backend.incarnation(fleet.ref0) == first
-    fleet.e0.restart()
-    assert await fleet.backend.incarnation(fleet.ref0) != first
-
-
-@pytest.mark.asyncio
-async def test_a_loaded_adapter_that_vanished_counts_as_a_restart(fleet: Fleet) -> None:
-    receipt = await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    fleet.e0.forget(NAME_A)  # same process start time, but the adapter is gone
-    after = await fleet.backend.incarnation(fleet.ref0)
-    assert after != receipt.incarnation
-    assert await fleet.backend.incarnation(fleet.ref0) == after
 
 
 @pytest.mark.asyncio
@@ -484,90 +338,3 @@ async def test_a_shared_client_is_not_closed_by_the_backend(tmp_path: Path) -> N
         backend = VllmBackend(tmp_path, wait_drained=drained_at_once, client=client)
         await backend.aclose()
         assert not client.is_closed
-
-
-# --- conformance ----------------------------------------------------------------------------
-
-_ENGINE_OP = {
-    Operation.PREPARE: VllmOp.LOAD,
-    Operation.CLEANUP: VllmOp.UNLOAD,
-    Operation.RECLAIM: VllmOp.UNLOAD,
-}
-_FAULT = {Failure.REFUSE: FaultKind.REFUSE, Failure.LOSE_REPLY: FaultKind.LOSE_REPLY}
-
-
-class VllmDouble:
-    """A scripted vLLM engine seen through the conformance suite's EngineDouble protocol."""
-
-    def __init__(self, engine: ScriptedVllmEngine) -> None:
-        self.engine = engine
-        self._loads_at_boot: Counter[str] = Counter()
-        self._unloads_at_boot: Counter[str] = Counter()
-
-    @property
-    def ref(self) -> EngineRef:
-        return EngineRef(self.engine.name, self.engine.base_url)
-
-    def held_digest(self, lora_name: str) -> str | None:
-        return self.engine.held_digest(lora_name)
-
-    def loads(self, lora_name: str) -> int:
-        return self.engine.physical_loads[lora_name] - self._loads_at_boot[lora_name]
-
-    def unloads(self, lora_name: str) -> int:
-        return self.engine.physical_unloads[lora_name] - self._unloads_at_boot[lora_name]
-
-    def restart(self) -> None:
-        self.engine.restart()
-        self._loads_at_boot = Counter(self.engine.physical_loads)
-        self._unloads_at_boot = Counter(self.engine.physical_unloads)
-
-    def fail_next(self, operation: Operation, failure: Failure) -> None:
-        self.engine.script(_ENGINE_OP[operation], Fault(_FAULT[failure]))
-
-    def clear_failures(self) -> None:
-        self.engine.clear_script()
-
-
-class VllmHarness:
-    def __init__(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="conformance-vllm-"))
-        self._router = respx.mock(assert_all_called=False, assert_all_mocked=True)
-        engines = [
-            ScriptedVllmEngine(name, f"http://127.0.0.1:{32000 + i}")
-            for i, name in enumerate(("e0", "e1"))
-        ]
-        for engine in engines:
-            engine.mount(self._router)
-        self._router.__enter__()
-        self._backend = VllmBackend(self._dir / "store", wait_drained=drained_at_once)
-        self._doubles = [VllmDouble(e) for e in engines]
-
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @property
-    def engines(self) -> Sequence[EngineDouble]:
-        return self._doubles
-
-    async def aclose(self) -> None:
-        try:
-            await self._backend.aclose()
-        finally:
-            self._router.__exit__(None, None, None)
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class VllmConformance(BackendConformance):
-    async def make_harness(self) -> VllmHarness:
-        return VllmHarness()
-
-
-VllmConformance.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestVllmConformance = VllmConformance.TestCase

@@ -1,20 +1,36 @@
-"""The registry as its callers see it: one async Protocol, whatever runs behind it.
+"""The registry as its callers see it: every verb declared once, whatever runs behind it.
 
-Two implementations share this shape: :class:`~agentic_lora.registry.local.LocalRegistry`
-(in-process, optionally journaled), and the Ray actor client
-(:class:`~agentic_lora.registry.ray_actor.RayRegistryClient`). The Session middleware, the
-publisher and the reclaimer only ever talk to this Protocol.
+:class:`RegistryAPI` is the one declaration of the registry's verbs. Each mutating verb is a
+keyword-only method that becomes one :meth:`RegistryAPI._call` ``(verb, request_id, args)``; an
+implementation only says how such a call is carried out, and how the two reads are answered.
+Two implementations ship: :class:`~agentic_lora.registry.local.LocalRegistry` (in-process,
+optionally journaled) and :class:`~agentic_lora.registry.ray_actor.RayRegistryClient` (the
+same registry as a Ray actor). The Session middleware, the publisher and the reclaimer only
+ever talk to this class.
 
 Every mutating verb takes ``request_id``, a caller-minted idempotency key
 (:func:`~agentic_lora.registry.types.new_request_id`). A lost reply is normal (a Ray actor error
 after the call ran, a timeout): replay the call with the same ``request_id`` and you get the
-original answer, including the original error.
+original answer, including the original error (see :mod:`agentic_lora.replay`).
+
+Optional capabilities are typed Protocols, found only through the functions here, never by
+``getattr`` or by the implementation's class:
+
+* :class:`VersionPeek` (:func:`peeker`): a synchronous, I/O-free ``peek_version``, which the
+  dispatch guard needs on the hot path (both shipped implementations have it);
+* :class:`ChangeFeed` (:func:`change_feed`): ``add_listener``, told every applied state change
+  (in-process registries only: a listener runs inside the registry's apply step);
+* :class:`InProcessCore` (:func:`in_process_core`): the :class:`RegistryCore` itself, for exact
+  synchronous reads where the registry lives in this process;
+* :class:`RefusalFeed` (:func:`refusal_feed`): ``on_refused``, for registries that cache
+  versions and must re-read one when an engine refused a request for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import abc
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agentic_lora.registry.types import (
     Binding,
@@ -31,43 +47,101 @@ from agentic_lora.registry.types import (
     VersionStatus,
 )
 
-__all__ = ["RegistryAPI"]
+if TYPE_CHECKING:
+    from agentic_lora.registry.core import RegistryCore
+
+__all__ = [
+    "ChangeFeed",
+    "InProcessCore",
+    "RefusalFeed",
+    "RegistryAPI",
+    "RegistryListener",
+    "VersionPeek",
+    "change_feed",
+    "in_process_core",
+    "peeker",
+    "refusal_feed",
+]
+
+#: Called after every applied state change with the verb and its result (not on replays).
+RegistryListener = Callable[[str, Any], None]
 
 
-@runtime_checkable
-class RegistryAPI(Protocol):
-    # --- publication -------------------------------------------------------------------------
+class RegistryAPI(abc.ABC):
+    """Every registry verb. Implement :meth:`_call`, :meth:`status` and :meth:`version`."""
+
+    @abc.abstractmethod
+    async def _call(self, verb: str, request_id: str, args: dict[str, Any]) -> Any:
+        """Carry out one verb; return its result or raise its typed error."""
+
+    # --- reads -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def status(self) -> RegistryStatus:
+        """A consistent picture of versions, default, capacity and engines."""
+
+    @abc.abstractmethod
+    async def version(self, version_id: str) -> VersionStatus:
+        """One version's status (UNKNOWN_VERSION if there is none)."""
+
+    # --- publication ---------------------------------------------------------------------------
+
     async def reserve(self, *, request_id: str, version_id: str, digest: str) -> Reservation:
         """Admit a version (takes a capacity slot) before any transfer starts."""
-        ...
+        r: Reservation = await self._call(
+            "reserve", request_id, {"version_id": version_id, "digest": digest}
+        )
+        return r
 
     async def record_ready(self, *, request_id: str, receipt: ReadyReceipt) -> VersionStatus:
         """Record one engine's READY for the current attempt and incarnation."""
-        ...
+        r: VersionStatus = await self._call("record_ready", request_id, {"receipt": receipt})
+        return r
 
     async def observe_incarnation(self, *, request_id: str, engine: str, incarnation: str) -> bool:
         """Tell the registry an engine's current incarnation; a change drops its pending READYs."""
-        ...
+        r: bool = await self._call(
+            "observe_incarnation", request_id, {"engine": engine, "incarnation": incarnation}
+        )
+        return r
 
     async def commit(
         self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
     ) -> CommitReceipt:
         """The only place the default changes. Needs READY from every engine."""
-        ...
+        r: CommitReceipt = await self._call(
+            "commit",
+            request_id,
+            {
+                "version_id": version_id,
+                "attempt": attempt,
+                "expected_default_revision": expected_default_revision,
+            },
+        )
+        return r
 
     async def abort(
         self, *, request_id: str, version_id: str, attempt: int, reason: str
     ) -> VersionStatus:
         """LOADING -> ABORTED; the slot stays held until every engine confirms cleanup."""
-        ...
+        r: VersionStatus = await self._call(
+            "abort", request_id, {"version_id": version_id, "attempt": attempt, "reason": reason}
+        )
+        return r
 
     async def confirm_cleanup(
         self, *, request_id: str, version_id: str, attempt: int, engine: str
     ) -> VersionStatus:
         """One engine holds nothing of this attempt; all engines -> FAILED_CLEAN, slot freed."""
-        ...
+        r: VersionStatus = await self._call(
+            "confirm_cleanup",
+            request_id,
+            {"version_id": version_id, "attempt": attempt, "engine": engine},
+        )
+        return r
 
-    # --- Sessions ----------------------------------------------------------------------------
+    # --- Sessions ------------------------------------------------------------------------------
+
     async def bind_first(
         self, *, request_id: str, session_key: str, lease: str | None = None
     ) -> Binding:
@@ -75,21 +149,31 @@ class RegistryAPI(Protocol):
 
         With ``lease`` the ref is held under that owner lease and released when it ends.
         """
-        ...
+        args: dict[str, Any] = {"session_key": session_key}
+        if lease is not None:
+            args["lease"] = lease
+        r: Binding = await self._call("bind_first", request_id, args)
+        return r
 
     async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
         """Refuse any later bind for this Session (works before a bind, too)."""
-        ...
+        r: SessionStatus = await self._call("begin_close", request_id, {"session_key": session_key})
+        return r
 
     async def release(self, *, request_id: str, session_key: str) -> ReleaseResult:
         """Drop the Session ref exactly once; leaves a CLOSED tombstone."""
-        ...
+        r: ReleaseResult = await self._call("release", request_id, {"session_key": session_key})
+        return r
 
     async def forget_sessions(self, *, request_id: str, session_keys: Sequence[str]) -> int:
         """Drop CLOSED tombstones once the local records are gone (bounded memory)."""
-        ...
+        r: int = await self._call(
+            "forget_sessions", request_id, {"session_keys": list(session_keys)}
+        )
+        return r
 
-    # --- leases and durable names ------------------------------------------------------------
+    # --- leases and durable names --------------------------------------------------------------
+
     async def open_lease(
         self,
         *,
@@ -101,48 +185,116 @@ class RegistryAPI(Protocol):
     ) -> LeaseGrant:
         """Start (or renew) ``owner``'s lease for this incarnation; a new incarnation ends the
         previous one at once, releasing (``"release"``) or adopting (``"adopt"``) its Sessions."""
-        ...
+        r: LeaseGrant = await self._call(
+            "open_lease",
+            request_id,
+            {"owner": owner, "incarnation": incarnation, "ttl": ttl, "on_restart": on_restart},
+        )
+        return r
 
     async def renew_lease(self, *, request_id: str, owner: str, incarnation: str) -> LeaseGrant:
         """Extend a live lease by its TTL (LEASE_EXPIRED once it expired or was superseded)."""
-        ...
+        r: LeaseGrant = await self._call(
+            "renew_lease", request_id, {"owner": owner, "incarnation": incarnation}
+        )
+        return r
 
     async def close_lease(
         self, *, request_id: str, owner: str, incarnation: str
     ) -> tuple[str, ...]:
         """End a lease on purpose; Sessions still on it are expired (their refs released)."""
-        ...
+        r: tuple[str, ...] = tuple(
+            await self._call(
+                "close_lease", request_id, {"owner": owner, "incarnation": incarnation}
+            )
+        )
+        return r
 
     async def resume_leases(self, *, request_id: str) -> int:
         """Give every live lease a full TTL from now (the registry host was down)."""
-        ...
+        r: int = await self._call("resume_leases", request_id, {})
+        return r
 
     async def sweep(self, *, request_id: str, name_ttl: float) -> SweepResult:
         """Expire leases past their deadline; forget name tombstones older than ``name_ttl``."""
-        ...
+        r: SweepResult = await self._call("sweep", request_id, {"name_ttl": name_ttl})
+        return r
 
     async def open_named(
         self, *, request_id: str, name: str, session_key: str, lease: str | None
     ) -> NamedSession:
         """The Session behind a client-chosen name (created on first use; never re-bound)."""
-        ...
+        r: NamedSession = await self._call(
+            "open_named", request_id, {"name": name, "session_key": session_key, "lease": lease}
+        )
+        return r
 
-    # --- reclaim -----------------------------------------------------------------------------
+    # --- reclaim -------------------------------------------------------------------------------
+
     async def claim_reclaim(self, *, request_id: str, version_id: str) -> ReclaimClaim:
         """RETIRED with zero Session refs -> RECLAIMING with a stable reclaim id."""
-        ...
+        r: ReclaimClaim = await self._call("claim_reclaim", request_id, {"version_id": version_id})
+        return r
 
     async def confirm_reclaim(
         self, *, request_id: str, version_id: str, reclaim_id: str, engine: str
     ) -> VersionStatus:
         """One engine unloaded the version; all engines -> RECLAIMED, slot freed."""
-        ...
+        r: VersionStatus = await self._call(
+            "confirm_reclaim",
+            request_id,
+            {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine},
+        )
+        return r
 
-    # --- reads -------------------------------------------------------------------------------
-    async def status(self) -> RegistryStatus:
-        """A consistent picture of versions, default, capacity and engines."""
-        ...
 
-    async def version(self, version_id: str) -> VersionStatus:
-        """One version's status (UNKNOWN_VERSION if there is none)."""
-        ...
+# --- optional capabilities ---------------------------------------------------------------------
+
+
+@runtime_checkable
+class VersionPeek(Protocol):
+    """A registry that answers one version's status synchronously, without I/O."""
+
+    def peek_version(self, version_id: str) -> VersionStatus | None: ...
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """A registry that tells listeners about every applied state change."""
+
+    def add_listener(self, listener: RegistryListener) -> None: ...
+
+
+@runtime_checkable
+class InProcessCore(Protocol):
+    """A registry whose state machine lives in this process."""
+
+    @property
+    def core(self) -> RegistryCore: ...
+
+
+@runtime_checkable
+class RefusalFeed(Protocol):
+    """A registry that wants to hear when an engine refused a request for a bound version."""
+
+    def on_refused(self, engine: str, binding: Binding) -> object: ...
+
+
+def peeker(registry: object) -> VersionPeek | None:
+    """``registry`` as a :class:`VersionPeek`, or None when it has no synchronous read."""
+    return registry if isinstance(registry, VersionPeek) else None
+
+
+def change_feed(registry: object) -> ChangeFeed | None:
+    """``registry`` as a :class:`ChangeFeed`, or None when it reports no changes."""
+    return registry if isinstance(registry, ChangeFeed) else None
+
+
+def in_process_core(registry: object) -> RegistryCore | None:
+    """The state machine behind ``registry`` when it lives in this process, else None."""
+    return registry.core if isinstance(registry, InProcessCore) else None
+
+
+def refusal_feed(registry: object) -> RefusalFeed | None:
+    """``registry`` as a :class:`RefusalFeed`, or None when refusals are nothing to it."""
+    return registry if isinstance(registry, RefusalFeed) else None

@@ -48,7 +48,7 @@ from agentic_lora.errors import (
     JournalLockedError,
 )
 
-__all__ = ["Journal", "JournalEntry", "Recovered"]
+__all__ = ["IDENTITY_KEYS", "Journal", "JournalEntry", "Recovered"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +138,88 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+#: The identity keys every registry journal records (see :class:`LocalRegistry`).
+IDENTITY_KEYS = frozenset({"engines", "capacity", "deployment_epoch", "prefix"})
+
+
+def _checked_meta(conn: sqlite3.Connection, path: Path) -> tuple[set[str], dict[str, str]]:
+    """The table names and the ``meta`` rows of a journal whose magic and format are ours."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "meta" not in tables:
+        raise JournalForeignError(
+            f"{path} is an SQLite file but not an agentic-lora journal", path=str(path)
+        )
+    meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta").fetchall()}
+    if meta.get("magic") != MAGIC:
+        raise JournalForeignError(f"{path} is not an agentic-lora journal", path=str(path))
+    if meta.get("format") != str(FORMAT):
+        raise JournalForeignError(
+            f"{path} has journal format {meta.get('format')}, this build reads {FORMAT}",
+            path=str(path),
+        )
+    return tables, meta
+
+
+def _backup(source: Path, target: Path) -> None:
+    # SQLite's backup API gives a consistent copy even while a writer appends. A journal with a
+    # write-ahead log may have frames not yet in the main file: read it read-only (``mode=ro``).
+    # Without one, nothing is pending and ``immutable=1`` reads without creating any lock file.
+    mode = "mode=ro" if Path(f"{source}-wal").exists() else "immutable=1"
+    try:
+        src = sqlite3.connect(f"{source.resolve().as_uri()}?{mode}", uri=True)
+    except sqlite3.Error as exc:
+        raise JournalForeignError(f"{source} cannot be opened: {exc}", path=str(source)) from exc
+    try:
+        dst = sqlite3.connect(target)
+        try:
+            src.backup(dst)
+        finally:
+            dst.close()
+    except sqlite3.DatabaseError as exc:
+        raise JournalForeignError(
+            f"{source} is not a readable SQLite journal: {exc}", path=str(source)
+        ) from exc
+    finally:
+        src.close()
+
+
 class Journal:
     """One SQLite journal file. Not thread-safe: one thread uses it at a time."""
 
     def __init__(self, path: str | Path, *, identity: Mapping[str, Any]) -> None:
         self.path = Path(path)
+        self.identity_values: Mapping[str, Any] = dict(identity)
         self.identity = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
         self._conn: sqlite3.Connection | None = None
         self._unlock: weakref.finalize[[int, int], Journal] | None = None
+
+    @classmethod
+    def read_only_copy(cls, source: str | Path, target: str | Path) -> Journal:
+        """A journal on a consistent copy of ``source`` made at ``target``, with the identity
+        ``source`` records (not opened yet).
+
+        ``source`` is never written to, not even a lock or ``-wal`` file beside it, so this is
+        safe while its registry runs. Raises :class:`JournalForeignError` unless ``source`` is a
+        registry journal of this format.
+        """
+        source, target = Path(source), Path(target)
+        _backup(source, target)
+        conn = sqlite3.connect(target)
+        try:
+            _, meta = _checked_meta(conn, source)
+        except sqlite3.DatabaseError as exc:
+            raise JournalForeignError(
+                f"{source} is not an agentic-lora journal: {exc}", path=str(source)
+            ) from exc
+        finally:
+            conn.close()
+        try:
+            identity = json.loads(meta.get("identity", ""))
+        except ValueError:
+            identity = None
+        if not isinstance(identity, dict) or not identity.keys() >= IDENTITY_KEYS:
+            raise JournalForeignError(f"{source} records no registry identity", path=str(source))
+        return cls(target, identity=identity)
 
     @property
     def lock_path(self) -> Path:
@@ -297,22 +371,7 @@ class Journal:
         logger.info("registry journal created", extra={"journal": str(self.path)})
 
     def _check_identity(self, conn: sqlite3.Connection) -> None:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if "meta" not in tables:
-            raise JournalForeignError(
-                f"{self.path} is an SQLite file but not an agentic-lora journal",
-                path=str(self.path),
-            )
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        if meta.get("magic") != MAGIC:
-            raise JournalForeignError(
-                f"{self.path} is not an agentic-lora journal", path=str(self.path)
-            )
-        if meta.get("format") != str(FORMAT):
-            raise JournalForeignError(
-                f"{self.path} has journal format {meta.get('format')}, this build reads {FORMAT}",
-                path=str(self.path),
-            )
+        tables, meta = _checked_meta(conn, self.path)
         if meta.get("identity") != self.identity:
             raise JournalForeignError(
                 f"{self.path} belongs to another deployment: {meta.get('identity')} "

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentic_lora.errors import AgenticLoRAError, JournalCorruptError, JournalError
+from agentic_lora.registry.api import RegistryAPI, RegistryListener
 from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.journal import Journal, JournalEntry
 from agentic_lora.registry.types import (
@@ -51,7 +52,6 @@ from agentic_lora.registry.types import (
     new_request_id,
     to_wire,
 )
-from agentic_lora.registry.verbs import RegistryVerbs
 
 __all__ = ["LocalRegistry", "RegistryListener"]
 
@@ -60,11 +60,8 @@ logger = logging.getLogger(__name__)
 # A queued journal item: a row, a snapshot ``(seq, state)``, or None (a flush marker).
 _Item = JournalEntry | tuple[int, dict[str, Any]] | None
 
-#: Called after every applied state change with the verb and its result (not on replays).
-RegistryListener = Callable[[str, Any], None]
 
-
-class LocalRegistry(RegistryVerbs):
+class LocalRegistry(RegistryAPI):
     """The LoRA version registry in this process (see module docstring)."""
 
     def __init__(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentic_lora.errors import AgenticLoRAError, error_from_code
+from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.core import MUTATING_VERBS
 from agentic_lora.registry.types import (
     Binding,
@@ -35,7 +36,6 @@ from agentic_lora.registry.types import (
     from_wire,
     to_wire,
 )
-from agentic_lora.registry.verbs import RegistryVerbs
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_NAMESPACE", "RayRegistryClient", "RegistryActor", "connect"]
 
@@ -95,7 +95,7 @@ def _failure(exc: AgenticLoRAError) -> dict[str, Any]:
     return {"ok": False, "error": to_wire(exc.to_dict())}
 
 
-class RayRegistryClient(RegistryVerbs):
+class RayRegistryClient(RegistryAPI):
     """Implements :class:`~agentic_lora.registry.api.RegistryAPI` by calling the actor.
 
     Calls made in the same event-loop turn are coalesced into one actor call (``call_batch``):

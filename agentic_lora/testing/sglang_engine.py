@@ -13,27 +13,30 @@ It models what the publication and reclaim paths depend on, as SGLang 0.5.23 beh
   ``startup_time`` and ``random_seed``, which change on :meth:`ScriptedSGLangEngine.restart`;
 * ``/v1/models`` lists the base model and one card per registered adapter.
 
-Faults are scripted per operation with :meth:`ScriptedSGLangEngine.script`, one per future call,
-so a test decides exactly which call fails and how (refuse, answer 200 with ``success: false``,
-act but lose the reply, be unreachable, wait on an :class:`asyncio.Event`, restart after acting).
-Everything is deterministic: no clocks, no randomness, no sleeps.
+Faults (:class:`~agentic_lora.testing.scripted_engine.Fault`) are scripted per operation, one
+per future call; a refusal answers ``success: false``. What every scripted engine shares is
+:class:`~agentic_lora.testing.scripted_engine.ScriptedEngine`. Deterministic: no clocks, no
+randomness, no sleeps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import os
 import zlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
+from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
+
+# Fault and FaultKind live in scripted_engine (shared by every scripted engine); they are
+# re-exported here because most tests script SGLang faults.
 
 
 class EngineOp(enum.StrEnum):
@@ -44,31 +47,6 @@ class EngineOp(enum.StrEnum):
     GENERATE = "generate"
     SERVER_INFO = "server_info"
     MODELS = "models"
-
-
-class FaultKind(enum.StrEnum):
-    REFUSE = "refuse"  # HTTP 400, success false; nothing done
-    OK_BUT_FAILED = "ok_but_failed"  # HTTP 200, success false; nothing done
-    SERVER_ERROR = "server_error"  # HTTP 500; nothing done (the caller cannot know that)
-    UNREACHABLE = "unreachable"  # connection refused; never reached the engine
-    LOSE_REPLY = "lose_reply"  # done, then the connection drops before the answer
-    RESTART_AFTER = "restart_after"  # done and answered, then the engine process restarts
-    GATE = "gate"  # waits for ``gate`` to be set, then behaves normally
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """One scripted deviation for the next call of an operation."""
-
-    kind: FaultKind
-    message: str = "scripted failure"
-    gate: asyncio.Event | None = None
-    reached: asyncio.Event | None = None
-
-    @classmethod
-    def waiting_for(cls, gate: asyncio.Event, reached: asyncio.Event | None = None) -> Fault:
-        """Hold the call until ``gate`` is set; set ``reached`` when the call arrives."""
-        return cls(FaultKind.GATE, gate=gate, reached=reached)
 
 
 @dataclass(slots=True)
@@ -100,27 +78,22 @@ def _digest_of_dir(path: str) -> str:
 
 
 @dataclass
-class ScriptedSGLangEngine:
+class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
     """One fake SGLang engine at ``base_url`` (mount it on a respx router)."""
 
-    name: str
-    base_url: str
-    served_model_name: str = "base-model"
     max_loras_per_batch: int = 3
     legacy_server_info: bool = False
     #: Reads a stored adapter directory and returns its content digest (None: do not read).
     read_digest: Callable[[str], str] | None = _digest_of_dir
-
-    adapters: dict[str, LoadedAdapter] = field(default_factory=dict)
-    physical_loads: Counter[str] = field(default_factory=Counter)
-    physical_unloads: Counter[str] = field(default_factory=Counter)
     implicit_reloads: Counter[str] = field(default_factory=Counter)
-    calls: list[tuple[EngineOp, dict[str, Any]]] = field(default_factory=list)
-    restarts: int = 0
+
+    ops = EngineOp
+    models_op = EngineOp.MODELS
+    load_op = EngineOp.LOAD
+    unload_op = EngineOp.UNLOAD
 
     def __post_init__(self) -> None:
-        self.base_url = self.base_url.rstrip("/")
-        self._faults: dict[EngineOp, deque[Fault]] = {op: deque() for op in EngineOp}
+        super().__post_init__()
         self._inflight: Counter[int] = Counter()
         self._drained = asyncio.Condition()
         #: Set while an unload waits for in-flight requests on its adapter to finish.
@@ -132,9 +105,8 @@ class ScriptedSGLangEngine:
 
     # --- test controls ------------------------------------------------------------------------
 
-    def mount(self, router: Any) -> None:
-        """Route this engine's endpoints on a ``respx`` router (or the ``respx`` module)."""
-        routes: list[tuple[str, str, Callable[[httpx.Request], Any]]] = [
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        return [
             ("POST", "/load_lora_adapter", self._load),
             ("POST", "/unload_lora_adapter", self._unload),
             ("POST", "/generate", self._generate),
@@ -142,38 +114,20 @@ class ScriptedSGLangEngine:
             ("GET", "/get_server_info", self._server_info_legacy),
             ("GET", "/v1/models", self._models),
         ]
-        for method, path, handler in routes:
-            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
 
-    def script(self, op: EngineOp, *faults: Fault) -> None:
-        """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
-        self._faults[op].extend(faults)
-
-    def clear_script(self) -> None:
-        """Drop every scripted fault not consumed yet."""
-        for queue in self._faults.values():
-            queue.clear()
+    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+        if kind is FaultKind.SERVER_ERROR:
+            return httpx.Response(500, json={"error": {"message": message}})
+        status = 400 if kind is FaultKind.REFUSE else 200
+        return httpx.Response(status, json={"success": False, "error_message": message})
 
     def restart(self) -> None:
         """The engine process restarts: every adapter and every in-flight request is gone."""
-        self.restarts += 1
+        super().restart()
         self._boot = self._new_boot(self.restarts)
-        self.adapters.clear()
         self._ref_cache.clear()
         self._unregistered.clear()
         self._inflight.clear()
-
-    def holds(self, lora_name: str) -> bool:
-        """Whether ``lora_name`` is registered (servable) right now."""
-        return lora_name in self.adapters
-
-    def held_digest(self, lora_name: str) -> str | None:
-        adapter = self.adapters.get(lora_name)
-        return None if adapter is None else adapter.digest
-
-    def count(self, op: EngineOp) -> int:
-        """How many calls of ``op`` reached this engine (unreachable ones excluded)."""
-        return sum(1 for o, _ in self.calls if o is op)
 
     def acquire(self, lora_name: str) -> int:
         """Start a long request on ``lora_name`` (it holds the native refcount); returns its id."""
@@ -192,43 +146,6 @@ class ScriptedSGLangEngine:
         return 0 if adapter is None else self._inflight[adapter.lora_id]
 
     # --- handlers -----------------------------------------------------------------------------
-
-    async def _enter(
-        self, op: EngineOp, request: httpx.Request
-    ) -> tuple[dict[str, Any], Fault | None]:
-        fault = self._faults[op].popleft() if self._faults[op] else None
-        if fault is not None and fault.kind is FaultKind.UNREACHABLE:
-            raise httpx.ConnectError("connection refused (scripted)", request=request)
-        body: dict[str, Any] = json.loads(request.content) if request.content else {}
-        self.calls.append((op, body))
-        if fault is not None and fault.kind is FaultKind.GATE:
-            assert fault.gate is not None
-            if fault.reached is not None:
-                fault.reached.set()
-            await fault.gate.wait()
-            fault = None
-        return body, fault
-
-    @staticmethod
-    def _short_circuit(fault: Fault | None) -> httpx.Response | None:
-        if fault is None:
-            return None
-        if fault.kind is FaultKind.REFUSE:
-            return httpx.Response(400, json={"success": False, "error_message": fault.message})
-        if fault.kind is FaultKind.OK_BUT_FAILED:
-            return httpx.Response(200, json={"success": False, "error_message": fault.message})
-        if fault.kind is FaultKind.SERVER_ERROR:
-            return httpx.Response(500, json={"error": {"message": fault.message}})
-        return None
-
-    def _finish(
-        self, fault: Fault | None, request: httpx.Request, response: httpx.Response
-    ) -> httpx.Response:
-        if fault is not None and fault.kind is FaultKind.LOSE_REPLY:
-            raise httpx.ReadError("connection dropped before the reply (scripted)", request=request)
-        if fault is not None and fault.kind is FaultKind.RESTART_AFTER:
-            self.restart()
-        return response
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(EngineOp.LOAD, request)
@@ -341,31 +258,6 @@ class ScriptedSGLangEngine:
             "version": "0.5.23",
         }
         return self._finish(fault, request, httpx.Response(200, json=info))
-
-    async def _models(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(EngineOp.MODELS, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
-        cards: list[dict[str, Any]] = [
-            {
-                "id": self.served_model_name,
-                "object": "model",
-                "root": self.served_model_name,
-                "parent": None,
-            }
-        ]
-        cards.extend(
-            {
-                "id": a.lora_name,
-                "object": "model",
-                "root": a.lora_path,
-                "parent": self.served_model_name,
-            }
-            for a in self.adapters.values()
-        )
-        return self._finish(
-            fault, request, httpx.Response(200, json={"object": "list", "data": cards})
-        )
 
     def _lora_reply(self, status: int, error: str | None) -> httpx.Response:
         return httpx.Response(

@@ -1,10 +1,8 @@
 """The SGLang engine venv: created once per machine, outside the clone, keyed by SGLang version.
 
-Engines run in their own interpreter, as in production, so the test suite reaches them only over
-HTTP. The venv lives in ``${AGENTIC_LORA_CACHE:-~/.cache/agentic-lora}/venvs/sglang-<version>``
-so every clone and CI run on a machine reuses it. Creation is idempotent: a stamp file is written
-(atomically) only after the install and an import check succeeded, and a venv without a valid
-stamp is rebuilt from scratch. An exclusive file lock serialises concurrent creators.
+The venv lives in ``${AGENTIC_LORA_CACHE:-~/.cache/agentic-lora}/venvs/sglang-<version>``; how it
+is built, stamped and locked is :mod:`agentic_lora_harness.venv_builder` (shared with the vLLM
+venv). This module is the SGLang recipe.
 
 ``sglang==0.5.23`` pins ``torch==2.14.1``; the only build of that on these machines is the CUDA
 one, which pulls the NVIDIA runtime wheels (about 11 GB in all, about 3-4 minutes from the local
@@ -18,22 +16,19 @@ prints what it found as JSON.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
-import json
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any
 
-from agentic_lora_harness.fixture import cache_root
+from agentic_lora_harness.venv_builder import (
+    BuiltVenv,
+    EngineEnvError,
+    VenvRecipe,
+    ensure_venv,
+    main_for,
+    venv_dir,
+)
 
 __all__ = [
     "SGLANG_VERSION",
@@ -44,48 +39,43 @@ __all__ = [
     "main",
 ]
 
-logger = logging.getLogger(__name__)
-
 SGLANG_VERSION = "0.5.23"
 """The SGLang release the harness runs and pins its behaviour tests against."""
 
-# What gets installed; part of the stamp, so changing it rebuilds the venv.
-_REQUIREMENTS: tuple[str, ...] = (f"sglang=={SGLANG_VERSION}",)
-_STAMP_FORMAT = 1
-_STAMP = ".agentic-lora-engine-env.json"
-_PROBE = (
-    "import json, sglang, torch; "
-    "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, "
-    "'cuda_available': bool(torch.cuda.is_available())}))"
-)
+
+def _check(found: Mapping[str, Any]) -> None:
+    if found["sglang"] != SGLANG_VERSION:
+        raise EngineEnvError(f"engine venv has sglang {found['sglang']}, expected {SGLANG_VERSION}")
 
 
-class EngineEnvError(RuntimeError):
-    """The engine venv could not be created or does not work; the message says which step."""
+def _recipe(version: str = SGLANG_VERSION) -> VenvRecipe:
+    return VenvRecipe(
+        label="engine",
+        dir_name=f"sglang-{version}",
+        stamp_name=".agentic-lora-engine-env.json",
+        # Part of the stamp: changing the requirements rebuilds the venv.
+        requirements=(f"sglang=={version}",),
+        probe=(
+            "import json, sglang, torch; "
+            "print(json.dumps({'sglang': sglang.__version__, 'torch': torch.__version__, "
+            "'cuda_available': bool(torch.cuda.is_available())}))"
+        ),
+        probe_step="import sglang and torch",
+        version_key="sglang",
+        check=_check,
+    )
 
 
 @dataclass(frozen=True)
-class EngineEnv:
+class EngineEnv(BuiltVenv):
     """A ready engine venv: its interpreter and what it runs."""
 
-    venv: Path
-    python: Path
     sglang_version: str
-    torch_version: str
-    cuda_available: bool
-    requirements: tuple[str, ...]
-    install_seconds: float
-    size_bytes: int
-
-    @property
-    def needs_cpu_shim(self) -> bool:
-        """True when engines must be launched with the CPU compatibility shim."""
-        return not self.cuda_available
 
 
 def engine_venv_dir(cache_dir: Path | None = None, version: str = SGLANG_VERSION) -> Path:
     """Where the venv for SGLang ``version`` lives under the cache root."""
-    return cache_root(cache_dir) / "venvs" / f"sglang-{version}"
+    return venv_dir(_recipe(version), cache_dir)
 
 
 def ensure_engine_env(
@@ -96,156 +86,17 @@ def ensure_engine_env(
 ) -> EngineEnv:
     """Return the engine venv, creating it first if it is missing or was never finished.
 
-    ``base_python`` is the interpreter the venv is made from (default: ``python3.11`` if on
-    ``PATH``, else this interpreter). pip's output goes to ``log_path`` (default: a file beside the
-    venv), whose tail is quoted in :class:`EngineEnvError` if a step fails.
+    ``base_python`` and ``log_path`` are as in :func:`~agentic_lora_harness.venv_builder.ensure_venv`.
     """
-    venv = engine_venv_dir(cache_dir)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    log_path = log_path or venv.parent / f"{venv.name}.install.log"
-    with _exclusive(venv.parent / f".{venv.name}.lock"):
-        existing = _read_stamp(venv)
-        if existing is not None:
-            return existing
-        return _create(venv, base_python or _default_base_python(), log_path)
-
-
-def _default_base_python() -> str:
-    return shutil.which("python3.11") or sys.executable
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _read_stamp(venv: Path) -> EngineEnv | None:
-    stamp = venv / _STAMP
-    try:
-        data = json.loads(stamp.read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("format") != _STAMP_FORMAT or tuple(data.get("requirements", ())) != _REQUIREMENTS:
-        return None
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        return None
-    return EngineEnv(
-        venv=venv,
-        python=python,
-        sglang_version=str(data["sglang"]),
-        torch_version=str(data["torch"]),
-        cuda_available=bool(data["cuda_available"]),
-        requirements=_REQUIREMENTS,
-        install_seconds=float(data["install_seconds"]),
-        size_bytes=int(data["size_bytes"]),
+    described, version = ensure_venv(
+        _recipe(), cache_dir, base_python=base_python, log_path=log_path
     )
-
-
-def _create(venv: Path, base_python: str, log_path: Path) -> EngineEnv:
-    # No valid stamp: whatever is there is a half-finished or outdated install. Start clean.
-    if venv.exists():
-        logger.info("removing unfinished engine venv", extra={"venv": str(venv)})
-        shutil.rmtree(venv)
-    started = time.monotonic()
-    logger.info("creating engine venv", extra={"venv": str(venv), "requirements": _REQUIREMENTS})
-    with log_path.open("w") as log:
-        _run([base_python, "-m", "venv", str(venv)], log, log_path, "create the venv")
-        python = venv / "bin" / "python"
-        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-        _run([*pip, "install", "--upgrade", "pip"], log, log_path, "upgrade pip")
-        _run([*pip, "install", *_REQUIREMENTS], log, log_path, "install " + " ".join(_REQUIREMENTS))
-        probe = _run([str(python), "-c", _PROBE], log, log_path, "import sglang and torch")
-    found = json.loads(probe.strip().splitlines()[-1])
-    if found["sglang"] != SGLANG_VERSION:
-        raise EngineEnvError(f"engine venv has sglang {found['sglang']}, expected {SGLANG_VERSION}")
-    env = EngineEnv(
-        venv=venv,
-        python=python,
-        sglang_version=found["sglang"],
-        torch_version=found["torch"],
-        cuda_available=found["cuda_available"],
-        requirements=_REQUIREMENTS,
-        install_seconds=round(time.monotonic() - started, 1),
-        size_bytes=_tree_size(venv),
-    )
-    _write_stamp(env)
-    logger.info(
-        "engine venv ready",
-        extra={"venv": str(venv), "seconds": env.install_seconds, "bytes": env.size_bytes},
-    )
-    return env
-
-
-def _run(cmd: Sequence[str], log: TextIO, log_path: Path, step: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    try:
-        result = subprocess.run(
-            list(cmd),
-            capture_output=True,
-            text=True,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    except OSError as exc:
-        raise EngineEnvError(f"engine venv: could not {step}: {exc}") from exc
-    log.write(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}\n")
-    log.flush()
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-30:])
-        raise EngineEnvError(
-            f"engine venv: could not {step} (exit {result.returncode}); full log: {log_path}\n{tail}"
-        )
-    return result.stdout
-
-
-def _tree_size(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def _write_stamp(env: EngineEnv) -> None:
-    data = {
-        "format": _STAMP_FORMAT,
-        "requirements": list(env.requirements),
-        "sglang": env.sglang_version,
-        "torch": env.torch_version,
-        "cuda_available": env.cuda_available,
-        "install_seconds": env.install_seconds,
-        "size_bytes": env.size_bytes,
-    }
-    stamp = env.venv / _STAMP
-    partial = stamp.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, stamp)
+    return EngineEnv(**described, sglang_version=version)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Ensure the engine venv and print its description as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m agentic_lora_harness.engine_env")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache root override")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        env = ensure_engine_env(args.cache_dir)
-    except EngineEnvError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    out = asdict(env)
-    out["needs_cpu_shim"] = env.needs_cpu_shim
-    json.dump(out, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-    return 0
+    return main_for("agentic_lora_harness.engine_env", ensure_engine_env, argv)
 
 
 if __name__ == "__main__":

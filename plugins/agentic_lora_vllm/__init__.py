@@ -1,4 +1,5 @@
-"""The vLLM backend plugin (entry point ``agentic_lora.backends: vllm``).
+"""The vLLM plugin: the backend (entry point ``agentic_lora.backends: vllm``) and the engine
+dialect (``agentic_lora.engines: vllm``, :mod:`agentic_lora_vllm.dialect`).
 
 Writes each version as an immutable adapter directory and has vLLM register it at runtime over
 HTTP; reclaim waits for a drain hook because vLLM's unload does not wait for in-flight requests.
@@ -6,5 +7,6 @@ See :mod:`agentic_lora_vllm.backend`.
 """
 
 from agentic_lora_vllm.backend import DrainHook, VllmBackend
+from agentic_lora_vllm.dialect import VllmDialect
 
-__all__ = ["DrainHook", "VllmBackend"]
+__all__ = ["DrainHook", "VllmBackend", "VllmDialect"]

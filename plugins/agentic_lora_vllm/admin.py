@@ -42,7 +42,8 @@ from typing import Any
 import httpx
 
 from agentic_lora.engine_admin import AdminHttpClient, UnloadOutcome
-from agentic_lora_vllm.metrics import EngineMetrics, parse_metrics
+from agentic_lora_vllm.dialect import read_metrics
+from agentic_lora_vllm.metrics import EngineMetrics
 
 __all__ = ["ProbeResult", "UnloadOutcome", "VllmAdminClient"]
 
@@ -164,15 +165,8 @@ class VllmAdminClient(AdminHttpClient):
     # --- process -----------------------------------------------------------------------------
 
     async def metrics(self) -> EngineMetrics:
-        """The parts of ``GET /metrics`` this project reads."""
-        op = "metrics"
-        answer = await self._get(op, "/metrics")
-        if answer.status != 200:
-            raise self._not_a_success(op, answer, None)
-        try:
-            return parse_metrics(answer.text)
-        except ValueError as exc:
-            raise self._ambiguous(op, f"unreadable metrics: {exc}") from exc
+        """The parts of ``GET /metrics`` this project reads (the dialect's reader)."""
+        return await read_metrics(self)
 
     # --- plumbing ----------------------------------------------------------------------------
 

@@ -34,8 +34,9 @@ How vLLM differs from SGLang, and what that costs here:
 * **Prefix cache.** vLLM keys cached KV blocks by ``(lora_name, lora_path)``; names carry the
   digest and paths are per version, so two versions never share KV.
 * **Incarnation.** vLLM publishes no boot id; ``process_start_time_seconds`` from ``/metrics``
-  (the API server's start, which holds the adapter table) plays that part, combined with the same
-  "a confirmed adapter went missing" generation counter the HTTP push plugin uses.
+  (the API server's start, which holds the adapter table) plays that part (read by the dialect,
+  :meth:`agentic_lora_vllm.dialect.VllmDialect.fingerprint`), combined with the same "a confirmed
+  adapter went missing" generation counter the HTTP push plugin uses.
 
 The skeleton (store, attempt fences, incarnation generation, serialization per name,
 classification) is :class:`~agentic_lora.adapter_backend.AdapterDirectoryBackend`'s, shared with
@@ -45,8 +46,6 @@ listing, the probe by completion, the restart witness, and the drain before a re
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -64,10 +63,14 @@ from agentic_lora.errors import (
     ConfigurationError,
 )
 from agentic_lora_vllm.admin import VllmAdminClient
+from agentic_lora_vllm.dialect import VllmDialect
 
 __all__ = ["DrainHook", "VllmBackend"]
 
 logger = logging.getLogger(__name__)
+
+# How the incarnation is read is the dialect's (one reader for every client of the engine).
+_DIALECT = VllmDialect()
 
 
 class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
@@ -108,17 +111,7 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
         )
 
     async def _fingerprint(self, engine: EngineRef, admin: VllmAdminClient) -> str:
-        metrics = await admin.metrics()
-        # The base URL is part of it: another process on another port is another engine, even if
-        # both started in the same clock tick.
-        canonical = json.dumps(
-            {
-                "base_url": engine.base_url.rstrip("/"),
-                "process_start_time": metrics.process_start_time,
-            },
-            sort_keys=True,
-        )
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        return await _DIALECT.fingerprint(admin, engine.base_url)
 
     async def _probe(self, admin: VllmAdminClient, lora_name: str) -> None:
         await admin.probe_completion(lora_name, prompt_ids=self.probe_prompt_ids)

@@ -1,4 +1,5 @@
-"""The publisher, reclaimer and real registry drive DCS publications end to end (RFC 7.1 rows).
+"""The publisher, reclaimer and real registry drive DCS publications end to end (rules 7.1-1 to
+7.1-4).
 
 Engines are scripted behind two real sidecar processes; every prepare moves its bytes over real
 gloo groups. Prefix ``dcs_e2e`` keeps these versions apart from the other tests' names.

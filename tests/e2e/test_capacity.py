@@ -1,4 +1,4 @@
-"""RFC 5.2 on real engines: C is refused before any engine call while A is held, accepted after.
+"""Rule 5.2-2 on real engines: C is refused before any engine call while A is held, accepted after.
 
 Capacity is 2 managed versions. With A retired but still bound by a Session and B the default,
 publishing C is refused by the registry's reserve: the recording proxies show that not a single

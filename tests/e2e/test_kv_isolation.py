@@ -1,4 +1,4 @@
-"""RFC 7.2, KV isolation: versions never share prefix-cache entries, with the cache on, no flush.
+"""Rules 7.2-2 and 7.2-3, KV isolation: versions share no prefix-cache entries, cache on, no flush.
 
 Two experiments, each from its own initial cache state (each test publishes its own fresh
 versions, so every engine-local lora id, and with it every KV namespace, starts empty):

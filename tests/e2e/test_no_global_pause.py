@@ -1,4 +1,4 @@
-"""RFC 7.3 on real engines: a publication under live traffic never pauses, flushes or aborts.
+"""Rule 7.3-2 on real engines: a publication under live traffic never pauses, flushes or aborts.
 
 A-bound Sessions on both engines generate in a loop, and new Sessions keep joining (one
 generation each), while B is published. The publication is held between E0's READY and E1's

@@ -1,4 +1,4 @@
-"""RFC 3.4 / 7.3 on real engines: one engine refuses B; A keeps serving unchanged, B leaves no trace.
+"""Rules 3.4-3 and 7.3-3 on real engines: one engine refuses B: A is unchanged, B leaves no trace.
 
 E1 is handed a bad adapter path for B (the recording proxy rewrites ``lora_path`` of that one
 ``/load_lora_adapter``), so the real engine refuses the load while E0 loads and probes B. The

@@ -1,4 +1,4 @@
-"""RFC 5.1 and 7.1 on real engines: when a retired version may be unloaded, and what after.
+"""Rules 5.1 and 7.1-7 on real engines: when a retired version may be unloaded, and what after.
 
 * Session refs = 0 but the engine still runs a request for A: A stays loaded; the physical
   unload happens only after that request ended, once per engine, and the version becomes

@@ -25,12 +25,12 @@ from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import (
     NamedSession,
-    ReadyReceipt,
     SessionState,
     SweepResult,
     VersionState,
     new_request_id,
 )
+from agentic_lora.testing.publish import publish_by_verbs
 
 from .util import (
     E0,
@@ -828,20 +828,7 @@ def _local(path: Path, clock: FakeClock, **kw: Any) -> LocalRegistry:
 
 
 async def _publish_local(reg: LocalRegistry, version_id: str) -> None:
-    r = await reg.reserve(
-        request_id=new_request_id(), version_id=version_id, digest=digest_of(version_id)
-    )
-    for e in (E0, E1):
-        await reg.record_ready(
-            request_id=new_request_id(),
-            receipt=ReadyReceipt(e, version_id, r.digest, r.lora_name, r.attempt, "inc-1"),
-        )
-    await reg.commit(
-        request_id=new_request_id(),
-        version_id=version_id,
-        attempt=r.attempt,
-        expected_default_revision=reg.core.default_revision,
-    )
+    await publish_by_verbs(reg, version_id, (E0, E1))
 
 
 async def _local_scenario(reg: LocalRegistry, clock: FakeClock) -> None:

@@ -19,7 +19,8 @@ from agentic_lora.errors import (
 )
 from agentic_lora.registry.journal import Journal, JournalEntry
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import ReadyReceipt, SessionState, VersionState, new_request_id
+from agentic_lora.registry.types import SessionState, VersionState, new_request_id
+from agentic_lora.testing.publish import publish_by_verbs
 
 from .util import E0, E1, digest_of
 
@@ -31,21 +32,7 @@ def _registry(path: Path, **kw: object) -> LocalRegistry:
 
 
 async def _publish(reg: LocalRegistry, version_id: str) -> None:
-    r = await reg.reserve(
-        request_id=new_request_id(), version_id=version_id, digest=digest_of(version_id)
-    )
-    for e in (E0, E1):
-        await reg.record_ready(
-            request_id=new_request_id(),
-            receipt=ReadyReceipt(e, version_id, r.digest, r.lora_name, r.attempt, "inc-1"),
-        )
-    st = await reg.status()
-    await reg.commit(
-        request_id=new_request_id(),
-        version_id=version_id,
-        attempt=r.attempt,
-        expected_default_revision=st.default_revision,
-    )
+    await publish_by_verbs(reg, version_id, (E0, E1))
 
 
 async def _scenario(reg: LocalRegistry) -> None:

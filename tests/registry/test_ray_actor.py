@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 from agentic_lora.errors import CapacityError, NoPublishedVersionError, SessionClosedError  # noqa: E402
 from agentic_lora.leases import LeaseKeeper  # noqa: E402
 from agentic_lora.registry.ray_actor import RayRegistryClient, connect  # noqa: E402
-from agentic_lora.registry.types import ReadyReceipt, new_request_id  # noqa: E402
+from agentic_lora.registry.types import new_request_id  # noqa: E402
+from agentic_lora.testing.publish import publish_by_verbs  # noqa: E402
 
 from .util import E0, E1, digest_of  # noqa: E402
 
@@ -40,21 +41,7 @@ def _client(name: str, journal: Path | None) -> RayRegistryClient:
 
 
 async def _publish(reg: RayRegistryClient, version_id: str) -> None:
-    r = await reg.reserve(
-        request_id=new_request_id(), version_id=version_id, digest=digest_of(version_id)
-    )
-    for e in (E0, E1):
-        await reg.record_ready(
-            request_id=new_request_id(),
-            receipt=ReadyReceipt(e, version_id, r.digest, r.lora_name, r.attempt, "inc-1"),
-        )
-    st = await reg.status()
-    await reg.commit(
-        request_id=new_request_id(),
-        version_id=version_id,
-        attempt=r.attempt,
-        expected_default_revision=st.default_revision,
-    )
+    await publish_by_verbs(reg, version_id, (E0, E1))
 
 
 async def test_clients_share_one_named_writer_and_errors_stay_typed(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from agentic_lora.registry.core import RegistryCore
@@ -13,12 +12,11 @@ from agentic_lora.registry.types import (
     Reservation,
     new_request_id,
 )
+from agentic_lora.testing.publish import digest_for, receipt_for
 
 E0, E1 = "e0", "e1"
 
-
-def digest_of(content: str) -> str:
-    return hashlib.sha256(content.encode()).hexdigest()
+digest_of = digest_for
 
 
 def call(core: RegistryCore, verb: str, request_id: str | None = None, **args: Any) -> Any:
@@ -29,14 +27,7 @@ def call(core: RegistryCore, verb: str, request_id: str | None = None, **args: A
 def receipt(
     core: RegistryCore, r: Reservation, engine: str, incarnation: str = "inc-1"
 ) -> ReadyReceipt:
-    return ReadyReceipt(
-        engine=engine,
-        version_id=r.version_id,
-        digest=r.digest,
-        lora_name=r.lora_name,
-        attempt=r.attempt,
-        incarnation=incarnation,
-    )
+    return receipt_for(r, engine, incarnation)
 
 
 def ready(core: RegistryCore, r: Reservation, *engines: str, incarnation: str = "inc-1") -> None:

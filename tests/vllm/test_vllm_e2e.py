@@ -32,7 +32,7 @@ from agentic_lora.publisher import PublicationOutcome
 from agentic_lora.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.transport import EngineReply
-from tests.test_session_support import log_signal
+from tests.session_support import log_signal
 from tests.vllm.engine_gate import EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]

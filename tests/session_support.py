@@ -5,7 +5,8 @@
   by the test), answered with an error status, or "lost" (recorded, then ReadTimeout).
 * :class:`RecordingRegistry`: a thin wrapper around the real ``LocalRegistry`` that counts calls
   per verb, can hold a verb at a gate, and can fail a verb before or after it ran (a lost reply).
-* :func:`publish` / :func:`stage`: drive publications with the registry verbs directly.
+* :func:`publish` / :func:`stage`: drive publications with the registry verbs directly
+  (:mod:`agentic_lora.testing.publish`, with each engine's READY naming ``<engine>-inc-1``).
 * :func:`log_signal`: an event set when the code under test logs that it started waiting, so a
   test can act exactly while it waits.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 from collections import Counter, deque
@@ -29,8 +29,10 @@ from tenacity import wait_none
 from agentic_lora.backends import EngineRef
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import ReadyReceipt, Reservation, new_request_id
+from agentic_lora.registry.types import Reservation
 from agentic_lora.session import Versioning
+from agentic_lora.testing import publish as verbs
+from agentic_lora.testing.publish import digest_for
 from agentic_lora.transport import EngineTransport
 
 ENGINES = {"e0": "http://127.0.0.1:30000", "e1": "http://127.0.0.1:30001"}
@@ -247,51 +249,33 @@ class RecordingRegistry:
         return getattr(self.inner, name)
 
 
-def digest_of(content: str) -> str:
-    return hashlib.sha256(content.encode()).hexdigest()
+digest_of = digest_for
+
+
+def _incarnation(engine: str) -> str:
+    return f"{engine}-inc-1"
 
 
 async def stage(
     registry: Any, version_id: str, engines: tuple[str, ...] = ("e0", "e1")
 ) -> Reservation:
     """reserve ``version_id`` and record READY from ``engines`` (no commit)."""
-    r: Reservation = await registry.reserve(
-        request_id=new_request_id(), version_id=version_id, digest=digest_of(version_id)
-    )
-    await ready(registry, r, engines)
-    return r
+    return await verbs.stage(registry, version_id, engines, incarnation=_incarnation)
 
 
 async def ready(registry: Any, r: Reservation, engines: tuple[str, ...]) -> None:
-    for e in engines:
-        await registry.record_ready(
-            request_id=new_request_id(),
-            receipt=ReadyReceipt(
-                engine=e,
-                version_id=r.version_id,
-                digest=r.digest,
-                lora_name=r.lora_name,
-                attempt=r.attempt,
-                incarnation=f"{e}-inc-1",
-            ),
-        )
+    await verbs.ready_on(registry, r, engines, incarnation=_incarnation)
 
 
 async def commit(registry: Any, r: Reservation) -> None:
-    status = await registry.status()
-    await registry.commit(
-        request_id=new_request_id(),
-        version_id=r.version_id,
-        attempt=r.attempt,
-        expected_default_revision=status.default_revision,
-    )
+    await verbs.commit_staged(registry, r)
 
 
 async def publish(registry: Any, version_id: str) -> Reservation:
     """reserve -> READY on every engine -> commit."""
-    r = await stage(registry, version_id)
-    await commit(registry, r)
-    return r
+    return await verbs.publish_by_verbs(
+        registry, version_id, tuple(ENGINES), incarnation=_incarnation
+    )
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A scripted stand-in for one vLLM 0.32.0 engine's HTTP surface, served through respx.
 
-It models what the vLLM backend depends on, as pinned by ``tests/vllm/test_vllm_behaviour.py``
-against the real engine:
+It models what the vLLM backend depends on, as the project's behaviour tests pin it against the
+real engine:
 
 * ``/v1/load_lora_adapter`` answers 200 with plain text ``Success: ...``; a name already loaded
   is 400 ``InvalidUserInput``; a path without an adapter is 404 ``NotFoundError``;
@@ -14,26 +14,26 @@ against the real engine:
   ``vllm:lora_requests_info`` samples, one label set per distinct report, newest value last;
 * ``/v1/models`` lists the base model and one card per registered adapter.
 
-Faults are the generic :class:`~agentic_lora.testing.sglang_engine.Fault` kinds, scripted per
-operation, one per future call. Deterministic: no clocks, no randomness, no sleeps.
+Faults (:class:`~agentic_lora.testing.scripted_engine.Fault`) are scripted per operation, one
+per future call; a refusal answers vLLM's ``{"error": {...}}`` body. What every scripted engine
+shares is :class:`~agentic_lora.testing.scripted_engine.ScriptedEngine`. Deterministic: no
+clocks, no randomness, no sleeps.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import os
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.testing.sglang_engine import Fault, FaultKind
+from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
 
-__all__ = ["Registered", "ScriptedVllmEngine", "VllmOp"]
+__all__ = ["Fault", "FaultKind", "Registered", "ScriptedVllmEngine", "VllmOp"]
 
 
 class VllmOp(enum.StrEnum):
@@ -66,37 +66,33 @@ def _error(status: int, message: str, err_type: str) -> httpx.Response:
 def _digest_of_dir(path: str) -> str | None:
     if not os.path.isabs(path) or not os.path.isfile(os.path.join(path, "adapter_config.json")):
         return None
+    from agentic_lora.adapter import AdapterSnapshot
+
     return AdapterSnapshot.from_peft_dir(path).digest
 
 
 @dataclass
-class ScriptedVllmEngine:
+class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
     """One fake vLLM engine at ``base_url`` (mount it on a respx router)."""
 
-    name: str
-    base_url: str
-    served_model_name: str = "base-model"
     runtime_lora_updating: bool = True
     read_digest: Callable[[str], str | None] = _digest_of_dir
 
-    adapters: dict[str, Registered] = field(default_factory=dict)
-    physical_loads: Counter[str] = field(default_factory=Counter)
-    physical_unloads: Counter[str] = field(default_factory=Counter)
-    calls: list[tuple[VllmOp, dict[str, Any]]] = field(default_factory=list)
-    restarts: int = 0
+    ops = VllmOp
+    models_op = VllmOp.MODELS
+    load_op = VllmOp.LOAD
+    unload_op = VllmOp.UNLOAD
 
     def __post_init__(self) -> None:
-        self.base_url = self.base_url.rstrip("/")
-        self._faults: dict[VllmOp, deque[Fault]] = {op: deque() for op in VllmOp}
+        super().__post_init__()
         self._running: Counter[str] = Counter()
         self._reports: list[tuple[frozenset[str], float]] = []
         self._clock = 0.0
 
     # --- test controls ------------------------------------------------------------------------
 
-    def mount(self, router: Any) -> None:
-        """Route this engine's endpoints on a ``respx`` router."""
-        routes: list[tuple[str, str, Callable[[httpx.Request], Any]]] = [
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        return [
             ("POST", "/v1/load_lora_adapter", self._load),
             ("POST", "/v1/unload_lora_adapter", self._unload),
             ("POST", "/v1/completions", self._completion),
@@ -104,22 +100,22 @@ class ScriptedVllmEngine:
             ("GET", "/v1/models", self._models),
             ("GET", "/metrics", self._metrics),
         ]
-        for method, path, handler in routes:
-            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
 
-    def script(self, op: VllmOp, *faults: Fault) -> None:
-        """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
-        self._faults[op].extend(faults)
+    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+        if kind is FaultKind.OK_BUT_FAILED:
+            return httpx.Response(
+                200, json={"error": {"message": message, "type": "InternalServerError"}}
+            )
+        if kind is FaultKind.REFUSE:
+            return _error(400, message, "InvalidUserInput")
+        return _error(500, message, "InternalServerError")
 
-    def clear_script(self) -> None:
-        """Drop every scripted fault not consumed yet."""
-        for queue in self._faults.values():
-            queue.clear()
+    def base_model_root(self) -> str:
+        return "/models/base"
 
     def restart(self) -> None:
         """The engine process restarts: it forgets every adapter and every request."""
-        self.restarts += 1
-        self.adapters.clear()
+        super().restart()
         self._running.clear()
         self._reports.clear()
 
@@ -146,64 +142,12 @@ class ScriptedVllmEngine:
         self._running[lora_name] -= 1
         self._report()
 
-    def held_digest(self, lora_name: str) -> str | None:
-        """Digest of what the engine serves under ``lora_name`` (None: not registered)."""
-        adapter = self.adapters.get(lora_name)
-        return None if adapter is None else adapter.digest
-
-    def count(self, op: VllmOp) -> int:
-        """How many calls of ``op`` reached this engine (unreachable ones excluded)."""
-        return sum(1 for o, _ in self.calls if o is op)
-
-    def bodies(self, op: VllmOp) -> list[dict[str, Any]]:
-        """The JSON bodies of the calls of ``op`` that reached the engine, in order."""
-        return [body for o, body in self.calls if o is op]
-
     @property
     def process_start_time(self) -> float:
         """This boot's ``process_start_time_seconds``."""
         return 1_700_000_000.25 + 60.0 * self.restarts
 
     # --- handlers -----------------------------------------------------------------------------
-
-    async def _enter(
-        self, op: VllmOp, request: httpx.Request
-    ) -> tuple[dict[str, Any], Fault | None]:
-        fault = self._faults[op].popleft() if self._faults[op] else None
-        if fault is not None and fault.kind is FaultKind.UNREACHABLE:
-            raise httpx.ConnectError("connection refused (scripted)", request=request)
-        body: dict[str, Any] = json.loads(request.content) if request.content else {}
-        self.calls.append((op, body))
-        if fault is not None and fault.kind is FaultKind.GATE:
-            assert fault.gate is not None
-            if fault.reached is not None:
-                fault.reached.set()
-            await fault.gate.wait()
-            fault = None
-        return body, fault
-
-    @staticmethod
-    def _short_circuit(fault: Fault | None) -> httpx.Response | None:
-        if fault is None:
-            return None
-        if fault.kind is FaultKind.REFUSE:
-            return _error(400, fault.message, "InvalidUserInput")
-        if fault.kind is FaultKind.OK_BUT_FAILED:
-            return httpx.Response(
-                200, json={"error": {"message": fault.message, "type": "InternalServerError"}}
-            )
-        if fault.kind is FaultKind.SERVER_ERROR:
-            return _error(500, fault.message, "InternalServerError")
-        return None
-
-    def _finish(
-        self, fault: Fault | None, request: httpx.Request, response: httpx.Response
-    ) -> httpx.Response:
-        if fault is not None and fault.kind is FaultKind.LOSE_REPLY:
-            raise httpx.ReadError("connection dropped before the reply (scripted)", request=request)
-        if fault is not None and fault.kind is FaultKind.RESTART_AFTER:
-            self.restart()
-        return response
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
         if not self.runtime_lora_updating:
@@ -280,31 +224,6 @@ class ScriptedVllmEngine:
             },
         )
         return self._finish(fault, request, reply)
-
-    async def _models(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(VllmOp.MODELS, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
-        cards: list[dict[str, Any]] = [
-            {
-                "id": self.served_model_name,
-                "object": "model",
-                "root": "/models/base",
-                "parent": None,
-            }
-        ]
-        cards.extend(
-            {
-                "id": a.lora_name,
-                "object": "model",
-                "root": a.lora_path,
-                "parent": self.served_model_name,
-            }
-            for a in self.adapters.values()
-        )
-        return self._finish(
-            fault, request, httpx.Response(200, json={"object": "list", "data": cards})
-        )
 
     async def _metrics(self, request: httpx.Request) -> httpx.Response:
         _, fault = await self._enter(VllmOp.METRICS, request)

@@ -1,4 +1,4 @@
-"""One named test per row of the RFC's state and fault table (section 7.1) that the registry owns,
+"""One named test per fault scenario the registry owns (rules 3.4, 5.2 and 7.1),
 plus the registry's own contracts (idempotency, typed errors). All against the real core."""
 
 from __future__ import annotations

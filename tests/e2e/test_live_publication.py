@@ -1,6 +1,6 @@
-"""RFC 3.4 and 7.2 on two real engines: Sessions keep their version across a live publication.
+"""Rules 3.4-5 and 7.2-1 on two real engines: Sessions keep their version across a live publication.
 
-The sequence of the RFC's diagram, on E0 and on E1 at once:
+The sequence of rule 3.4-5, on E0 and on E1 at once:
 
 1. A is the default. ``S_old`` binds A at its first generation.
 2. B is published. E0 reports READY; E1 has loaded and probed B but its READY is held (an

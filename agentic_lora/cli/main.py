@@ -1,0 +1,102 @@
+"""The ``agentic-lora`` parser and entry points: one subcommand per module of this package."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import IO
+
+from agentic_lora.cli import doctor, publish, reclaim, resolve, serve, status
+from agentic_lora.cli.common import (
+    ENV_PREFIX,
+    EXIT_ERROR,
+    EXIT_USAGE,
+    CliEnvironment,
+    Parser,
+    UsageError,
+    add_client_arguments,
+    one_line,
+)
+from agentic_lora.config import add_arguments
+from agentic_lora.errors import AgenticLoRAError, ConfigurationError
+
+__all__ = ["build_parser", "main", "run"]
+
+
+def build_parser() -> Parser:
+    """The ``agentic-lora`` argument parser (every subcommand)."""
+    parser = Parser(
+        prog="agentic-lora",
+        description="Immutable LoRA versions, Session binding at first generation, safe reclaim.",
+    )
+    parser.add_argument("--debug", action="store_true", help="print tracebacks of failures")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    client = Parser(add_help=False)
+    add_client_arguments(client)
+
+    configured = Parser(add_help=False)
+    configured.add_argument(
+        "--config",
+        default=CliEnvironment().config,
+        help=f"config file, TOML or JSON (env {ENV_PREFIX}CONFIG)",
+    )
+    add_arguments(configured)
+
+    serve.add_parser(sub, configured)
+    for command in (publish, status, reclaim, resolve):
+        command.add_parser(sub, client)
+    doctor.add_parser(sub, configured)
+    return parser
+
+
+def _print_error(err: IO[str], exc: BaseException, *, debug: bool) -> None:
+    if debug:
+        import traceback
+
+        traceback.print_exception(exc, file=err)
+    if isinstance(exc, AgenticLoRAError):
+        line = f"error: {exc}"
+    else:
+        line = (
+            f"error: {AgenticLoRAError.code}: unexpected {type(exc).__name__}: {exc} "
+            "(--debug shows the traceback)"
+        )
+    err.write(one_line(line) + "\n")
+    err.flush()
+
+
+async def run(
+    argv: Sequence[str] | None = None,
+    *,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run one command inside a running event loop; returns the exit code (never raises)."""
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        err.write(f"error: {ConfigurationError.code}: {one_line(str(exc))}\n")
+        return EXIT_USAGE
+    if args.command != "serve" and not logging.getLogger().handlers:
+        # Client commands print their own one-line errors; library warnings stay quiet.
+        logging.getLogger().addHandler(logging.NullHandler())
+    try:
+        code: int = await args.handler(args, out)
+    except Exception as exc:
+        _print_error(err, exc, debug=args.debug)
+        return EXIT_ERROR
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``agentic-lora`` console script."""
+    try:
+        return asyncio.run(run(argv))
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        return 130

@@ -1,0 +1,35 @@
+"""Engines: what differs between engine software (dialects) and how an engine is reached (wire).
+
+* :mod:`agentic_lora.engines.wire`: the one outcome vocabulary (refused / indeterminate), the one
+  exception-translation table and the engine HTTP client factory, shared by the generation
+  transport and the admin clients.
+* :mod:`agentic_lora.engines.dialect`: the :class:`EngineDialect` contract and its plugin loader
+  (entry-point group ``agentic_lora.engines``, picked by the ``engine_kind`` setting).
+* :mod:`agentic_lora.engines.sglang`: the SGLang dialect (the vLLM one ships with the vLLM plugin,
+  :mod:`agentic_lora_vllm.dialect`).
+"""
+
+from agentic_lora.engines.dialect import (
+    DIALECTS_GROUP,
+    DRAIN_OPTION,
+    EngineDialect,
+    SlotSettings,
+    dialect_names,
+    load_dialect,
+)
+from agentic_lora.engines.sglang import SGLANG, SGLangDialect
+from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome
+
+__all__ = [
+    "DIALECTS_GROUP",
+    "DRAIN_OPTION",
+    "SGLANG",
+    "EngineDialect",
+    "EngineHttp",
+    "HttpAnswer",
+    "Outcome",
+    "SGLangDialect",
+    "SlotSettings",
+    "dialect_names",
+    "load_dialect",
+]

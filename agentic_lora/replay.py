@@ -1,0 +1,82 @@
+"""Replaying a registry call whose reply may have been lost.
+
+Every mutating registry verb carries a caller-minted ``request_id``; the registry answers a
+replay with the original answer (including the original typed error). So a caller that did not
+get an answer may send the same call again, and that is the only retry the project does.
+
+:func:`is_lost_reply` is the one rule for "may a replay help?": a typed error
+(:class:`~agentic_lora.errors.AgenticLoRAError`) *is* the registry's answer and is final; any
+other exception (a dead Ray actor, a timeout, a dropped connection) may have hidden an answer.
+:class:`RegistryRetry` is the replay loop the publisher, reclaimer and repairer share.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+from tenacity.wait import wait_base
+
+from agentic_lora.errors import AgenticLoRAError
+
+__all__ = ["RegistryRetry", "is_lost_reply"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def is_lost_reply(exc: BaseException) -> bool:
+    """Whether replaying the call (same request id) may help: true for any non-typed Exception.
+
+    A ``BaseException`` that is not an ``Exception`` (cancellation, interpreter exit) is never
+    replayed: the caller is going away, and a replay would outlive it.
+    """
+    return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
+
+
+@dataclass(frozen=True)
+class RegistryRetry:
+    """Replays a registry call (same request id) when its reply may have been lost."""
+
+    attempts: int = 5
+    wait: wait_base = field(default_factory=lambda: wait_exponential(multiplier=0.05, max=2.0))
+
+    async def call(self, verb: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` until it answers (or raises a typed error); re-raise the last lost reply.
+
+        ``fn`` must reuse one request id on every call: that is what makes a replay safe.
+        """
+
+        def _log(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            logger.warning(
+                "registry %s reply lost (%r); replaying with the same request id",
+                verb,
+                exc,
+                extra={"attempt": state.attempt_number, "verb": verb},
+            )
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=self.wait,
+            retry=retry_if_exception(is_lost_reply),
+            before_sleep=_log,
+            reraise=True,
+        )
+
+        async def attempt() -> T:
+            # A coroutine function, so tenacity awaits each try (a lambda would not be awaited).
+            return await fn()
+
+        result: T = await retrying(attempt)
+        return result

@@ -1,0 +1,421 @@
+"""Binders: what a Session does with the registry before a send and after its close.
+
+A Session holds one :class:`SessionBinder`. Pass-through Sessions (the framework flag off) hold
+:data:`PASS_THROUGH`, which binds nothing, validates nothing and sends every body as the caller
+gave it. Versioned Sessions hold a :class:`RegistryBinder`: it checks the route once (the engine
+dialect's rule, before the bind, so a request the engine cannot serve never binds the Session),
+binds once at the first generation, keeps the owner lease, checks staleness, and at close tells
+the registry ``begin_close``, waits for the bind task and ``release``\\s exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from tenacity.wait import wait_base
+
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.errors import (
+    AgenticLoRAError,
+    InvalidRequestError,
+    LeaseExpiredError,
+    RequestRefusedError,
+    SessionExpiredError,
+    SessionReleaseError,
+    VersionTooStaleError,
+)
+from agentic_lora.leases import LeaseKeeper, LeaseTerm
+from agentic_lora.provenance import (
+    DefaultRevisionReader,
+    StalenessListener,
+    TurnProvenance,
+    version_lag,
+)
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import Binding, ReleaseResult, new_request_id
+from agentic_lora.replay import RegistryRetry
+from agentic_lora.requests import Route
+from agentic_lora.transport import EngineReply
+
+__all__ = ["PASS_THROUGH", "BinderConfig", "PassThroughBinder", "RegistryBinder", "SessionBinder"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One versioned dispatch: the bound version and its lag when the dispatch started."""
+
+    binding: Binding
+    lag: int | None
+
+
+class SessionBinder(Protocol):
+    """A Session's registry side (see module docstring)."""
+
+    @property
+    def validate(self) -> bool:
+        """Whether request bodies are validated before the send."""
+        ...
+
+    @property
+    def binding(self) -> Binding | None:
+        """The bound version (None before the first bind, and always when passing through)."""
+        ...
+
+    @property
+    def lease(self) -> LeaseTerm | None:
+        """The owner lease binds run under (None: lease-free)."""
+        ...
+
+    async def before_send(
+        self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
+    ) -> Turn | None:
+        """Everything before the chain: may bind (once), may refuse; may set ``body["rid"]``.
+        ``still_open`` raises if the Session started closing meanwhile."""
+        ...
+
+    def after_reply(self, reply: EngineReply, turn: Turn | None) -> EngineReply:
+        """The reply as the caller gets it (with provenance when versioned)."""
+        ...
+
+    def provenance(self, session_id: str) -> dict[str, Any]:
+        """The trajectory's provenance (see :meth:`agentic_lora.session.Session.provenance`)."""
+        ...
+
+    async def begin_close(self) -> None:
+        """Make a late bind impossible (SessionReleaseError if not confirmed)."""
+        ...
+
+    async def settle_bind(self) -> None:
+        """Wait for a bind still in flight, never cancelling it."""
+        ...
+
+    async def release(self) -> ReleaseResult | None:
+        """Drop the Session's ref, exactly once (SessionReleaseError if not confirmed)."""
+        ...
+
+
+class PassThroughBinder:
+    """The null binder: no registry, no binding, bodies untouched (the feature flag off)."""
+
+    validate = False
+    binding = None
+    lease = None
+
+    async def before_send(
+        self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
+    ) -> None:
+        return None
+
+    def after_reply(self, reply: EngineReply, turn: Turn | None) -> EngineReply:
+        return reply
+
+    def provenance(self, session_id: str) -> dict[str, Any]:
+        return _provenance(session_id, None, [], None)
+
+    async def begin_close(self) -> None:
+        return None
+
+    async def settle_bind(self) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+
+#: Stateless, so every pass-through Session shares it.
+PASS_THROUGH = PassThroughBinder()
+
+
+def _provenance(
+    session_id: str, b: Binding | None, lags: list[int | None], too_stale: int | None
+) -> dict[str, Any]:
+    return {
+        "session_id": session_id,
+        "version_id": b.version_id if b is not None else None,
+        "digest": b.digest if b is not None else None,
+        "lora_name": b.lora_name if b is not None else None,
+        "default_revision_at_bind": b.default_revision if b is not None else None,
+        "lags": list(lags),
+        "turns": len(lags),
+        "too_stale_lag": too_stale,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class BinderConfig:
+    """What every versioned Session of one Versioning shares."""
+
+    registry: RegistryAPI
+    dialect: EngineDialect
+    retry: RegistryRetry
+    lease: LeaseKeeper | None = None
+    max_version_lag: int | None = None
+    revision: DefaultRevisionReader | None = None
+    staleness: Sequence[StalenessListener] = ()
+
+    @classmethod
+    def of(
+        cls,
+        registry: RegistryAPI,
+        dialect: EngineDialect,
+        attempts: int,
+        wait: wait_base,
+        **kw: Any,
+    ) -> BinderConfig:
+        return cls(registry, dialect, RegistryRetry(attempts=attempts, wait=wait), **kw)
+
+
+class RegistryBinder:
+    """A versioned Session's binder: bind once, keep the lease, check staleness, release once."""
+
+    def __init__(self, key: str, config: BinderConfig, on_bound: Callable[[], None]) -> None:
+        self._key = key
+        self._cfg = config
+        # Told once the registry confirmed the bind, inside the bind task itself: the Session
+        # turns BOUND even when every waiter of the bind was cancelled meanwhile.
+        self._on_bound = on_bound
+        self._binding: Binding | None = None
+        self._bind_task: asyncio.Task[Binding] | None = None
+        # The lease of this Session's first bind attempt, kept for life (see module docstring
+        # of agentic_lora.session).
+        self._term: LeaseTerm | None = None
+        # One idempotency key per registry verb for this lifecycle: every replay reuses it.
+        self._bind_request_id = new_request_id()
+        self._begin_close_request_id = new_request_id()
+        self._release_request_id = new_request_id()
+        # The lag of every turn that returned a reply, in the order the replies came back.
+        self._lags: list[int | None] = []
+        # The lag of the first VERSION_TOO_STALE refusal; once set, every dispatch is refused.
+        self._too_stale: int | None = None
+        # The last turn's provenance, reused while the lag stays the same (the binding never
+        # changes once set, so only the lag can differ between turns).
+        self._turn: TurnProvenance | None = None
+
+    validate = True
+
+    @property
+    def binding(self) -> Binding | None:
+        return self._binding
+
+    @property
+    def lease(self) -> LeaseTerm | None:
+        return self._term
+
+    # --- before the send -------------------------------------------------------------------------
+
+    async def before_send(
+        self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
+    ) -> Turn:
+        # Before the bind, and the only route check of the request: a request the engine cannot
+        # serve must not bind the Session.
+        self._cfg.dialect.check_route(route)
+        if body.get("stream"):
+            raise InvalidRequestError(
+                "streaming is not supported on a versioned Session; send stream=false",
+                route=route.value,
+            )
+        term = self._term
+        if term is not None:
+            # Before the bind and any engine call: a Session whose lease is lost sends nothing
+            # (its ref may be released and its version reclaimed already).
+            term.check(session=self._key)
+        binding = await self._bound()
+        # Close may have started while this request waited for the bind.
+        still_open()
+        term = self._term
+        if term is not None:
+            # The bind, or the wait for it, may have outlasted the lease.
+            term.check(session=self._key)
+            term.touch()
+        # Only here, at the start of a dispatch: a generation already running is never cut by a
+        # publication that lands while it runs (its reply still comes back).
+        lag = self._check_lag(binding)
+        if body.get("rid") is None:
+            body["rid"] = uuid.uuid4().hex
+        return Turn(binding, lag)
+
+    def after_reply(self, reply: EngineReply, turn: Turn | None) -> EngineReply:
+        assert turn is not None
+        provenance = self._turn
+        if provenance is None or provenance.lag != turn.lag:
+            provenance = self._turn = TurnProvenance.of(turn.binding, turn.lag)
+        self._lags.append(turn.lag)
+        return reply.with_provenance(provenance)
+
+    def provenance(self, session_id: str) -> dict[str, Any]:
+        return _provenance(session_id, self._binding, self._lags, self._too_stale)
+
+    async def _lease_for_bind(self) -> LeaseTerm | None:
+        keeper = self._cfg.lease
+        if keeper is None:
+            return None
+        term = self._term
+        if term is None:
+            try:
+                term = await keeper.acquire()
+            except LeaseExpiredError as exc:
+                raise SessionExpiredError(
+                    f"session {self._key!r}: no owner lease to bind under ({exc.message}); "
+                    "nothing was sent",
+                    session=self._key,
+                    lease=exc.details.get("lease"),
+                    reason=exc.details.get("reason"),
+                ) from exc
+            except AgenticLoRAError:
+                raise
+            except Exception as exc:
+                raise RequestRefusedError(
+                    f"session {self._key!r}: its owner lease was not confirmed ({exc!r}); "
+                    "nothing was sent to an engine, and the next generation tries again",
+                    session=self._key,
+                    stage="lease",
+                ) from exc
+            # Kept for life from here on: the bind below may apply even if its reply is lost,
+            # and then the registry holds the ref under this lease, so every replay must name it.
+            self._term = term
+        term.check(session=self._key)
+        return term
+
+    async def _bind_once(self) -> Binding:
+        registry = self._cfg.registry
+        term = await self._lease_for_bind()
+        try:
+            if term is None:
+                binding = await registry.bind_first(
+                    request_id=self._bind_request_id, session_key=self._key
+                )
+            else:
+                binding = await registry.bind_first(
+                    request_id=self._bind_request_id, session_key=self._key, lease=term.lease_id
+                )
+        except LeaseExpiredError as exc:
+            # The registry ended the lease first, so nothing was bound under it; the lease stays
+            # lost for good and so does this Session (its replays must name the same lease).
+            assert term is not None
+            term.mark_lost(str(exc.details.get("reason") or "expired"))
+            raise SessionExpiredError(
+                f"session {self._key!r}: lease {term.lease_id!r} ended before the bind; "
+                "nothing was sent, the Session can only be closed",
+                session=self._key,
+                lease=term.lease_id,
+                reason=term.lost_reason,
+            ) from exc
+        except AgenticLoRAError:
+            raise
+        except Exception as exc:
+            raise RequestRefusedError(
+                f"session {self._key!r}: the binding was not confirmed ({exc!r}); nothing was "
+                "sent to an engine, and the next generation replays the same bind",
+                session=self._key,
+                stage="bind",
+            ) from exc
+        self._binding = binding
+        self._on_bound()
+        logger.info(
+            "session bound",
+            extra={
+                "session": self._key,
+                "version": binding.version_id,
+                "lora_name": binding.lora_name,
+            },
+        )
+        return binding
+
+    async def _bound(self) -> Binding:
+        if self._binding is not None:
+            return self._binding
+        task = self._bind_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            # No await between this check and the assignment: concurrent first generations
+            # all see the same task, so there is exactly one bind in flight per Session.
+            task = asyncio.get_running_loop().create_task(
+                self._bind_once(), name=f"bind {self._key}"
+            )
+            self._bind_task = task
+        # shield: a waiter cancelled here leaves the shared bind running for the others.
+        return await asyncio.shield(task)
+
+    def _check_lag(self, binding: Binding) -> int | None:
+        cfg = self._cfg
+        reader = cfg.revision
+        lag = version_lag(binding, reader.default_revision() if reader is not None else None)
+        if lag is not None:
+            for listener in cfg.staleness:
+                listener.observe_version_lag(lag)
+        bound = cfg.max_version_lag
+        if self._too_stale is None and (bound is None or lag is None or lag <= bound):
+            return lag
+        # Sticky: the version of a bound Session never changes, so a Session once too stale
+        # stays too stale (a cached revision never moves back, but a later read may be missing).
+        lag = max(lag or 0, self._too_stale or 0)
+        first = self._too_stale is None
+        if first:
+            self._too_stale = lag
+        for listener in cfg.staleness:
+            listener.observe_version_too_stale(lag)
+        if first:
+            logger.warning(
+                "session version too stale",
+                extra={
+                    "session": self._key,
+                    "version": binding.version_id,
+                    "lag": lag,
+                    "max_version_lag": bound,
+                },
+            )
+        raise VersionTooStaleError(
+            f"session {self._key!r}: its version {binding.version_id!r} is {lag} publications "
+            f"behind the default (max_version_lag {bound}); nothing was sent, the Session can "
+            "only be closed",
+            session=self._key,
+            version=binding.version_id,
+            lag=lag,
+            max_version_lag=bound,
+        )
+
+    # --- close -----------------------------------------------------------------------------------
+
+    async def _registry_call(self, stage: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        try:
+            return await self._cfg.retry.call(stage, call)
+        except Exception as exc:
+            raise SessionReleaseError(
+                f"session {self._key!r}: {stage} was not confirmed ({exc!r}); the Session "
+                "stays FINALIZING and close() can be called again",
+                session=self._key,
+                stage=stage,
+            ) from exc
+
+    async def begin_close(self) -> None:
+        registry = self._cfg.registry
+        await self._registry_call(
+            "begin_close",
+            lambda: registry.begin_close(
+                request_id=self._begin_close_request_id, session_key=self._key
+            ),
+        )
+
+    async def settle_bind(self) -> None:
+        bind_task = self._bind_task
+        if bind_task is not None:
+            # Never cancelled: it either bound before begin_close (release drops that ref) or is
+            # refused with SESSION_CLOSED. Its error was already handed to its waiters.
+            await asyncio.wait([bind_task])
+            if not bind_task.cancelled():
+                bind_task.exception()
+
+    async def release(self) -> ReleaseResult:
+        registry = self._cfg.registry
+        return await self._registry_call(
+            "release",
+            lambda: registry.release(request_id=self._release_request_id, session_key=self._key),
+        )

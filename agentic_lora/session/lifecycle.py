@@ -1,0 +1,279 @@
+"""One agent Session: its phases, its dispatches and its close (see :mod:`agentic_lora.session`)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.errors import (
+    AgenticLoRAError,
+    InvalidRequestError,
+    SessionClosedError,
+    SessionStateError,
+)
+from agentic_lora.leases import LeaseTerm
+from agentic_lora.middleware import Dispatch, EngineCall, InFlight
+from agentic_lora.registry.types import Binding, ReleaseResult
+from agentic_lora.requests import RequestLike, Route, request_body
+from agentic_lora.session.binder import SessionBinder
+from agentic_lora.transport import EngineReply, EngineTransport
+
+__all__ = ["TRANSITIONS", "Session", "SessionPhase", "SessionRuntime", "next_phase"]
+
+logger = logging.getLogger(__name__)
+
+
+class SessionPhase(enum.StrEnum):
+    """Where a Session is in its life (finer than the registry's view of it)."""
+
+    OPEN = "OPEN"  # created; bound to nothing
+    BOUND = "BOUND"  # bound to one version for the rest of its life
+    FINALIZING = "FINALIZING"  # closing: no new dispatch; release not yet confirmed
+    CLOSED = "CLOSED"  # released exactly once; the record is gone
+
+
+#: The only legal moves. FINALIZING is left only by a confirmed release.
+TRANSITIONS: Mapping[SessionPhase, frozenset[SessionPhase]] = {
+    SessionPhase.OPEN: frozenset({SessionPhase.BOUND, SessionPhase.FINALIZING}),
+    SessionPhase.BOUND: frozenset({SessionPhase.FINALIZING}),
+    SessionPhase.FINALIZING: frozenset({SessionPhase.CLOSED}),
+    SessionPhase.CLOSED: frozenset(),
+}
+
+
+def next_phase(current: SessionPhase, target: SessionPhase, *, session: str = "") -> SessionPhase:
+    """``target`` if the table allows ``current -> target``; otherwise SessionStateError."""
+    if target not in TRANSITIONS[current]:
+        raise SessionStateError(
+            f"session {session!r} cannot go from {current.value} to {target.value}",
+            session=session,
+            phase=current.value,
+            target=target.value,
+        )
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRuntime:
+    """What every Session of one Versioning shares (the binder is each Session's own)."""
+
+    chain: Dispatch
+    transport: EngineTransport
+    dialect: EngineDialect
+    new_binder: Callable[[str, Callable[[], None]], SessionBinder]
+    on_closed: Callable[[Session], Awaitable[None]]
+
+
+class Session:
+    """One agent Session (see :mod:`agentic_lora.session`). Create it with
+    :meth:`~agentic_lora.session.Versioning.open_session`."""
+
+    def __init__(self, session_id: str, session_key: str, runtime: SessionRuntime) -> None:
+        self._id = session_id
+        self._key = session_key
+        self._rt = runtime
+        self._phase = SessionPhase.OPEN
+        self._binder = runtime.new_binder(session_key, self._on_bound)
+        self._close_task: asyncio.Task[ReleaseResult | None] | None = None
+        self._release_result: ReleaseResult | None = None
+        self._in_flight: set[InFlight] = set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    # --- what it is ------------------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        """The framework's id for this Session (reused ids are new lifecycles)."""
+        return self._id
+
+    @property
+    def key(self) -> str:
+        """The registry key: session id plus a nonce unique to this lifecycle."""
+        return self._key
+
+    @property
+    def phase(self) -> SessionPhase:
+        """The current phase."""
+        return self._phase
+
+    @property
+    def binding(self) -> Binding | None:
+        """The version this Session is bound to (None before its first generation)."""
+        return self._binder.binding
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this Session currently dispatched and not yet ended."""
+        return len(self._in_flight)
+
+    @property
+    def lease(self) -> LeaseTerm | None:
+        """The owner lease this Session binds under (None before its first bind, or lease-free)."""
+        return self._binder.lease
+
+    @property
+    def release_result(self) -> ReleaseResult | None:
+        """The registry's answer to the release, once the Session is CLOSED (versioned only)."""
+        return self._release_result
+
+    def __repr__(self) -> str:
+        binding = self._binder.binding
+        version = binding.version_id if binding else None
+        return f"Session({self._key!r}, {self._phase.value}, version={version!r})"
+
+    def _advance(self, target: SessionPhase) -> None:
+        self._phase = next_phase(self._phase, target, session=self._key)
+
+    def _on_bound(self) -> None:
+        # Close may have begun while the bind ran: then the Session stays FINALIZING.
+        if self._phase is SessionPhase.OPEN:
+            self._advance(SessionPhase.BOUND)
+
+    def _require_dispatchable(self) -> None:
+        if self._phase in (SessionPhase.FINALIZING, SessionPhase.CLOSED):
+            raise SessionClosedError(
+                f"session {self._key!r} is {self._phase.value}; no new dispatch",
+                session=self._key,
+                phase=self._phase.value,
+            )
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    async def generate(self, request: RequestLike) -> EngineReply:
+        """SGLang ``/generate`` with this Session's version (binds on the first call)."""
+        return await self.dispatch(Route.GENERATE, request)
+
+    async def chat_completions(self, request: RequestLike) -> EngineReply:
+        """OpenAI ``/v1/chat/completions`` with this Session's version."""
+        return await self.dispatch(Route.CHAT_COMPLETIONS, request)
+
+    async def completions(self, request: RequestLike) -> EngineReply:
+        """OpenAI ``/v1/completions`` with this Session's version."""
+        return await self.dispatch(Route.COMPLETIONS, request)
+
+    async def dispatch(self, route: Route, request: RequestLike) -> EngineReply:
+        """Send one request down the chain: exactly one attempt, failures classified.
+
+        A tool turn, a retry after an error and a resume after :meth:`abort` are all just another
+        dispatch: they carry the same bound version and never read the default again.
+        """
+        self._require_dispatchable()
+        binder = self._binder
+        body = request_body(route, request, validate=binder.validate)
+        turn = await binder.before_send(route, body, self._require_dispatchable)
+        rid = body.get("rid")
+        flight = InFlight(rid=rid if isinstance(rid, str) else None)
+        self._in_flight.add(flight)
+        self._drained.clear()
+        try:
+            reply = await self._rt.chain(
+                EngineCall(
+                    route=route,
+                    body=body,
+                    session_key=self._key,
+                    binding=turn.binding if turn is not None else None,
+                    ticket=flight,
+                )
+            )
+        finally:
+            self._in_flight.discard(flight)
+            if not self._in_flight:
+                self._drained.set()
+        return binder.after_reply(reply, turn)
+
+    def provenance(self) -> dict[str, Any]:
+        """This Session's trajectory provenance, JSON-able, for the trainer to store with it.
+
+        ``version_id``, ``digest`` (full), ``lora_name`` and ``default_revision_at_bind`` are
+        None before the first bind (and on a pass-through Session). ``lags`` holds the lag of
+        every turn that returned a reply, in reply order (None where the registry client could
+        not say the current revision); ``turns`` is their count. ``too_stale_lag`` is the lag
+        of the ``VERSION_TOO_STALE`` refusal that ended the Session's dispatching, else None.
+        """
+        return self._binder.provenance(self._id)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort this Session's in-flight request ``rid`` on its engine; the binding stays.
+
+        Returns False when no such request is in flight here (already ended, or not yet routed).
+        The aborted request ends with ``finish_reason.type == "abort"``; resume by dispatching
+        again, which carries the same adapter. On engines whose dialect cannot abort a request by
+        id (vLLM), this raises InvalidRequestError and sends nothing.
+        """
+        dialect = self._rt.dialect
+        if not dialect.can_abort:
+            try:
+                dialect.abort_request(rid)  # the dialect's own refusal, in its words
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(exc.message, session=self._key, **exc.details) from exc
+        for flight in list(self._in_flight):
+            if flight.rid == rid and flight.engine is not None:
+                await self._rt.transport.abort(flight.engine, rid)
+                return True
+        return False
+
+    # --- close -----------------------------------------------------------------------------------
+
+    async def close(self) -> ReleaseResult | None:
+        """Finish this Session: refuse new dispatch, drain, release exactly once (see module doc).
+
+        Idempotent: a closed Session returns its first result without calling the registry, and
+        concurrent closes share one finalization. Raises SessionReleaseError if the release is not
+        confirmed; the Session then stays FINALIZING and ``close()`` may be called again.
+        """
+        if self._phase is SessionPhase.CLOSED:
+            return self._release_result
+        task = self._close_task
+        if task is None or task.done():
+            if self._phase in (SessionPhase.OPEN, SessionPhase.BOUND):
+                self._advance(SessionPhase.FINALIZING)
+            task = asyncio.get_running_loop().create_task(
+                self._finalize(), name=f"close {self._key}"
+            )
+            self._close_task = task
+        return await asyncio.shield(task)
+
+    async def _finalize(self) -> ReleaseResult | None:
+        binder = self._binder
+        await binder.begin_close()
+        await binder.settle_bind()
+        await self._abort_in_flight()
+        if self._in_flight:
+            logger.info(
+                "close waits for in-flight requests to end",
+                extra={"session": self._key, "in_flight": len(self._in_flight)},
+            )
+        await self._drained.wait()
+        result = await binder.release()
+        self._release_result = result
+        self._advance(SessionPhase.CLOSED)
+        logger.info(
+            "session closed",
+            extra={
+                "session": self._key,
+                "version": result.version_id if result is not None else None,
+                "released_now": result.released_now if result is not None else None,
+            },
+        )
+        await self._rt.on_closed(self)
+        return result
+
+    async def _abort_in_flight(self) -> None:
+        if not self._rt.dialect.can_abort:
+            return  # no abort route: the drain that follows waits for them to end
+        targets = [(f.engine, f.rid) for f in self._in_flight if f.engine and f.rid]
+        for engine, rid in targets:
+            try:
+                await self._rt.transport.abort(engine, rid)
+            except AgenticLoRAError as exc:
+                # The request still ends (answer or client timeout); draining waits for it.
+                logger.warning(
+                    "abort on close failed",
+                    extra={"session": self._key, "engine": engine, "rid": rid, "error": str(exc)},
+                )

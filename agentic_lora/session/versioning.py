@@ -1,0 +1,452 @@
+"""The manager a rollout worker holds: opens Sessions, owns the dispatch chain and the lease."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from tenacity import wait_exponential
+from tenacity.wait import wait_base
+
+from agentic_lora.backends import EngineRef
+from agentic_lora.engines.dialect import EngineDialect, load_dialect
+from agentic_lora.errors import (
+    ConfigurationError,
+    InvalidRequestError,
+    SessionReleaseError,
+    SessionStateError,
+)
+from agentic_lora.leases import LeaseKeeper, OnRestart
+from agentic_lora.middleware import (
+    AdapterInFlight,
+    AdapterPinMiddleware,
+    DispatchGuard,
+    DispatchGuardMiddleware,
+    Middleware,
+    PeekGuard,
+    RefusedListener,
+    RoutingMiddleware,
+    TransportEndpoint,
+    build_chain,
+)
+from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
+from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
+from agentic_lora.registry.types import ReleaseResult, new_request_id
+from agentic_lora.routing import EngineHealth, Router, load_router
+from agentic_lora.session.binder import (
+    PASS_THROUGH,
+    BinderConfig,
+    RegistryBinder,
+    SessionBinder,
+)
+from agentic_lora.session.lifecycle import Session, SessionRuntime
+from agentic_lora.transport import EngineTransport
+
+if TYPE_CHECKING:
+    from agentic_lora.config import AgenticLoRASettings
+
+__all__ = ["Versioning"]
+
+logger = logging.getLogger(__name__)
+
+
+def _revision_reader_of(registry: RegistryAPI) -> DefaultRevisionReader | None:
+    if isinstance(registry, DefaultRevisionReader):
+        return registry
+    core = in_process_core(registry)
+    # In process: the core's revision is exact, never a stale copy.
+    return CoreRevision(core) if core is not None else None
+
+
+class Versioning:
+    """The manager a rollout worker holds: opens Sessions and owns the dispatch chain.
+
+    ``enabled=False`` (the framework flag off) makes every Session a pass-through that sends the
+    caller's body untouched (its binder is the null one); then ``registry`` is not used.
+    ``engine_kind`` names the engine dialect (``"sglang"``, ``"vllm"``, or any installed
+    ``agentic_lora.engines`` plugin; ``dialect`` passes one directly): it decides which routes
+    exist, how a request names its adapter and whether a request can be aborted by id (see
+    :mod:`agentic_lora.engines.dialect`).
+
+    ``lease`` is the worker's :class:`~agentic_lora.leases.LeaseKeeper` (one per Versioning):
+    Sessions bind under it, and :meth:`aclose` closes it after the Sessions. None (the default for
+    direct construction; :meth:`from_settings` makes one) keeps Sessions lease-free.
+
+    ``max_version_lag`` (None: off) bounds staleness per Session: a dispatch whose bound version
+    is more than that many publications behind the current default is refused with
+    :class:`~agentic_lora.errors.VersionTooStaleError` (see :meth:`Session.provenance`).
+    ``revision_reader`` says the current default revision without I/O; by default the registry
+    itself if it is a :class:`~agentic_lora.provenance.DefaultRevisionReader` (the Ray client),
+    or the core of a ``LocalRegistry``. Without one, lags are unknown (None) and a bound is a
+    configuration error.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: EngineTransport,
+        registry: RegistryAPI | None = None,
+        enabled: bool = True,
+        router: Router | None = None,
+        guard: DispatchGuard | None = None,
+        base_model: str | None = None,
+        engine_kind: str = "sglang",
+        dialect: EngineDialect | None = None,
+        deployment_epoch: int = 0,
+        middleware: Sequence[Middleware] = (),
+        registry_attempts: int = 4,
+        registry_wait: wait_base | None = None,
+        owns_transport: bool = False,
+        owns_registry: bool = False,
+        lease: LeaseKeeper | None = None,
+        max_version_lag: int | None = None,
+        revision_reader: DefaultRevisionReader | None = None,
+    ) -> None:
+        if registry_attempts < 1:
+            raise ConfigurationError(
+                "registry_attempts must be at least 1", check="registry_attempts"
+            )
+        resolved: EngineDialect = dialect or load_dialect(engine_kind)
+        self._enabled = enabled
+        self._dialect = resolved
+        self._adapter_requests = AdapterInFlight()
+        self._registry = registry
+        self._transport = transport
+        self._owns_transport = owns_transport
+        self._owns_registry = owns_registry
+        self._epoch = deployment_epoch
+        if lease is not None and not enabled:
+            raise ConfigurationError(
+                "a lease keeper needs versioned publication (pass-through Sessions bind nothing)",
+                check="lease",
+            )
+        self._lease = lease
+        if revision_reader is None and enabled and registry is not None:
+            revision_reader = _revision_reader_of(registry)
+        if max_version_lag is not None:
+            if isinstance(max_version_lag, bool) or not isinstance(max_version_lag, int):
+                raise ConfigurationError(
+                    f"max_version_lag {max_version_lag!r} is not an integer",
+                    check="max_version_lag",
+                )
+            if max_version_lag < 0:
+                raise ConfigurationError(
+                    f"max_version_lag {max_version_lag} must be 0 or more",
+                    check="max_version_lag",
+                )
+            if not enabled or revision_reader is None:
+                raise ConfigurationError(
+                    "max_version_lag needs versioned publication and a registry whose current "
+                    "default revision can be read without I/O (pass revision_reader)",
+                    check="max_version_lag",
+                )
+        self._max_version_lag = max_version_lag
+        #: Told the lag of every versioned dispatch and every VERSION_TOO_STALE refusal (the
+        #: metrics hook, see :meth:`agentic_lora.metrics.Metrics.watch_staleness`); append any time.
+        self.staleness_listeners: list[StalenessListener] = []
+        engines = [e.name for e in transport.engines]
+        self._health = EngineHealth(engines)
+        self._router = router if router is not None else load_router("session-affinity")
+        chain: list[Middleware] = list(middleware)
+        self._binder_config: BinderConfig | None = None
+        if enabled:
+            if registry is None:
+                raise ConfigurationError(
+                    "versioned publication is enabled but no registry was given", check="registry"
+                )
+            if guard is None:
+                peek = peeker(registry)
+                if peek is None:
+                    raise ConfigurationError(
+                        f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
+                        check="dispatch_guard",
+                    )
+                guard = PeekGuard(peek.peek_version)
+            chain += [
+                Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
+                Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
+            ]
+            self._binder_config = BinderConfig.of(
+                registry,
+                resolved,
+                registry_attempts,
+                registry_wait
+                if registry_wait is not None
+                else wait_exponential(multiplier=0.05, max=2.0),
+                lease=lease,
+                max_version_lag=max_version_lag,
+                revision=revision_reader,
+                staleness=self.staleness_listeners,
+            )
+        #: Told ``(engine, binding)`` when an engine refused a versioned request (see
+        #: :class:`~agentic_lora.middleware.RoutingMiddleware`); append listeners at any time.
+        self.on_refused: list[RefusedListener] = []
+        chain.append(
+            Middleware(
+                RoutingMiddleware,
+                router=self._router,
+                health=self._health,
+                on_refused=self.on_refused,
+            )
+        )
+        self._runtime = SessionRuntime(
+            chain=build_chain(TransportEndpoint(transport), chain),
+            transport=transport,
+            dialect=resolved,
+            new_binder=self._new_binder,
+            on_closed=self._on_closed,
+        )
+        self._live: dict[str, Session] = {}
+        self._keys: set[str] = set()  # registry keys of live Sessions (explicit keys stay unique)
+        self._unforgotten: list[str] = []
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: AgenticLoRASettings,
+        *,
+        registry: RegistryAPI | None = None,
+        transport: EngineTransport | None = None,
+        middleware: Sequence[Middleware] = (),
+        lease_owner: str | None = None,
+        lease_on_restart: OnRestart = "release",
+    ) -> Versioning:
+        """Build from validated settings. Without ``registry`` (flag on) a LocalRegistry is made.
+
+        With the flag on, Sessions bind under a :class:`~agentic_lora.leases.LeaseKeeper` built
+        from the settings (``owner_id``, ``lease_ttl``, ``lease_renew_interval``); ``lease_owner``
+        overrides the owner and ``lease_on_restart`` says what a restart does with the
+        predecessor's Sessions (``"release"`` for rollout workers, ``"adopt"`` for a gateway).
+        """
+        owns_transport = transport is None
+        owns_registry = False
+        dialect = load_dialect(settings.engine_kind)
+        if transport is None:
+            transport = EngineTransport(
+                settings.engines,
+                request_timeout=settings.request_timeout,
+                connect_timeout=settings.connect_timeout,
+                http_transport=settings.http_transport,
+                dialect=dialect,
+            )
+        if settings.enable_versioned_lora_publication and registry is None:
+            from agentic_lora.registry.local import LocalRegistry
+
+            registry = LocalRegistry(
+                engines=[e.name for e in settings.engines],
+                capacity=settings.capacity,
+                deployment_epoch=settings.deployment_epoch,
+                prefix=settings.lora_name_prefix,
+                journal_path=settings.journal_path,
+                name_ttl=settings.session_name_ttl,
+            )
+            owns_registry = True
+        lease: LeaseKeeper | None = None
+        if settings.enable_versioned_lora_publication:
+            assert registry is not None
+            lease = LeaseKeeper.from_settings(
+                settings, registry, owner=lease_owner, on_restart=lease_on_restart
+            )
+        return cls(
+            transport=transport,
+            registry=registry,
+            enabled=settings.enable_versioned_lora_publication,
+            router=load_router(settings.router),
+            base_model=settings.base_model_name,
+            dialect=dialect,
+            deployment_epoch=settings.deployment_epoch,
+            middleware=middleware,
+            owns_transport=owns_transport,
+            owns_registry=owns_registry,
+            lease=lease,
+            max_version_lag=(
+                settings.max_version_lag if settings.enable_versioned_lora_publication else None
+            ),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether versioned publication is on (off: pass-through Sessions)."""
+        return self._enabled
+
+    @property
+    def engine_kind(self) -> str:
+        """The engine dialect's name (``"sglang"`` or ``"vllm"``)."""
+        return self._dialect.name
+
+    @property
+    def dialect(self) -> EngineDialect:
+        """The engine dialect: routes, adapter naming, abort by id."""
+        return self._dialect
+
+    def _new_binder(self, key: str, on_bound: Callable[[], None]) -> SessionBinder:
+        config = self._binder_config
+        return PASS_THROUGH if config is None else RegistryBinder(key, config, on_bound)
+
+    @property
+    def registry(self) -> RegistryAPI | None:
+        """The registry Sessions bind through (None in pass-through mode)."""
+        return self._registry
+
+    @property
+    def lease(self) -> LeaseKeeper | None:
+        """The owner lease Sessions bind under (None: lease-free Sessions)."""
+        return self._lease
+
+    @property
+    def max_version_lag(self) -> int | None:
+        """The staleness bound of this manager's Sessions (None: off)."""
+        return self._max_version_lag
+
+    def in_flight(self, lora_name: str) -> int:
+        """Requests of this manager's Sessions in flight on adapter ``lora_name``."""
+        return self._adapter_requests.count(lora_name)
+
+    async def wait_drained(self, lora_name: str) -> None:
+        """Return once no request of this manager's Sessions is in flight on ``lora_name``.
+
+        The drain hook of backends whose engine does not wait for in-flight requests on unload
+        (``VllmBackend(wait_drained=versioning.wait_drained)``). Event-driven: it returns at the
+        first moment the adapter's count reaches zero (at once if it is zero). It sees only this
+        process's Sessions; a reclaim awaits it after the version left the dispatchable states,
+        so no new request can start on it meanwhile.
+        """
+        await self._adapter_requests.wait_drained(lora_name)
+
+    @property
+    def engines(self) -> tuple[EngineRef, ...]:
+        """The fixed engine fleet."""
+        return self._transport.engines
+
+    @property
+    def transport(self) -> EngineTransport:
+        """The engine transport (e.g. for :func:`agentic_lora.config.verify_fleet` at start-up)."""
+        return self._transport
+
+    @property
+    def router(self) -> Router:
+        """The router plugin in the chain."""
+        return self._router
+
+    @property
+    def health(self) -> EngineHealth:
+        """Engine health: mark an engine unhealthy to stop routing new dispatches to it."""
+        return self._health
+
+    def live_sessions(self) -> tuple[Session, ...]:
+        """Sessions not yet closed (including ones whose release failed)."""
+        return tuple(self._live.values())
+
+    def get(self, session_id: str) -> Session | None:
+        """The live Session with this id, if any."""
+        return self._live.get(session_id)
+
+    def open_session(self, session_id: str, *, session_key: str | None = None) -> Session:
+        """Open a Session (OPEN, bound to nothing; no I/O). One live lifecycle per id.
+
+        ``session_key`` continues an *existing* registry Session (for instance one the gateway
+        found behind a durable name with ``open_named``, after a restart): the first dispatch
+        calls ``bind_first`` for that key, which answers the binding the registry already holds,
+        never a new choice (a key the registry does not know is simply a new Session). A name is
+        opened under this manager's lease: ``(await versioning.lease.acquire()).lease_id``.
+        Without ``session_key`` a fresh key is minted for a new lifecycle.
+        """
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequestError(
+                "a session id is a non-empty string", session=repr(session_id)
+            )
+        if session_key is not None and (
+            not isinstance(session_key, str)
+            or not session_key
+            or not session_key.isprintable()
+            or any(c.isspace() for c in session_key)
+        ):
+            raise InvalidRequestError(
+                "a session key is a non-empty printable string without whitespace",
+                session=repr(session_key),
+            )
+        if session_key is not None and session_key in self._keys:
+            # Two live Session objects on one key would release its one ref twice over.
+            raise SessionStateError(
+                f"session key {session_key!r} is already open here; close it first",
+                session=session_key,
+            )
+        existing = self._live.get(session_id)
+        if existing is not None:
+            raise SessionStateError(
+                f"session {session_id!r} is still {existing.phase.value}; close it before reusing "
+                "the id",
+                session=existing.key,
+                phase=existing.phase.value,
+            )
+        key = (
+            session_key
+            if session_key is not None
+            else f"{session_id}#{self._epoch}-{uuid.uuid4().hex}"
+        )
+        s = Session(session_id, key, self._runtime)
+        self._live[session_id] = s
+        self._keys.add(key)
+        return s
+
+    @contextlib.asynccontextmanager
+    async def session(self, session_id: str) -> AsyncIterator[Session]:
+        """``async with versioning.session(id) as s``: open, then close however the block ends."""
+        s = self.open_session(session_id)
+        try:
+            yield s
+        finally:
+            await s.close()
+
+    async def close_session(self, session_id: str) -> ReleaseResult | None:
+        """Close the live Session with this id (a no-op returning None if there is none)."""
+        s = self._live.get(session_id)
+        return None if s is None else await s.close()
+
+    async def _on_closed(self, s: Session) -> None:
+        if self._live.get(s.session_id) is s:
+            del self._live[s.session_id]
+        self._keys.discard(s.key)
+        if self._registry is None or not self._enabled:
+            return
+        # Tombstones go only after the record is gone, so nothing can bind this key again.
+        self._unforgotten.append(s.key)
+        keys = list(self._unforgotten)
+        try:
+            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=keys)
+        except Exception as exc:
+            # Not a correctness problem (a tombstone only costs memory): retried with the next.
+            logger.warning(
+                "forget_sessions failed; will retry with the next close",
+                extra={"session": s.key, "pending": len(keys), "error": repr(exc)},
+            )
+            return
+        del self._unforgotten[: len(keys)]
+
+    async def aclose(self) -> None:
+        """Close every live Session, then the owner lease (``close_lease``: a clean shutdown
+        leaves nothing to expire later) and stop renewing it, then the transport and registry if
+        this manager made them.
+
+        If a Session's release is not confirmed, raises its SessionReleaseError *before* closing
+        anything, on purpose: the lease, registry and transport stay open so ``aclose()`` can be
+        called again and the release retried (closing them would strand the Session's ref for good).
+        """
+        errors: list[SessionReleaseError] = []
+        for s in list(self._live.values()):
+            try:
+                await s.close()
+            except SessionReleaseError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        if self._lease is not None:
+            await self._lease.aclose()
+        if self._owns_transport:
+            await self._transport.aclose()
+        closer = getattr(self._registry, "aclose", None) if self._owns_registry else None
+        if closer is not None:
+            await closer()

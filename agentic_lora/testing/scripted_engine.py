@@ -1,0 +1,210 @@
+"""What every scripted engine shares: scripted faults, the call record, respx mounting, model cards.
+
+A scripted engine stands in for one real engine's HTTP surface, served through ``respx``. Each
+engine kind (:mod:`~agentic_lora.testing.sglang_engine`,
+:mod:`~agentic_lora.testing.vllm_engine`) subclasses :class:`ScriptedEngine` with its routes,
+its adapter rules and the bodies its failures carry.
+
+Faults are scripted per operation with :meth:`ScriptedEngine.script`, one per future call, so a
+test decides exactly which call fails and how (refuse, answer 200 with a failure body, act but
+lose the reply, be unreachable, wait on an :class:`asyncio.Event`, restart after acting).
+Everything is deterministic: no clocks, no randomness, no sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import httpx
+
+__all__ = ["Fault", "FaultKind", "HeldAdapter", "ScriptedEngine"]
+
+
+class FaultKind(enum.StrEnum):
+    REFUSE = "refuse"  # HTTP 400, failure body; nothing done
+    OK_BUT_FAILED = "ok_but_failed"  # HTTP 200 with a failure body; nothing done
+    SERVER_ERROR = "server_error"  # HTTP 500; nothing done (the caller cannot know that)
+    UNREACHABLE = "unreachable"  # connection refused; never reached the engine
+    LOSE_REPLY = "lose_reply"  # done, then the connection drops before the answer
+    RESTART_AFTER = "restart_after"  # done and answered, then the engine process restarts
+    GATE = "gate"  # waits for ``gate`` to be set, then behaves normally
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One scripted deviation for the next call of an operation."""
+
+    kind: FaultKind
+    message: str = "scripted failure"
+    gate: asyncio.Event | None = None
+    reached: asyncio.Event | None = None
+
+    @classmethod
+    def waiting_for(cls, gate: asyncio.Event, reached: asyncio.Event | None = None) -> Fault:
+        """Hold the call until ``gate`` is set; set ``reached`` when the call arrives."""
+        return cls(FaultKind.GATE, gate=gate, reached=reached)
+
+
+class HeldAdapter(Protocol):
+    """What every scripted engine records about an adapter it serves."""
+
+    @property
+    def lora_name(self) -> str: ...
+
+    @property
+    def lora_path(self) -> str: ...
+
+    @property
+    def digest(self) -> str | None: ...
+
+
+OpT = TypeVar("OpT", bound=enum.Enum)
+AdapterT = TypeVar("AdapterT", bound=HeldAdapter)
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+@dataclass
+class ScriptedEngine(Generic[OpT, AdapterT]):
+    """One fake engine at ``base_url``; subclasses give the routes and the failure bodies."""
+
+    name: str
+    base_url: str
+    served_model_name: str = "base-model"
+
+    adapters: dict[str, AdapterT] = field(default_factory=dict)
+    physical_loads: Counter[str] = field(default_factory=Counter)
+    physical_unloads: Counter[str] = field(default_factory=Counter)
+    calls: list[tuple[OpT, dict[str, Any]]] = field(default_factory=list)
+    restarts: int = 0
+
+    #: The operations a fault can be scripted for.
+    ops: ClassVar[type[enum.Enum]]
+    #: The operation ``GET /v1/models`` counts as.
+    models_op: ClassVar[enum.Enum]
+    #: The operations that load and unload an adapter (what a backend's prepare and reclaim call).
+    load_op: ClassVar[enum.Enum]
+    unload_op: ClassVar[enum.Enum]
+
+    def __post_init__(self) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        self._faults: dict[OpT, deque[Fault]] = {op: deque() for op in self.ops}  # type: ignore[misc]
+
+    # --- what a subclass provides -------------------------------------------------------------
+
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        """``(method, path, handler)`` of every endpoint this engine serves."""
+        raise NotImplementedError
+
+    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+        """The answer to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the engine's words."""
+        raise NotImplementedError
+
+    def base_model_root(self) -> str:
+        """The ``root`` of the base model's card on ``/v1/models``."""
+        return self.served_model_name
+
+    # --- test controls ------------------------------------------------------------------------
+
+    def mount(self, router: Any) -> None:
+        """Route this engine's endpoints on a ``respx`` router (or the ``respx`` module)."""
+        for method, path, handler in self.routes():
+            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
+
+    def script(self, op: OpT, *faults: Fault) -> None:
+        """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
+        self._faults[op].extend(faults)
+
+    def clear_script(self) -> None:
+        """Drop every scripted fault not consumed yet."""
+        for queue in self._faults.values():
+            queue.clear()
+
+    def restart(self) -> None:
+        """The engine process restarts: it forgets every adapter (subclasses forget the rest)."""
+        self.restarts += 1
+        self.adapters.clear()
+
+    def holds(self, lora_name: str) -> bool:
+        """Whether ``lora_name`` is registered (servable) right now."""
+        return lora_name in self.adapters
+
+    def held_digest(self, lora_name: str) -> str | None:
+        """Digest of what the engine serves under ``lora_name`` (None: not registered)."""
+        adapter = self.adapters.get(lora_name)
+        return None if adapter is None else adapter.digest
+
+    def count(self, op: OpT) -> int:
+        """How many calls of ``op`` reached this engine (unreachable ones excluded)."""
+        return sum(1 for o, _ in self.calls if o is op)
+
+    def bodies(self, op: OpT) -> list[dict[str, Any]]:
+        """The JSON bodies of the calls of ``op`` that reached the engine, in order."""
+        return [body for o, body in self.calls if o is op]
+
+    # --- handler steps ------------------------------------------------------------------------
+
+    async def _enter(self, op: OpT, request: httpx.Request) -> tuple[dict[str, Any], Fault | None]:
+        """Record the call and take its scripted fault; an unreachable engine records nothing."""
+        fault = self._faults[op].popleft() if self._faults[op] else None
+        if fault is not None and fault.kind is FaultKind.UNREACHABLE:
+            raise httpx.ConnectError("connection refused (scripted)", request=request)
+        body: dict[str, Any] = json.loads(request.content) if request.content else {}
+        self.calls.append((op, body))
+        if fault is not None and fault.kind is FaultKind.GATE:
+            assert fault.gate is not None
+            if fault.reached is not None:
+                fault.reached.set()
+            await fault.gate.wait()
+            fault = None
+        return body, fault
+
+    def _short_circuit(self, fault: Fault | None) -> httpx.Response | None:
+        """The answer of a fault that does nothing; None when the call goes on."""
+        if fault is None or fault.kind not in _ANSWERED:
+            return None
+        return self.fault_reply(fault.kind, fault.message)
+
+    def _finish(
+        self, fault: Fault | None, request: httpx.Request, response: httpx.Response
+    ) -> httpx.Response:
+        """Apply the faults that strike after the engine acted: a lost reply, a restart."""
+        if fault is not None and fault.kind is FaultKind.LOSE_REPLY:
+            raise httpx.ReadError("connection dropped before the reply (scripted)", request=request)
+        if fault is not None and fault.kind is FaultKind.RESTART_AFTER:
+            self.restart()
+        return response
+
+    async def _models(self, request: httpx.Request) -> httpx.Response:
+        _, fault = await self._enter(self.models_op, request)  # type: ignore[arg-type]
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        cards: list[dict[str, Any]] = [
+            {
+                "id": self.served_model_name,
+                "object": "model",
+                "root": self.base_model_root(),
+                "parent": None,
+            }
+        ]
+        cards.extend(
+            {
+                "id": a.lora_name,
+                "object": "model",
+                "root": a.lora_path,
+                "parent": self.served_model_name,
+            }
+            for a in self.adapters.values()
+        )
+        return self._finish(
+            fault, request, httpx.Response(200, json={"object": "list", "data": cards})
+        )
+
+
+_ANSWERED = frozenset({FaultKind.REFUSE, FaultKind.OK_BUT_FAILED, FaultKind.SERVER_ERROR})

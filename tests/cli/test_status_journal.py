@@ -1,0 +1,85 @@
+"""``status --journal``: reads a journaled registry from a consistent copy and never writes to
+the file; anything that is not a registry journal is refused with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentic_lora import cli
+from tests.cli.support import (
+    assert_one_error_line,
+    fingerprint,
+    only_line,
+    run_cli,
+    run_script,
+    sqlite_file,
+)
+
+
+def test_a_missing_journal_is_one_line(tmp_path: Path) -> None:
+    proc = run_script("status", "--journal", str(tmp_path / "none.sqlite"), cwd=tmp_path)
+    assert "no registry journal" in assert_one_error_line(proc, "CONFIG_ERROR")
+    foreign = tmp_path / "foreign.sqlite"
+    foreign.write_bytes(b"not a database at all" * 100)
+    proc = run_script("status", "--journal", str(foreign), cwd=tmp_path)
+    assert_one_error_line(proc, "JOURNAL_FOREIGN")
+
+
+@pytest.mark.asyncio
+async def test_sqlite_files_that_are_not_registry_journals_are_refused_read_only(
+    tmp_path: Path,
+) -> None:
+    ours = (
+        "CREATE TABLE meta (key TEXT, value TEXT)",
+        "INSERT INTO meta VALUES ('magic', 'agentic-lora/registry-journal')",
+        "INSERT INTO meta VALUES ('format', '1')",
+    )
+    cases = [
+        (
+            sqlite_file(tmp_path / "other-app.sqlite", "CREATE TABLE users (name TEXT)"),
+            "is an SQLite file but not an agentic-lora journal",
+        ),
+        (
+            sqlite_file(
+                tmp_path / "no-magic.sqlite",
+                "CREATE TABLE meta (key TEXT, value TEXT)",
+                """INSERT INTO meta VALUES ('identity', '{"engines": ["e0"], "capacity": 2}')""",
+            ),
+            "is not an agentic-lora journal",
+        ),
+        (
+            sqlite_file(
+                tmp_path / "format-9.sqlite",
+                "CREATE TABLE meta (key TEXT, value TEXT)",
+                "INSERT INTO meta VALUES ('magic', 'agentic-lora/registry-journal')",
+                "INSERT INTO meta VALUES ('format', '9')",
+            ),
+            "has journal format 9, this build reads 1",
+        ),
+        (
+            sqlite_file(
+                tmp_path / "not-json.sqlite",
+                *ours,
+                "INSERT INTO meta VALUES ('identity', '{not json')",
+            ),
+            "records no registry identity",
+        ),
+        (
+            sqlite_file(
+                tmp_path / "partial.sqlite",
+                *ours,
+                """INSERT INTO meta VALUES ('identity', '{"engines": ["e0"], "capacity": 2}')""",
+            ),
+            "records no registry identity",
+        ),
+        (sqlite_file(tmp_path / "no-identity.sqlite", *ours), "records no registry identity"),
+    ]
+    for path, problem in cases:
+        before = fingerprint(path)
+        code, out, err = await run_cli("status", "--journal", str(path))
+        assert (code, out) == (cli.EXIT_ERROR, ""), path.name
+        assert only_line(err) == f"error: JOURNAL_FOREIGN: {path} {problem}"
+        assert fingerprint(path) == before  # same bytes, and no -wal or -shm beside it

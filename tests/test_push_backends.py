@@ -1,0 +1,282 @@
+"""What every HTTP backend does alike, against its scripted engine (respx): one suite, run once per
+backend. HTTP push talks to SGLang, the vLLM backend to vLLM; what only one of them does is in
+``test_http_push.py`` and ``test_vllm_backend.py``."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import respx
+from agentic_lora_http import HttpPushBackend
+from agentic_lora_vllm import VllmBackend
+
+from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.identity import make_lora_name
+from agentic_lora.testing.adapters import tiny_snapshot
+from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
+from agentic_lora.testing.scripted_harness import sglang_engines, vllm_engines
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.vllm_engine import VllmOp
+
+A = tiny_snapshot(1)
+B = tiny_snapshot(2)
+NAME_A = make_lora_name("policy_lora", 0, "v1", A.digest)
+TARGET_A = PublicationTarget("v1", A.digest, NAME_A, 1)
+
+
+async def drained_at_once(lora_name: str) -> None:
+    """The vLLM drain hook where no request is ever in flight."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One backend and the engine it talks to."""
+
+    name: str
+    make_backend: Callable[[Path], Backend]
+    make_engine: Callable[[], ScriptedEngine[Any, Any]]
+    #: The engine calls of a probe generation and of the read that yields the incarnation.
+    probe: enum.Enum
+    incarnation_read: enum.Enum
+
+
+KINDS = [
+    Kind(
+        "http_push",
+        HttpPushBackend,
+        lambda: sglang_engines(("e0",))[0],
+        EngineOp.GENERATE,
+        EngineOp.SERVER_INFO,
+    ),
+    Kind(
+        "vllm",
+        lambda store: VllmBackend(store, wait_drained=drained_at_once),
+        lambda: vllm_engines(("e0",))[0],
+        VllmOp.COMPLETION,
+        VllmOp.METRICS,
+    ),
+]
+
+
+@dataclass
+class Push:
+    kind: Kind
+    backend: Backend
+    e0: ScriptedEngine[Any, Any]
+    ref0: EngineRef
+    store: Path
+
+    def stored(self, lora_name: str = NAME_A) -> Path:
+        return self.store / "e0" / lora_name
+
+
+@pytest_asyncio.fixture(params=KINDS, ids=[k.name for k in KINDS])
+async def push(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Push]:
+    kind: Kind = request.param
+    engine = kind.make_engine()
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = kind.make_backend(tmp_path / "store")
+        yield Push(kind, backend, engine, EngineRef("e0", engine.base_url), tmp_path / "store")
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_it_is_a_backend_and_its_store_root_must_be_absolute(kind: Kind, tmp_path: Path) -> None:
+    assert isinstance(kind.make_backend(tmp_path), Backend)
+    with pytest.raises(ConfigurationError, match="absolute"):
+        kind.make_backend(Path("relative/store"))
+
+
+# --- prepare --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_prepare_reports_ready_for_exactly_the_target_and_the_engine_read_our_bytes(
+    push: Push,
+) -> None:
+    receipt = await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert push.e0.bodies(push.e0.load_op)[0]["lora_path"] == str(push.stored())
+    assert push.e0.held_digest(NAME_A) == A.digest
+    assert push.e0.count(push.kind.probe) == 1  # probed once, after the load
+    assert (receipt.engine, receipt.version_id, receipt.digest, receipt.lora_name) == (
+        "e0",
+        "v1",
+        A.digest,
+        NAME_A,
+    )
+    assert receipt.attempt == 1
+    assert receipt.incarnation == await push.backend.incarnation(push.ref0)
+
+
+@pytest.mark.asyncio
+async def test_a_repeated_prepare_never_loads_twice(push: Push) -> None:
+    first = await push.backend.prepare(push.ref0, TARGET_A, A)
+    second = await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert first == second
+    assert push.e0.physical_loads[NAME_A] == 1
+    assert push.e0.count(push.e0.load_op) == 1
+
+
+@pytest.mark.asyncio
+async def test_http_200_with_a_failure_body_is_refused_and_nothing_is_held(push: Push) -> None:
+    push.e0.script(push.e0.load_op, Fault(FaultKind.OK_BUT_FAILED, "cannot add it"))
+    with pytest.raises(BackendRefusedError, match="cannot add it"):
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert not push.e0.holds(NAME_A)
+    assert push.e0.count(push.kind.probe) == 0  # never probed, never reported READY
+
+
+@pytest.mark.asyncio
+async def test_a_lost_load_reply_is_ambiguous_and_cleanup_resolves_it(push: Push) -> None:
+    push.e0.script(push.e0.load_op, Fault(FaultKind.LOSE_REPLY))
+    with pytest.raises(BackendAmbiguousError):
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert push.e0.held_digest(NAME_A) == A.digest  # it did load: the reply was lost
+    await push.backend.cleanup(push.ref0, TARGET_A)
+    assert not push.e0.holds(NAME_A)
+    assert push.e0.physical_unloads[NAME_A] == 1
+    assert not push.stored().exists()
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_fails_after_the_load_is_ambiguous(push: Push) -> None:
+    push.e0.script(push.kind.probe, Fault(FaultKind.SERVER_ERROR))
+    with pytest.raises(BackendAmbiguousError, match="does not serve"):
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert push.e0.held_digest(NAME_A) == A.digest
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_engine_refuses_before_anything_is_loaded(push: Push) -> None:
+    push.e0.script(push.kind.incarnation_read, Fault(FaultKind.UNREACHABLE))
+    with pytest.raises(BackendRefusedError, match="unreadable"):
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert push.e0.count(push.e0.load_op) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_snapshot_that_is_not_the_target_is_refused_without_io(push: Push) -> None:
+    with pytest.raises(BackendRefusedError, match="digest"):
+        await push.backend.prepare(push.ref0, TARGET_A, B)
+    assert push.e0.calls == []
+
+
+@pytest.mark.asyncio
+async def test_a_stored_copy_with_other_content_is_refused_before_loading(push: Push) -> None:
+    B.write_peft_dir(push.stored())  # wrong bytes under A's name
+    with pytest.raises(BackendRefusedError) as info:
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert info.value.details["reason"] == "manifest_mismatch"
+    assert push.e0.calls == []
+
+
+@pytest.mark.asyncio
+async def test_engine_names_must_be_directory_names(push: Push) -> None:
+    with pytest.raises(ConfigurationError):
+        await push.backend.prepare(EngineRef("../e0", push.e0.base_url), TARGET_A, A)
+
+
+# --- cleanup --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_cleanup_of_an_absent_adapter_is_confirmed(push: Push) -> None:
+    await push.backend.cleanup(push.ref0, TARGET_A)
+    assert push.e0.count(push.e0.unload_op) == 1
+    assert push.e0.physical_unloads[NAME_A] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_cleanup_that_overtook_its_prepare_fences_it(push: Push) -> None:
+    await push.backend.cleanup(push.ref0, TARGET_A)
+    with pytest.raises(BackendRefusedError, match="fenced"):
+        await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert push.e0.count(push.e0.load_op) == 0
+    assert not push.stored().exists()
+    # The next attempt is a new publication and goes through.
+    retry = PublicationTarget("v1", A.digest, NAME_A, 2)
+    assert (await push.backend.prepare(push.ref0, retry, A)).attempt == 2
+
+
+@pytest.mark.asyncio
+async def test_a_late_cleanup_of_a_superseded_attempt_touches_nothing(push: Push) -> None:
+    await push.backend.prepare(push.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
+    await push.backend.cleanup(push.ref0, TARGET_A)  # attempt 1, arriving late
+    assert push.e0.holds(NAME_A)
+    assert push.e0.count(push.e0.unload_op) == 0
+    assert push.stored().is_dir()
+
+
+@pytest.mark.parametrize("failure", [FaultKind.REFUSE, FaultKind.OK_BUT_FAILED])
+@pytest.mark.asyncio
+async def test_an_unload_that_fails_leaves_cleanup_unconfirmed(
+    push: Push, failure: FaultKind
+) -> None:
+    await push.backend.prepare(push.ref0, TARGET_A, A)
+    push.e0.script(push.e0.unload_op, Fault(failure, "rank 1 failed"))
+    with pytest.raises(BackendAmbiguousError, match="not confirmed"):
+        await push.backend.cleanup(push.ref0, TARGET_A)
+    assert push.e0.held_digest(NAME_A) == A.digest
+    assert push.stored().is_dir()
+
+
+@pytest.mark.asyncio
+async def test_unloading_ourselves_is_not_a_restart(push: Push) -> None:
+    receipt = await push.backend.prepare(push.ref0, TARGET_A, A)
+    await push.backend.cleanup(push.ref0, TARGET_A)
+    assert await push.backend.incarnation(push.ref0) == receipt.incarnation
+
+
+# --- reclaim --------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(push: Push) -> None:
+    await push.backend.prepare(push.ref0, TARGET_A, A)
+    push.e0.script(push.e0.unload_op, Fault(FaultKind.LOSE_REPLY))
+    with pytest.raises(BackendAmbiguousError):
+        await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    assert push.e0.physical_unloads[NAME_A] == 1
+    # Lost one, retried once (found absent); the third call was answered from memory.
+    assert push.e0.count(push.e0.unload_op) == 2
+    assert not push.stored().exists()
+
+
+@pytest.mark.asyncio
+async def test_a_reclaimed_name_is_fenced_for_every_later_attempt(push: Push) -> None:
+    await push.backend.prepare(push.ref0, TARGET_A, A)
+    await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    with pytest.raises(BackendRefusedError, match="fenced"):
+        await push.backend.prepare(push.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
+    assert push.e0.physical_loads[NAME_A] == 1
+
+
+# --- incarnation ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_incarnation_is_stable_and_changes_on_restart(push: Push) -> None:
+    first = await push.backend.incarnation(push.ref0)
+    assert await push.backend.incarnation(push.ref0) == first
+    push.e0.restart()
+    assert await push.backend.incarnation(push.ref0) != first
+
+
+@pytest.mark.asyncio
+async def test_a_loaded_adapter_that_vanished_counts_as_a_restart(push: Push) -> None:
+    receipt = await push.backend.prepare(push.ref0, TARGET_A, A)
+    # Same fingerprint (same process start), but the adapter is gone: an operator's unload.
+    del push.e0.adapters[NAME_A]
+    after = await push.backend.incarnation(push.ref0)
+    assert after != receipt.incarnation
+    assert await push.backend.incarnation(push.ref0) == after
