@@ -25,7 +25,10 @@ def test_every_error_class_is_exported_and_has_a_unique_stable_code() -> None:
     ]
     codes = [e.code for e in errors]
     assert len(codes) == len(set(codes))
-    assert {e.__name__ for e in errors} == set(agentic_lora.errors.__all__) - {"error_code", "error_from_code"}
+    assert {e.__name__ for e in errors} == set(agentic_lora.errors.__all__) - {
+        "error_code",
+        "error_from_code",
+    }
     for e in errors:
         assert e.code.isupper()
         if not e.__subclasses__():  # every concrete error is named in the tree drawn at the top

@@ -128,9 +128,7 @@ def test_vllm_pins_without_a_base_model_but_then_cannot_recognise_it() -> None:
         "model": LORA,
     }
     with pytest.raises(AdapterMismatchError):
-        pin_adapter(
-            Route.COMPLETIONS, {"prompt": "x", "model": BASE}, LORA, None, dialect=VLLM
-        )
+        pin_adapter(Route.COMPLETIONS, {"prompt": "x", "model": BASE}, LORA, None, dialect=VLLM)
 
 
 def test_vllm_has_no_generate_route() -> None:
@@ -144,9 +142,7 @@ def test_vllm_has_no_generate_route() -> None:
 @pytest.mark.asyncio
 async def test_the_pin_middleware_addresses_the_adapter_per_dialect() -> None:
     sglang = build_chain(endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE)])
-    vllm = build_chain(
-        endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE, dialect=VLLM)]
-    )
+    vllm = build_chain(endpoint, [Middleware(AdapterPinMiddleware, base_model=BASE, dialect=VLLM)])
     call = EngineCall(Route.COMPLETIONS, {"prompt": "x", "model": BASE}, "s#1", BINDING)
     assert (await sglang(call)).body["model"] == f"{BASE}:{LORA}"
     assert (await vllm(call)).body["model"] == LORA
