@@ -44,9 +44,12 @@ import httpx
 
 from agentic_lora.engines.sglang import FINGERPRINT_FIELDS, SGLANG, server_fingerprint
 from agentic_lora.engines.wire import (
+    WIRE_ERRORS,
     HttpAnswer,
     Outcome,
+    ReplyTooDeepError,
     classify_exception,
+    classify_status,
     decode_body,
     make_engine_client,
 )
@@ -181,19 +184,25 @@ class AdminHttpClient:
             return await self._client.post(
                 self.base_url + path, json=dict(payload), timeout=request_timeout
             )
-        except httpx.TransportError as exc:
+        except WIRE_ERRORS as exc:
             raise self._transport_failure(op, exc, lora_name) from exc
 
     async def _send_get(self, op: str, path: str) -> httpx.Response:
         try:
             return await self._client.get(self.base_url + path)
-        except httpx.TransportError as exc:
+        except WIRE_ERRORS as exc:
             raise self._transport_failure(op, exc, None) from exc
 
     async def get_answer(self, op: str, path: str) -> HttpAnswer:
         """``GET path`` (one attempt): any answer, or BackendRefused/AmbiguousError on the wire."""
         response = await self._send_get(op, path)
-        return HttpAnswer(response.status_code, decode_body(response), response.text)
+        try:
+            body = decode_body(response)
+        except ReplyTooDeepError as exc:
+            # A 4xx still proves refusal; any other answer the dialect cannot read is ambiguous.
+            outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
+            raise self.failure(outcome, op, str(exc), status=response.status_code) from exc
+        return HttpAnswer(response.status_code, body, response.text)
 
     def failure(self, outcome: Outcome, op: str, message: str, **details: Any) -> BackendError:
         """BackendRefusedError (refused) or BackendAmbiguousError (indeterminate), logged."""
@@ -212,7 +221,7 @@ class AdminHttpClient:
         }
 
     def _transport_failure(
-        self, op: str, exc: httpx.TransportError, lora_name: str | None
+        self, op: str, exc: BaseException, lora_name: str | None
     ) -> BackendError:
         reason = f"{type(exc).__name__}: {exc}"
         return self.failure(classify_exception(exc), op, reason, lora_name=lora_name)
@@ -377,7 +386,7 @@ class EngineAdminClient(AdminHttpClient):
         status = response.status_code
         try:
             body = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than we decode
             body = None
         if status >= 500:
             raise self._ambiguous(

@@ -13,6 +13,7 @@ Nothing here changes a code path: each observer hangs on an existing hook.
 | `agentic_lora_dispatches_total` | counter | route, outcome | `DispatchMetricsMiddleware` |
 | `agentic_lora_session_version_lag` | histogram | | `Metrics.watch_staleness` |
 | `agentic_lora_version_too_stale_refusals_total` | counter | | `Metrics.watch_staleness` |
+| `agentic_lora_gateway_refused_requests_total` | counter | code | `Metrics.observe_refused_request` |
 | `agentic_lora_sessions_live` | gauge | | `Metrics.refresh` |
 | `agentic_lora_registry_sessions` | gauge | | `Metrics.refresh` |
 | `agentic_lora_bound_sessions` | gauge | version_state | `Metrics.refresh` |
@@ -31,6 +32,11 @@ refused ones included): how many publications the default is ahead of the Sessio
 version (a count, so no unit suffix). ``agentic_lora_version_too_stale_refusals_total`` counts
 dispatches refused with ``VERSION_TOO_STALE`` (``max_version_lag``); those never reach the chain,
 so ``agentic_lora_dispatches_total`` does not count them.
+
+``agentic_lora_gateway_refused_requests_total`` counts generation requests the gateway refused
+for the caller's own input (:data:`BAD_INPUT_CODES`: a malformed or oversized body, a model
+name that is no Session's adapter, a missing credential), by the error's stable code. Most never
+open a Session, so ``agentic_lora_dispatches_total`` does not see them.
 
 The instruments live in their own :class:`prometheus_client.CollectorRegistry` (not the global
 one), so two deployments in one process, or two tests, never share counters.
@@ -52,7 +58,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import (
+    AccessDeniedError,
+    AdapterMismatchError,
+    AgenticLoRAError,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
 from agentic_lora.middleware import Dispatch, EngineCall, Middleware
 from agentic_lora.outcomes import DispatchOutcome, classify_failure
 from agentic_lora.phases import Phase, PhaseEvent, PhaseStatus
@@ -65,7 +77,7 @@ from agentic_lora.transport import EngineReply
 if TYPE_CHECKING:
     from agentic_lora.session import Versioning
 
-__all__ = ["PUBLICATION_PHASES", "DispatchMetricsMiddleware", "Metrics"]
+__all__ = ["BAD_INPUT_CODES", "PUBLICATION_PHASES", "DispatchMetricsMiddleware", "Metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +94,17 @@ PUBLICATION_PHASES: frozenset[Phase] = frozenset(
         Phase.ABORT,
         Phase.CLEANUP,
         Phase.CONFIRM_CLEANUP,
+    }
+)
+
+#: The stable codes of the errors that refuse a request for the caller's own input: the closed
+#: label set of ``agentic_lora_gateway_refused_requests_total``.
+BAD_INPUT_CODES: frozenset[str] = frozenset(
+    {
+        InvalidRequestError.code,
+        RequestTooLargeError.code,
+        AdapterMismatchError.code,
+        AccessDeniedError.code,
     }
 )
 
@@ -192,11 +215,19 @@ class Metrics:
             "Dispatches refused with VERSION_TOO_STALE (bound version beyond max_version_lag).",
             registry=r,
         )
+        self.refused_requests = Counter(
+            f"{PREFIX}_gateway_refused_requests",
+            "Generation requests the gateway refused for the caller's own input, by error code.",
+            ["code"],
+            registry=r,
+        )
         # Every series of a closed label set exists from the start, at zero, so a rate() over a
         # fresh process is not missing the series it is about to see.
         for route in Route:
             for outcome in DispatchOutcome:
                 self.dispatches.labels(route=route.value, outcome=outcome.value)
+        for code in sorted(BAD_INPUT_CODES):
+            self.refused_requests.labels(code=code)
         for state in VersionState:
             self.versions.labels(state=state.value.lower())
             self.bound_sessions.labels(version_state=state.value.lower())
@@ -237,6 +268,14 @@ class Metrics:
     def observe_dispatch(self, route: Route, outcome: DispatchOutcome) -> None:
         """One generation that ended with ``outcome``."""
         self.dispatches.labels(route=route.value, outcome=outcome.value).inc()
+
+    def observe_refused_request(self, error: BaseException) -> bool:
+        """A failed generation request: counted (True) when ``error`` refused it for the
+        caller's own input (its code in :data:`BAD_INPUT_CODES`), ignored otherwise."""
+        if not isinstance(error, AgenticLoRAError) or error.code not in BAD_INPUT_CODES:
+            return False
+        self.refused_requests.labels(code=error.code).inc()
+        return True
 
     def observe_version_lag(self, lag: int) -> None:
         """The lag of one versioned dispatch at its start (a ``StalenessListener`` hook)."""

@@ -36,13 +36,10 @@ Rules this module keeps, and what each one prevents:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import enum
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import Backend, EngineRef, PublicationTarget
@@ -57,19 +54,25 @@ from agentic_lora.errors import (
 )
 from agentic_lora.fleet import fixed_fleet
 from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus, PhaseTiming
+from agentic_lora.publication_cleanup import CleanupSteps
+from agentic_lora.publication_result import (
+    EngineReport,
+    PublicationOutcome,
+    PublicationResult,
+    PublicationRun,
+)
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import (
-    CommitReceipt,
     Reservation,
     ReserveOutcome,
     VersionState,
-    VersionStatus,
     new_request_id,
 )
 from agentic_lora.replay import RegistryRetry
 
-# Phase types and RegistryRetry live in agentic_lora.phases and agentic_lora.replay; they stay
-# importable from here for callers written before they moved.
+# Phase types, RegistryRetry and the result types live in agentic_lora.phases, agentic_lora.replay
+# and agentic_lora.publication_result; they stay importable from here for callers written before
+# they moved.
 __all__ = [
     "EngineReport",
     "Phase",
@@ -87,54 +90,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-class PublicationOutcome(enum.StrEnum):
-    """How a publication ended."""
-
-    PUBLISHED = "PUBLISHED"  # committed: the version is the default
-    ALREADY_PUBLISHED = "ALREADY_PUBLISHED"  # same id and content was committed before: no-op
-    SKIPPED = "SKIPPED"  # capacity refused after bootstrap; nothing was transferred
-    FAILED_CLEAN = "FAILED_CLEAN"  # aborted; every engine confirmed cleanup; slot freed
-    BLOCKED = "BLOCKED"  # outcome or cleanup unconfirmed: slot held, publications blocked
-
-
-@dataclass(frozen=True, slots=True)
-class EngineReport:
-    """One engine's part in a publication."""
-
-    engine: str
-    ready: bool = False
-    cleaned: bool | None = None  # None: no cleanup was needed
-    error_code: str | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class PublicationResult:
-    """The outcome of :meth:`Publisher.publish` or :meth:`Publisher.resolve`."""
-
-    version_id: str
-    digest: str
-    outcome: PublicationOutcome
-    bootstrap: bool
-    lora_name: str | None = None
-    attempt: int | None = None
-    commit: CommitReceipt | None = None
-    reason: str | None = None
-    engines: tuple[EngineReport, ...] = ()
-    timings: tuple[PhaseTiming, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        """The version is (now or already) the committed one it names."""
-        return self.outcome in (PublicationOutcome.PUBLISHED, PublicationOutcome.ALREADY_PUBLISHED)
-
-    def seconds(self, phase: Phase, engine: str | None = None) -> float:
-        """Total time spent in ``phase`` on ``engine`` (fleet-wide phases: ``engine=None``)."""
-        return sum(t.seconds for t in self.timings if t.phase is phase and t.engine == engine)
-
 
 class ReclaimTrigger(Protocol):
     """The part of a reclaimer the publisher uses (see :class:`agentic_lora.reclaimer.Reclaimer`)."""
@@ -150,42 +105,7 @@ class ResolveTrigger(Protocol):
     def poke(self) -> None: ...
 
 
-@dataclass
-class _Run:
-    """Mutable state of one publish/resolve call."""
-
-    version_id: str
-    digest: str
-    bootstrap: bool
-    recorder: PhaseRecorder
-    reservation: Reservation | None = None
-    reports: dict[str, EngineReport] = field(default_factory=dict)
-
-    def result(
-        self,
-        outcome: PublicationOutcome,
-        *,
-        reason: str | None = None,
-        commit: CommitReceipt | None = None,
-        attempt: int | None = None,
-        lora_name: str | None = None,
-    ) -> PublicationResult:
-        res = self.reservation
-        return PublicationResult(
-            version_id=self.version_id,
-            digest=self.digest,
-            outcome=outcome,
-            bootstrap=self.bootstrap,
-            lora_name=lora_name or (res.lora_name if res else None),
-            attempt=attempt or (res.attempt if res else None),
-            commit=commit,
-            reason=reason,
-            engines=tuple(self.reports[name] for name in sorted(self.reports)),
-            timings=tuple(self.recorder.timings),
-        )
-
-
-class Publisher:
+class Publisher(CleanupSteps):
     """Publishes versions through ``backend`` onto the fixed fleet ``engines`` (one at a time).
 
     ``reclaimer`` (optional) is poked after every commit and asked for one reclaim round when a
@@ -235,7 +155,7 @@ class Publisher:
         """
         async with self._lock:
             status = await self.registry.status()
-            run = _Run(
+            run = PublicationRun(
                 version_id,
                 snapshot.digest,
                 bootstrap=status.default_version is None,
@@ -279,7 +199,7 @@ class Publisher:
         """
         async with self._lock:
             status = await self.registry.version(version_id)
-            run = _Run(
+            run = PublicationRun(
                 version_id,
                 status.digest,
                 bootstrap=False,
@@ -310,7 +230,7 @@ class Publisher:
 
     # --- steps --------------------------------------------------------------------------------
 
-    async def _reserve(self, run: _Run) -> Reservation | None:
+    async def _reserve(self, run: PublicationRun) -> Reservation | None:
         request_id = new_request_id()
 
         async def reserve() -> Reservation:
@@ -336,7 +256,7 @@ class Publisher:
             self._skip(run, exc)
             return None
 
-    def _skip(self, run: _Run, exc: CapacityError) -> None:
+    def _skip(self, run: PublicationRun, exc: CapacityError) -> None:
         if run.bootstrap:
             raise exc
         logger.warning(
@@ -355,7 +275,11 @@ class Publisher:
             )
 
     async def _prepare_and_commit(
-        self, run: _Run, target: PublicationTarget, snapshot: AdapterSnapshot, revision: int
+        self,
+        run: PublicationRun,
+        target: PublicationTarget,
+        snapshot: AdapterSnapshot,
+        revision: int,
     ) -> PublicationResult:
         reports = await self._each_engine(lambda e: self._prepare_one(run, e, target, snapshot))
         run.reports.update({r.engine: r for r in reports})
@@ -376,7 +300,11 @@ class Publisher:
         return await self._commit(run, target, revision)
 
     async def _prepare_one(
-        self, run: _Run, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
+        self,
+        run: PublicationRun,
+        engine: EngineRef,
+        target: PublicationTarget,
+        snapshot: AdapterSnapshot,
     ) -> EngineReport:
         extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
         try:
@@ -397,18 +325,7 @@ class Publisher:
         logger.info("READY on %s", engine.name, extra=extra)
         return EngineReport(engine.name, ready=True)
 
-    async def _observe_or_raise(self, run: _Run, engine: EngineRef) -> None:
-        async with run.recorder.phase(engine.name, Phase.OBSERVE):
-            incarnation = await self.backend.incarnation(engine)
-            request_id = new_request_id()
-            await self.retry.call(
-                "observe_incarnation",
-                lambda: self.registry.observe_incarnation(
-                    request_id=request_id, engine=engine.name, incarnation=incarnation
-                ),
-            )
-
-    async def _observe(self, run: _Run, engine: EngineRef) -> EngineReport:
+    async def _observe(self, run: PublicationRun, engine: EngineRef) -> EngineReport:
         try:
             await self._observe_or_raise(run, engine)
         except Exception as exc:
@@ -417,7 +334,7 @@ class Publisher:
         return EngineReport(engine.name, ready=True)
 
     async def _commit(
-        self, run: _Run, target: PublicationTarget, revision: int
+        self, run: PublicationRun, target: PublicationTarget, revision: int
     ) -> PublicationResult:
         request_id = new_request_id()
         extra = {"version": target.version_id, "attempt": target.attempt}
@@ -453,131 +370,7 @@ class Publisher:
             self.reclaimer.poke()
         return run.result(PublicationOutcome.PUBLISHED, commit=receipt)
 
-    async def _abort_and_clean(
-        self,
-        run: _Run,
-        target: PublicationTarget,
-        *,
-        reason: str,
-        skip: set[str] | None = None,
-        observe_first: bool = False,
-    ) -> PublicationResult:
-        extra = {"version": target.version_id, "attempt": target.attempt}
-        request_id = new_request_id()
-        try:
-            async with run.recorder.phase(None, Phase.ABORT):
-                await self.retry.call(
-                    "abort",
-                    lambda: self.registry.abort(
-                        request_id=request_id,
-                        version_id=target.version_id,
-                        attempt=target.attempt,
-                        reason=reason,
-                    ),
-                )
-        except Exception as exc:
-            logger.error("abort of %s unconfirmed: %r", target.version_id, exc, extra=extra)
-            return run.result(
-                PublicationOutcome.BLOCKED,
-                reason=f"{reason}; abort unconfirmed ({type(exc).__name__})",
-                attempt=target.attempt,
-                lora_name=target.lora_name,
-            )
-        skipped = skip or set()
-        todo = [e for e in self.engines if e.name not in skipped]
-        cleaned = await self._each_engine(
-            lambda e: self._clean_one(run, e, target, observe_first), todo
-        )
-        for report in cleaned:
-            previous = run.reports.get(report.engine)
-            run.reports[report.engine] = EngineReport(
-                report.engine,
-                ready=previous.ready if previous else False,
-                cleaned=report.cleaned,
-                error_code=report.error_code or (previous.error_code if previous else None),
-                error=report.error or (previous.error if previous else None),
-            )
-        unconfirmed = [r.engine for r in cleaned if not r.cleaned]
-        if unconfirmed:
-            logger.error(
-                "cleanup of %s unconfirmed on %s; its slot stays held",
-                target.version_id,
-                unconfirmed,
-                extra=extra,
-            )
-            return run.result(
-                PublicationOutcome.BLOCKED,
-                reason=f"{reason}; cleanup unconfirmed on {', '.join(unconfirmed)}",
-                attempt=target.attempt,
-                lora_name=target.lora_name,
-            )
-        logger.info("%s failed clean: %s", target.version_id, reason, extra=extra)
-        return run.result(
-            PublicationOutcome.FAILED_CLEAN,
-            reason=reason,
-            attempt=target.attempt,
-            lora_name=target.lora_name,
-        )
-
-    async def _clean_one(
-        self, run: _Run, engine: EngineRef, target: PublicationTarget, observe_first: bool = False
-    ) -> EngineReport:
-        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
-        if observe_first and await self._cleaned_by_restart(run, engine, target):
-            logger.info(
-                "%s holds nothing of %s (new incarnation): no cleanup call",
-                engine.name,
-                target.version_id,
-                extra=extra,
-            )
-            return EngineReport(engine.name, cleaned=True)
-        try:
-            async with run.recorder.phase(engine.name, Phase.CLEANUP):
-                # A refusal means, by contract, that the engine holds nothing of this attempt.
-                with contextlib.suppress(BackendRefusedError):
-                    await self.backend.cleanup(engine, target)
-            request_id = new_request_id()
-            async with run.recorder.phase(engine.name, Phase.CONFIRM_CLEANUP):
-                status: VersionStatus = await self.retry.call(
-                    "confirm_cleanup",
-                    lambda: self.registry.confirm_cleanup(
-                        request_id=request_id,
-                        version_id=target.version_id,
-                        attempt=target.attempt,
-                        engine=engine.name,
-                    ),
-                )
-        except Exception as exc:
-            code = error_code(exc)
-            logger.warning("cleanup unconfirmed on %s: %s", engine.name, exc, extra=extra)
-            return EngineReport(engine.name, cleaned=False, error_code=code, error=str(exc))
-        logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)
-        return EngineReport(engine.name, cleaned=True)
-
-    async def _cleaned_by_restart(
-        self, run: _Run, engine: EngineRef, target: PublicationTarget
-    ) -> bool:
-        """Whether the registry counts ``engine`` cleaned once its incarnation is observed."""
-        try:
-            await self._observe_or_raise(run, engine)
-            status = await self.registry.version(target.version_id)
-        except Exception:
-            return False  # unknown: the cleanup call below decides
-        return status.attempt == target.attempt and engine.name in status.cleaned_engines
-
-    async def _each_engine(
-        self,
-        work: Callable[[EngineRef], Coroutine[Any, Any, EngineReport]],
-        engines: Sequence[EngineRef] | None = None,
-    ) -> list[EngineReport]:
-        # ``work`` never raises (it returns a report), so no sibling is ever cancelled.
-        async with asyncio.TaskGroup() as group:
-            tasks: list[asyncio.Task[EngineReport]] = [
-                group.create_task(work(e)) for e in (engines or self.engines)
-            ]
-        return [t.result() for t in tasks]
-
-    def _final(self, run: _Run, result: PublicationResult) -> PublicationResult:
+    def _final(self, run: PublicationRun, result: PublicationResult) -> PublicationResult:
         if run.bootstrap and not result.ok:
             # The very first version failed: there is nothing to fall back to.
             error_cls: type[AgenticLoRAError] = (

@@ -42,10 +42,12 @@ from agentic_lora.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLANG
 from agentic_lora.engines.wire import (
+    WIRE_ERRORS,
     EngineHttp,
     HttpAnswer,
     HttpTransportKind,
     Outcome,
+    ReplyTooDeepError,
     classify_exception,
     classify_status,
     decode_body,
@@ -125,10 +127,23 @@ def _encode(body: Mapping[str, Any]) -> bytes:
     # Before anything is sent: a body JSON cannot carry (NaN, Infinity, odd types) is refused.
     try:
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
+        # RecursionError: nested deeper than the encoder's stack (a caller's own dict can be).
         raise InvalidRequestError(
             f"the request body cannot be sent as JSON: {exc}", reason="not_json"
         ) from exc
+
+
+async def _close_quietly(response: httpx.Response, where: Mapping[str, Any]) -> None:
+    # Runs after the answer was read in full, or while a failure is being raised: a connection
+    # that fails to close changes neither, so it must not replace them.
+    try:
+        await response.aclose()
+    except WIRE_ERRORS as exc:
+        logger.debug(
+            "closing an engine response failed",
+            extra={**where, "error": type(exc).__name__},
+        )
 
 
 def _failure(
@@ -221,11 +236,12 @@ class EngineTransport:
         ref = self._ref(engine)
         url = ref.base_url.rstrip("/") + path
         headers = {"content-type": "application/json"} if content is not None else None
-        request = self._client.build_request(method, url, content=content, headers=headers)
         where = {"engine": engine, "path": path, "rid": rid}
         try:
+            # Inside the try: a URL that cannot be requested fails here, before sending.
+            request = self._client.build_request(method, url, content=content, headers=headers)
             response = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
+        except WIRE_ERRORS as exc:
             outcome = classify_exception(exc)
             sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
             raise _failure(
@@ -238,8 +254,9 @@ class EngineTransport:
         try:
             try:
                 await response.aread()
-            except httpx.TransportError as exc:
-                # The engine answered, so it has the request: only a 4xx still proves refusal.
+            except WIRE_ERRORS as exc:
+                # The engine answered, so it has the request: only a 4xx still proves refusal
+                # (a body cut off, or in a content-encoding that cannot be decoded).
                 outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
                 if outcome is Outcome.REFUSED:
                     raise _failure(
@@ -257,8 +274,19 @@ class EngineTransport:
                     **where,
                 ) from exc
         finally:
-            await response.aclose()
-        body = decode_body(response)
+            await _close_quietly(response, where)
+        try:
+            body = decode_body(response)
+        except ReplyTooDeepError as exc:
+            # Passed on as text it would reach the caller as another value than the engine's.
+            outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
+            raise _failure(
+                outcome,
+                f"{method} {path} to {engine}: {exc}",
+                status=response.status_code,
+                reason="reply_not_json",
+                **where,
+            ) from exc
         status_outcome = classify_status(response.status_code) if check_status else None
         if status_outcome is not None:
             what = "refused" if status_outcome is Outcome.REFUSED else "failed and may have run"

@@ -14,9 +14,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentic_lora.errors import (
+    AccessDeniedError,
     AdapterMismatchError,
+    InvalidRequestError,
     RequestIndeterminateError,
     RequestRefusedError,
+    RequestTooLargeError,
     VersionConflictError,
 )
 from agentic_lora.gateway.progress import ProgressHub
@@ -282,6 +285,37 @@ def test_phase_events_feed_the_histograms_by_phase_and_result() -> None:
     assert not any(dict(labels).get("phase") == "claim_reclaim" for _, labels in counts), (
         "claim_reclaim is a registry round trip, not a publication phase"
     )
+
+
+def test_refused_requests_are_counted_by_the_code_of_bad_input_only() -> None:
+    metrics = Metrics()
+    name = "agentic_lora_gateway_refused_requests_total"
+    fresh = parse(metrics.exposition().decode())
+    # The closed label set exists from the start, at zero, and has no other label.
+    assert {dict(labels)["code"] for (n, labels) in fresh if n == name} == {
+        "INVALID_REQUEST",
+        "REQUEST_TOO_LARGE",
+        "ADAPTER_MISMATCH",
+        "ACCESS_DENIED",
+    }
+    assert all(set(dict(labels)) == {"code"} for (n, labels) in fresh if n == name)
+    assert metrics.observe_refused_request(InvalidRequestError("bad", reason="not_json"))
+    assert metrics.observe_refused_request(InvalidRequestError("bad again"))
+    assert metrics.observe_refused_request(RequestTooLargeError("big"))
+    assert metrics.observe_refused_request(AdapterMismatchError("not yours"))
+    assert metrics.observe_refused_request(AccessDeniedError("no id"))
+    # Not the caller's input: an engine's refusal, an indeterminate run, an untyped failure.
+    assert not metrics.observe_refused_request(RequestRefusedError("engine said no", status=400))
+    assert not metrics.observe_refused_request(RequestIndeterminateError("lost"))
+    assert not metrics.observe_refused_request(ValueError("bug"))
+    counts = parse(metrics.exposition().decode())
+    assert value(counts, name, code="INVALID_REQUEST") == 2
+    assert value(counts, name, code="REQUEST_TOO_LARGE") == 1
+    assert value(counts, name, code="ADAPTER_MISMATCH") == 1
+    assert value(counts, name, code="ACCESS_DENIED") == 1
+    assert {dict(labels)["code"] for (n, labels) in counts if n == name} == {
+        dict(labels)["code"] for (n, labels) in fresh if n == name
+    }
 
 
 def test_two_metrics_objects_never_share_counters() -> None:

@@ -8,8 +8,10 @@ LoRA load or unload) ends in one of three ways: an answer, or a failure that is 
 * :attr:`Outcome.INDETERMINATE`: it may have (a timeout or reset after the request went out, a
   5xx, an answer that does not parse), so sending it again may run it twice.
 
-:func:`classify_exception` (transport failures) and :func:`classify_status` (answers) are the only
-places that decide which; the generation transport (:mod:`agentic_lora.transport`, errors
+:func:`classify_exception` (transport failures, through :data:`EXCEPTION_TABLE`, which lists every
+failure type of httpx and of aiohttp) and :func:`classify_status` (answers) are the only places
+that decide which, and :data:`WIRE_ERRORS` is what a client catches to hand a failure to them.
+The generation transport (:mod:`agentic_lora.transport`, errors
 ``REQUEST_REFUSED``/``REQUEST_INDETERMINATE``) and the admin clients
 (:mod:`agentic_lora.engine_admin`, errors ``BACKEND_REFUSED``/``BACKEND_AMBIGUOUS``) both translate
 through them, and both build their ``httpx.AsyncClient`` with :func:`make_engine_client` (no
@@ -24,17 +26,22 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import httpx
 
 __all__ = [
+    "EXCEPTION_TABLE",
     "NOT_SENT",
+    "WIRE_ERRORS",
     "EngineHttp",
     "HttpAnswer",
     "HttpTransportKind",
     "Outcome",
+    "ReplyTooDeepError",
     "classify_exception",
     "classify_status",
     "decode_body",
@@ -53,21 +60,135 @@ class Outcome(enum.StrEnum):
     INDETERMINATE = "indeterminate"  # may have been accepted
 
 
+#: The one exception table: for each failure type of the two HTTP stacks (httpx, and the aiohttp
+#: under ``httpx_aiohttp``), whether the engine may have accepted the request. The entry of the
+#: nearest class in an exception's MRO decides; a type in neither tree is indeterminate (what
+#: cannot be proven unsent may have run). Every type either stack can raise has its own entry, so
+#: a new subclass in either library lands on its base's verdict, never on an unhandled 5xx.
+EXCEPTION_TABLE: Mapping[type[BaseException], Outcome]
+
 #: httpx errors raised before a single byte of the request left this process.
 NOT_SENT: tuple[type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
     httpx.PoolTimeout,
     httpx.UnsupportedProtocol,
+    # httpx raises it only when a proxy refuses the tunnel (or the SOCKS handshake): the
+    # request never reached the engine. No proxy is configured (trust_env=False); kept for
+    # clients built around one.
+    httpx.ProxyError,
+    # A URL httpx cannot build a request for (raised by ``build_request``, so before sending).
+    httpx.InvalidURL,
+)
+
+_HTTPX_MAY_HAVE_RUN: tuple[type[Exception], ...] = (
+    httpx.HTTPError,  # any other: the catch-all, so an unlisted subclass stays indeterminate
+    httpx.RequestError,
+    httpx.TransportError,
+    httpx.TimeoutException,
+    httpx.ReadTimeout,
+    httpx.WriteTimeout,  # part of the body may already be with the engine
+    httpx.NetworkError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.CloseError,
+    httpx.ProtocolError,
+    httpx.LocalProtocolError,
+    httpx.RemoteProtocolError,
+    # The engine answered (so it had the request) with a content-encoding that cannot be
+    # decoded: whatever it did is unknown. A 4xx status, when known, still proves refusal.
+    httpx.DecodingError,
+    # Redirects are never followed (one request is one attempt), but a redirect is an answer.
+    httpx.TooManyRedirects,
+)
+
+# aiohttp classes by name, as some exist only in newer releases (a missing one is skipped).
+_AIOHTTP_NOT_SENT = (
+    # Failed to open the connection: DNS, refused, TLS handshake, certificate, proxy connect.
+    "ClientConnectorError",
+    "ClientConnectorDNSError",
+    "ClientProxyConnectionError",
+    "UnixClientConnectorError",
+    "ClientSSLError",
+    "ClientConnectorSSLError",
+    "ClientConnectorCertificateError",
+    "ConnectionTimeoutError",
+    # The TLS peer is not the pinned one: checked by the connector before a byte is written.
+    "ServerFingerprintMismatch",
+    # A proxy refused the tunnel: the request never reached the engine.
+    "ClientHttpProxyError",
+    # A URL aiohttp will not request at all: raised before connecting.
+    "InvalidURL",
+    "InvalidUrlClientError",
+    "NonHttpUrlClientError",
+)
+_AIOHTTP_MAY_HAVE_RUN = (
+    "ClientError",  # the catch-all: an unlisted subclass stays indeterminate
+    # A live connection failed (reset while writing or reading, dropped, timed out reading).
+    "ClientConnectionError",
+    "ClientConnectionResetError",
+    "ClientOSError",
+    "ServerConnectionError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "SocketTimeoutError",
+    # The request body upload stopped part way: the engine may have the request.
+    "UploadAbortedError",
+    # The engine answered, so it had the request: a broken body, a malformed status line or
+    # headers, an unexpected content type, a failed upgrade.
+    "ClientPayloadError",
+    "ClientResponseError",
+    "ContentTypeError",
+    "WSServerHandshakeError",
+    # A redirect is an answer (redirects are never followed, but say so if one is).
+    "TooManyRedirects",
+    "RedirectClientError",
+    "InvalidUrlRedirectClientError",
+    "NonHttpUrlRedirectClientError",
 )
 
 
-def _aiohttp_errors() -> tuple[type[BaseException], tuple[type[BaseException], ...]] | None:
+def _aiohttp_table() -> tuple[type[BaseException] | None, dict[type[BaseException], Outcome]]:
     try:
         import aiohttp
+        from aiohttp import client_exceptions
     except ImportError:  # pragma: no cover - aiohttp ships with httpx-aiohttp, a core dependency
-        return None
-    return aiohttp.ClientError, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+        return None, {}
+    table: dict[type[BaseException], Outcome] = {}
+    for names, outcome in (
+        (_AIOHTTP_MAY_HAVE_RUN, Outcome.INDETERMINATE),
+        (_AIOHTTP_NOT_SENT, Outcome.REFUSED),
+    ):
+        for name in names:
+            cls = getattr(client_exceptions, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                table[cls] = outcome
+    return aiohttp.ClientError, table
+
+
+def _build_table() -> tuple[type[BaseException] | None, Mapping[type[BaseException], Outcome]]:
+    aiohttp_base, table = _aiohttp_table()
+    table.update(dict.fromkeys(_HTTPX_MAY_HAVE_RUN, Outcome.INDETERMINATE))
+    table.update(dict.fromkeys(NOT_SENT, Outcome.REFUSED))
+    return aiohttp_base, MappingProxyType(table)
+
+
+_AIOHTTP_ERROR, EXCEPTION_TABLE = _build_table()
+
+#: What a call to an engine may raise for what happened on the wire (everything
+#: :data:`EXCEPTION_TABLE` classifies): httpx's request errors, an invalid URL, and the aiohttp
+#: errors ``httpx_aiohttp`` passes through unmapped (a malformed answer, for one).
+WIRE_ERRORS: tuple[type[BaseException], ...] = (httpx.RequestError, httpx.InvalidURL) + (
+    () if _AIOHTTP_ERROR is None else (_AIOHTTP_ERROR,)
+)
+
+
+def _table_outcome(exc: BaseException) -> Outcome:
+    for cls in type(exc).__mro__:
+        outcome = EXCEPTION_TABLE.get(cls)
+        if outcome is not None:
+            return outcome
+    return Outcome.INDETERMINATE
 
 
 def classify_exception(exc: BaseException) -> Outcome:
@@ -75,20 +196,17 @@ def classify_exception(exc: BaseException) -> Outcome:
 
     httpx-aiohttp maps every ``aiohttp.ClientConnectionError`` to ``httpx.ConnectTimeout``, even a
     server disconnect after the request was written; the httpx type alone would call that
-    "refused". So when an aiohttp error is in the cause chain it decides: only a failure to
-    connect (``ClientConnectorError``, ``ConnectionTimeoutError``) proves nothing was sent.
+    "refused". So when an aiohttp error is in the cause chain, its entry in
+    :data:`EXCEPTION_TABLE` decides; otherwise the entry of ``exc`` itself does.
     """
-    aio = _aiohttp_errors()
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if aio is not None and isinstance(cause, aio[0]):
-            return Outcome.REFUSED if isinstance(cause, aio[1]) else Outcome.INDETERMINATE
+        if _AIOHTTP_ERROR is not None and isinstance(cause, _AIOHTTP_ERROR):
+            return _table_outcome(cause)
         cause = cause.__cause__
-    if isinstance(exc, NOT_SENT):
-        return Outcome.REFUSED
-    return Outcome.INDETERMINATE
+    return _table_outcome(exc)
 
 
 def classify_status(status_code: int) -> Outcome | None:
@@ -101,13 +219,29 @@ def classify_status(status_code: int) -> Outcome | None:
 
 
 def decode_body(response: httpx.Response) -> Any:
-    """The decoded JSON body, else its text, else None for an empty body."""
+    """The decoded JSON body, else its text, else None for an empty body.
+
+    Raises :class:`ReplyTooDeepError` for a JSON body nested deeper than this process can
+    decode: kept as text it would reach the caller as a different value, so the caller
+    classifies it as a failed answer instead.
+    """
     if not response.content:
         return None
     try:
         return response.json()
+    except RecursionError as exc:
+        raise ReplyTooDeepError(response.status_code) from exc
     except ValueError:
         return response.text
+
+
+class ReplyTooDeepError(ValueError):
+    """An engine answered JSON nested deeper than this process can decode (see
+    :func:`decode_body`). ``status`` is the answer's HTTP status."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the HTTP {status} answer nests deeper than this process can decode")
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from agentic_lora.session import Session
 
 if TYPE_CHECKING:
     from agentic_lora.deployment import Deployment
+    from agentic_lora.metrics import Metrics
 
 __all__ = ["PROVENANCE_FIELD", "GenerationRoutes", "error_response"]
 
@@ -74,6 +75,7 @@ class GenerationRoutes:
     """The generation handlers; :class:`~agentic_lora.gateway.app.Gateway` provides the state."""
 
     deployment: Deployment
+    metrics: Metrics | None
     sessions: GatewaySessions
     limits: GatewayLimits
     _models: RequestModels
@@ -203,6 +205,8 @@ class GenerationRoutes:
             "outcome": outcome.value,
             "code": error_code(exc),
         }
+        if self.metrics is not None:
+            self.metrics.observe_refused_request(exc)
         # The code, never the message: messages may quote the Session id (the credential).
         if isinstance(exc, AgenticLoRAError):
             logger.warning("dispatch %s: %s", outcome.value, exc.code, extra=extra)

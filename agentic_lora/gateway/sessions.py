@@ -18,24 +18,15 @@ never binds a known id again. A closed id is a tombstone there and is refused wi
 age, not by count. This process keeps no closed ids at all; its map of live Session objects is a
 cache, so a turn of a Session it already holds costs no registry round trip.
 
-Where a Session closed by *another* replica is noticed here:
-
-* With an in-process registry (:class:`~agentic_lora.registry.local.LocalRegistry`, which replicas
-  in one process share) every turn of a cached Session reads the registry's name table
-  synchronously (no I/O) and refuses it once the name is a tombstone or names another key.
-* Over a remote registry (the Ray actor) a cached Session learns it at its next registry call: an
-  unbound one is refused by ``bind_first``, and a bound one keeps dispatching on its binding until
-  this replica closes or expires it. It never switches version; only a straggler after a close
-  elsewhere may still be served, on the version it was bound to.
+Where a Session closed by *another* replica is noticed here: see
+:mod:`agentic_lora.gateway.closed_elsewhere`.
 
 **Owner lease and restarts.** The gateway binds under its own owner lease (owner
 ``gateway_id``, one incarnation per process, ``on_restart="adopt"``, see
 :mod:`agentic_lora.leases`). A restarted gateway with the same id adopts its predecessor's
-Sessions the moment its lease opens (:meth:`GatewaySessions.start`), and a replica with another id
-adopts one Session by name on its first request for it (``open_named`` moves it to the caller's
-lease). Adopted Sessions whose agent never comes back would hold their version for as long as this
-gateway renews its lease, so they are remembered as *adopted* and closed by the idle expiry like
-any other idle Session.
+Sessions the moment its lease opens (:meth:`GatewaySessions.start`; the bookkeeping is
+:mod:`agentic_lora.gateway.adoption`), and a replica with another id adopts one Session by name on
+its first request for it (``open_named`` moves it to the caller's lease).
 
 **Reused ids.** With ``reuse_closed_ids=True`` a closed id opens a new lifecycle on purpose: a
 ``SESSION_CLOSED`` tombstone is not an error, and the new lifecycle gets a fresh key (an id whose
@@ -57,7 +48,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tenacity import wait_exponential
@@ -74,6 +65,8 @@ from agentic_lora.errors import (
     SessionStateError,
     TooManySessionsError,
 )
+from agentic_lora.gateway.adoption import AdoptedSessions
+from agentic_lora.gateway.closed_elsewhere import closed_elsewhere
 from agentic_lora.gateway.replay import replayed
 from agentic_lora.gateway.security import (
     MAX_SESSION_ID_LENGTH,
@@ -81,13 +74,12 @@ from agentic_lora.gateway.security import (
     SessionTagger,
     caller_of,
 )
-from agentic_lora.leases import LeaseEvent, LeaseEventKind, LeaseKeeper
+from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.api import RegistryAPI, in_process_core
 from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.types import (
     NamedSession,
     ReleaseResult,
-    SessionState,
     new_request_id,
 )
 from agentic_lora.session import Session, SessionPhase, Versioning
@@ -120,11 +112,6 @@ def session_id_from_headers(headers: Mapping[str, str], admin_token: str | None 
     return session_id
 
 
-def _prefix_of(session_key: str) -> str:
-    prefix, sep, _ = session_key.rpartition("#")
-    return prefix if sep and prefix else session_key
-
-
 @dataclass(slots=True)
 class _Cached:
     """A Session object this process holds, and what the registry said about it."""
@@ -132,18 +119,6 @@ class _Cached:
     last_used: float
     #: Opened through its durable name (False: a reused lifecycle, or one the Python API opened).
     named: bool
-
-
-@dataclass(slots=True)
-class _Adopted:
-    """A Session taken over from this gateway's previous incarnation and not used here yet."""
-
-    session_key: str
-    since: float
-    closing: bool = False
-    # One idempotency key per verb: a close retried by the next expiry round replays them.
-    begin_close_id: str = field(default_factory=new_request_id)
-    release_id: str = field(default_factory=new_request_id)
 
 
 class GatewaySessions:
@@ -197,11 +172,18 @@ class GatewaySessions:
         self._core: RegistryCore | None = in_process_core(registry)
         self._cached: dict[str, _Cached] = {}
         # Sessions adopted at a restart, by key prefix: the tag of their id (see SessionTagger).
-        self._adopted: dict[str, _Adopted] = {}
+        self._adopted = AdoptedSessions(
+            registry,
+            versioning,
+            clock=clock,
+            tag=self._tag,
+            attempts=self._attempts,
+            wait=self._wait,
+        )
         self._opening: dict[str, asyncio.Task[Session]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         if lease is not None:
-            lease.add_listener(self._on_lease_event)
+            lease.add_listener(self._adopted.on_lease_event)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -219,19 +201,6 @@ class GatewaySessions:
                 "gateway lease not opened at start; the first request opens it",
                 extra={"owner": self._lease.owner, "error": repr(exc)},
             )
-
-    def _on_lease_event(self, event: LeaseEvent) -> None:
-        if event.kind is not LeaseEventKind.OPENED or not event.adopted:
-            return
-        now = self._clock()
-        held = {s.key for s in self._versioning.live_sessions()}
-        for key in event.adopted:
-            if key not in held:  # held: this process's own (its lease was lost and reopened)
-                self._adopted[_prefix_of(key)] = _Adopted(key, now)
-        logger.info(
-            "gateway adopted its predecessor's Sessions",
-            extra={"lease": event.lease_id, "adopted": len(event.adopted)},
-        )
 
     # --- opening --------------------------------------------------------------------------------
 
@@ -291,33 +260,12 @@ class GatewaySessions:
         cached = self._cached.get(session_id)
         if cached is None:  # opened through the Python API on the same Versioning
             cached = self._cached[session_id] = _Cached(self._clock(), named=False)
-        refusal = self._closed_elsewhere(session_id, session) if cached.named else None
+        refusal = closed_elsewhere(self._core, session_id, session.key) if cached.named else None
         if refusal is not None:
             self._retire(session_id, session)
             raise refusal
         cached.last_used = self._clock()
         return session
-
-    def _closed_elsewhere(self, session_id: str, session: Session) -> AgenticLoRAError | None:
-        """Why the registry no longer holds ``session`` under its name (None: it does)."""
-        core = self._core
-        if core is None:
-            return None  # a remote registry: see the module docstring
-        named = core.named(session_id)
-        if named is not None and named.session_key == session.key:
-            return None
-        status = core.session(session.key)
-        if status is not None and status.state is SessionState.EXPIRED:
-            return SessionExpiredError(
-                f"session {session_id!r} expired; start a new Session with a new id",
-                session=session_id,
-                reason="expired",
-            )
-        return SessionClosedError(
-            f"session {session_id!r} was closed; start a new Session with a new id",
-            session=session_id,
-            reason="closed",
-        )
 
     def _retire(self, session_id: str, session: Session) -> None:
         """Close the local copy of a Session that was closed elsewhere (in the background: its
@@ -366,10 +314,10 @@ class GatewaySessions:
             # By the key's own prefix, not this process's tag of the id: a predecessor with
             # another tag key minted it, and an entry left in _adopted would be reaped as idle
             # while its agent uses it.
-            self._drop_adopted(key)
+            self._adopted.drop(key)
         elif adopted is not None and not adopted.closing:
             # A reused lifecycle this gateway's predecessor held (not under the name).
-            del self._adopted[prefix]
+            self._adopted.remove(prefix)
             key = adopted.session_key
         else:
             key = self._mint(session_id)
@@ -511,17 +459,10 @@ class GatewaySessions:
             if adopted is None or adopted.closing:
                 return None
             # A reused lifecycle adopted at a restart: it is not under the (closed) name.
-            del self._adopted[prefix]
+            self._adopted.remove(prefix)
             return adopted.session_key, False
-        self._drop_adopted(named.session_key)
+        self._adopted.drop(named.session_key)
         return named.session_key, created
-
-    def _drop_adopted(self, session_key: str) -> None:
-        """``session_key`` is held under its name again: no longer an adopted leftover."""
-        prefix = _prefix_of(session_key)
-        adopted = self._adopted.get(prefix)
-        if adopted is not None and adopted.session_key == session_key:
-            del self._adopted[prefix]
 
     async def reap_idle(self, idle_for: float) -> tuple[str, ...]:
         """Close every Session unused for ``idle_for`` seconds with nothing in flight.
@@ -550,52 +491,8 @@ class GatewaySessions:
                 continue
             closed.append(session_id)
         opening = {self._tag(session_id) for session_id in self._opening}
-        for prefix, adopted in list(self._adopted.items()):
-            if now - adopted.since < idle_for or prefix in opening:
-                continue
-            if await self._close_adopted(prefix, adopted):
-                closed.append(prefix)
+        closed.extend(await self._adopted.close_idle(idle_for, now=now, opening=opening))
         return tuple(closed)
-
-    async def _close_adopted(self, prefix: str, adopted: _Adopted) -> bool:
-        # Set before the first await: a request for this id from now on is refused instead of
-        # opening the Session under our feet (see _open_named).
-        adopted.closing = True
-        key = adopted.session_key
-        try:
-            await self._replayed(
-                "begin_close",
-                prefix,
-                lambda: self._registry.begin_close(
-                    request_id=adopted.begin_close_id, session_key=key
-                ),
-            )
-            result = await self._replayed(
-                "release",
-                prefix,
-                lambda: self._registry.release(request_id=adopted.release_id, session_key=key),
-            )
-        except AgenticLoRAError as exc:
-            logger.warning(
-                "idle adopted Session close not confirmed; retried next round",
-                extra={"session": key, "error": exc.code},
-            )
-            return False
-        if self._adopted.get(prefix) is adopted:
-            del self._adopted[prefix]
-        try:
-            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=[key])
-        except Exception as exc:
-            # Only memory: the record is closed; the name stays a tombstone either way.
-            logger.warning(
-                "forget_sessions failed for an adopted Session",
-                extra={"session": key, "error": repr(exc)},
-            )
-        logger.info(
-            "idle adopted Session closed",
-            extra={"session": key, "version": result.version_id, "why": "idle"},
-        )
-        return True
 
 
 def _version_of(session: Session) -> str | None:

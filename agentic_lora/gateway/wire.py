@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentic_lora.errors import (
@@ -34,6 +35,7 @@ from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.resolver import ResolveReport
 
 __all__ = [
+    "JSONABLE_MAX_DEPTH",
     "NDJSON",
     "OUTCOME_HEADER",
     "SHOULD_RETRY_HEADER",
@@ -119,43 +121,82 @@ def should_retry(exc: BaseException) -> bool:
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """``{"error": {"code", "message", "details"}}`` for ``exc``."""
+    """``{"error": {"code", "message", "details"}}`` for ``exc``; always strict JSON (see
+    :func:`jsonable`), whatever an engine's answer put in the details or the message."""
     if isinstance(exc, AgenticLoRAError):
         return {
             "error": {
                 "code": exc.code,
-                "message": exc.message,
+                "message": _text(exc.message),
                 "details": jsonable(exc.details),
             }
         }
     return {
         "error": {
             "code": AgenticLoRAError.code,
-            "message": f"unexpected {type(exc).__name__}: {exc}",
+            "message": _text(f"unexpected {type(exc).__name__}: {_render(str, exc)}"),
             "details": {},
         }
     }
 
 
-def jsonable(value: Any) -> Any:
-    """A JSON-able copy of ``value``: dataclasses as plain dicts, enums as their values.
+#: Containers nested deeper than this in a value given to :func:`jsonable` are summarised. An
+#: error's details may hold an engine's answer verbatim, nested as deep as JSON parsing allowed;
+#: re-encoding that would exhaust the stack while the error answer is being built.
+JSONABLE_MAX_DEPTH = 32
+_CONTAINERS = (Mapping, list, tuple, set, frozenset)
 
-    Anything else that JSON cannot carry becomes its ``repr``, so an error detail can never
-    break the error answer that carries it.
+
+def jsonable(value: Any) -> Any:
+    """A strict-JSON copy of ``value``: dataclasses as plain dicts, enums as their values.
+
+    Anything else that strict JSON cannot carry becomes a string: a non-finite float its
+    ``repr`` (``"nan"``), a string with a lone surrogate its escaped form, a container nested
+    deeper than :data:`JSONABLE_MAX_DEPTH` a short summary, any other object its ``repr``. So an
+    error detail can never break the error answer that carries it.
     """
-    if value is None or isinstance(value, bool | int | float | str):
+    return _jsonable(value, 0)
+
+
+def _jsonable(value: Any, depth: int) -> Any:
+    if value is None or isinstance(value, bool | int):
         return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, str):
+        return _text(value)
     if isinstance(value, enum.Enum):
-        return jsonable(value.value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v) for v in value]
+        return _jsonable(value.value, depth)
     if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return repr(value)
+        return _text(os.fspath(value))
+    record = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    if depth >= JSONABLE_MAX_DEPTH and (record or isinstance(value, _CONTAINERS)):
+        return f"<{type(value).__name__} nested deeper than {JSONABLE_MAX_DEPTH} levels>"
+    if record:
+        return {
+            f.name: _jsonable(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)
+        }
+    if isinstance(value, Mapping):
+        return {_text(str(k)): _jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v, depth + 1) for v in value]
+    return _text(_render(repr, value))
+
+
+def _text(value: str) -> str:
+    # A lone surrogate (JSON's "\ud800" decodes to one) cannot be encoded as UTF-8: escaped.
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode()
+    return value
+
+
+def _render(render: Callable[[object], str], value: object) -> str:
+    try:
+        return render(value)
+    except Exception:  # a broken __repr__, or one that recurses past the stack
+        return f"<{type(value).__name__}>"
 
 
 def status_json(status: RegistryStatus) -> dict[str, Any]:

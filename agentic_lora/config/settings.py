@@ -1,72 +1,27 @@
-"""The framework flag and its settings, validated before anything starts.
+"""The settings model, :class:`AgenticLoRASettings`, and its fail-fast validation.
 
-One settings model, :class:`AgenticLoRASettings` (environment prefix ``AGENTIC_LORA_``, e.g.
-``AGENTIC_LORA_ENGINES='["e0=http://127.0.0.1:30000", "e1=http://127.0.0.1:30001"]'``), and
-:func:`add_arguments`, which adds ``--enable-versioned-lora-publication`` and its
-``--versioned-lora-*`` options to a framework's argparse parser; :func:`from_args` reads them back
-(command line over environment over defaults).
-
-Validation is fail-fast and each failure is a :class:`~agentic_lora.errors.ConfigurationError`
-whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``, ``capacity``,
-``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
-``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in backend for another
-engine kind), ``journal_path``, ``gateway_id``, ``session_name_ttl``, ``resolve_backoff``,
-``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``, ``gateway_limits``, ``settings`` (a value of the wrong type) and, at start-up against live
-engines (:func:`verify_fleet`), ``engine_lora``.
-
-``engine_kind`` says what software the engines run: the name of an installed engine dialect
-(entry-point group ``agentic_lora.engines``, see :mod:`agentic_lora.engines.dialect`), which
-decides how a Session names its adapter: ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
-the ``vllm`` backend (and that backend a vLLM fleet): vLLM's unload does not wait for in-flight
-requests, so its backend waits for the Sessions' own count first
-(:meth:`agentic_lora.deployment.Deployment.from_settings` wires that).
-
-Why the gateway rule is an operator assertion: an SGLang router/gateway in front of the engines
-retries failed requests by default (``--retry-max-retries``, on 408/429/5xx), which could run a
-generation twice. It exposes no endpoint that reports its retry policy (its ``/get_server_info``
-is a worker's), so start-up cannot query it. Set ``gateway_url`` whenever requests pass through
-such a gateway (for instance when an entry of ``engines`` points at it); the operator must then
-assert ``gateway_retries_disabled`` (the gateway runs with ``--disable-retries``), otherwise
-start-up refuses.
+Every rule is checked at construction, and each failure is a
+:class:`~agentic_lora.errors.ConfigurationError` whose ``details["check"]`` names the rule (see
+:mod:`agentic_lora.config` for the list). Only the checks against live engines live elsewhere
+(:mod:`agentic_lora.config.engine_checks`).
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentic_lora.backends import EngineRef
 from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
-from agentic_lora.engines.dialect import (
-    SlotSettings,
-    check_lora_slots,
-    dialect_names,
-    load_dialect,
-)
+from agentic_lora.engines.dialect import check_lora_slots, dialect_names
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import check_lease_timing, check_owner
 
-if TYPE_CHECKING:
-    from agentic_lora.transport import EngineTransport
-
-__all__ = [
-    "BUILTIN_BACKEND_ENGINE_KINDS",
-    "AgenticLoRASettings",
-    "add_arguments",
-    "check_engine_server_info",
-    "from_args",
-    "given_flags",
-    "load_settings",
-    "verify_fleet",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
 
 
 def _parse_engine(value: Any, index: int) -> EngineRef:
@@ -100,7 +55,7 @@ class AgenticLoRASettings(BaseSettings):
     ``--max-loaded-loras`` (must hold every managed version plus one: ``capacity + 1``) and
     ``engine_max_loras_per_batch`` is ``--max-loras-per-batch`` (SGLang keeps one slot unpinned,
     so ``max_loras_per_batch - 1`` must hold ``capacity`` pinned versions). Leave them unset to
-    have :func:`verify_fleet` read them from the engines at start-up.
+    have :func:`~agentic_lora.config.engine_checks.verify_fleet` read them from the engines at start-up.
 
     ``probe_interval`` is how often (seconds) the repairer (:mod:`agentic_lora.repair`) reads
     every engine's incarnation: an engine that restarted is noticed within it (or at once, when
@@ -351,265 +306,6 @@ def _check_gateway_names(gateway_id: str, name_ttl: float) -> None:
             "session_name_ttl",
             f"session_name_ttl {name_ttl} must be a finite number of seconds above 0",
         )
-
-
-def slot_settings(settings: AgenticLoRASettings) -> SlotSettings:
-    """What ``settings`` say about the engines' LoRA slots."""
-    return SlotSettings(
-        settings.capacity, settings.engine_max_loaded_loras, settings.engine_max_loras_per_batch
-    )
-
-
-def check_engine_server_info(
-    settings: AgenticLoRASettings, engine: str, info: Mapping[str, Any]
-) -> None:
-    """Check one engine's server info against the settings (LoRA on, enough slots), the way the
-    settings' engine dialect reads it."""
-    load_dialect(settings.engine_kind).check_server_info(
-        info, engine=engine, slots=slot_settings(settings)
-    )
-
-
-async def verify_fleet(settings: AgenticLoRASettings, transport: EngineTransport) -> None:
-    """Start-up check against the live engines (versioned mode only): LoRA on, enough slots.
-
-    Server info is read and checked by the settings' engine dialect through ``transport``. A
-    dialect whose engines publish none (vLLM, outside its development mode) reads nothing: then
-    the first publication's load and probe prove runtime LoRA on every engine before anything
-    binds to it.
-    """
-    if not settings.enable_versioned_lora_publication:
-        return
-    dialect = load_dialect(settings.engine_kind)
-    slots = slot_settings(settings)
-    for ref in settings.engines:
-        info = await dialect.read_server_info(transport.engine_http(ref.name))
-        if info is None:
-            logger.info(
-                "the engines publish no server info; LoRA support is proven by the first "
-                "publication",
-                extra={"engine_kind": settings.engine_kind},
-            )
-            return
-        dialect.check_server_info(info, engine=ref.name, slots=slots)
-
-
-# --- argparse -----------------------------------------------------------------------------------
-
-_PREFIX = "versioned_lora_"
-
-# (flag, settings field, argparse kwargs); every default is None so only given flags override.
-_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    (
-        "--versioned-lora-engine",
-        "engines",
-        {
-            "action": "append",
-            "metavar": "NAME=URL",
-            "help": "an engine of the fixed fleet (repeat per engine)",
-        },
-    ),
-    (
-        "--versioned-lora-capacity",
-        "capacity",
-        {"type": int, "help": "managed versions held at once (>= 2)"},
-    ),
-    (
-        "--versioned-lora-router",
-        "router",
-        {"help": "router plugin name (entry point in agentic_lora.routers)"},
-    ),
-    (
-        "--versioned-lora-backend",
-        "backend",
-        {"help": "backend plugin name (entry point in agentic_lora.backends)"},
-    ),
-    ("--versioned-lora-journal-path", "journal_path", {"help": "registry journal (SQLite) path"}),
-    (
-        "--versioned-lora-name-prefix",
-        "lora_name_prefix",
-        {"help": "prefix of immutable adapter names"},
-    ),
-    (
-        "--versioned-lora-base-model",
-        "base_model_name",
-        {"help": "served base model name (OpenAI routes)"},
-    ),
-    (
-        "--versioned-lora-deployment-epoch",
-        "deployment_epoch",
-        {"type": int, "help": "deployment epoch"},
-    ),
-    (
-        "--versioned-lora-engine-max-loaded-loras",
-        "engine_max_loaded_loras",
-        {"type": int, "help": "the engines' --max-loaded-loras (>= capacity + 1)"},
-    ),
-    (
-        "--versioned-lora-engine-max-loras-per-batch",
-        "engine_max_loras_per_batch",
-        {"type": int, "help": "the engines' --max-loras-per-batch (>= capacity + 1)"},
-    ),
-    (
-        "--versioned-lora-engine-kind",
-        "engine_kind",
-        {"help": "engine dialect (entry point in agentic_lora.engines): sglang or vllm"},
-    ),
-    (
-        "--versioned-lora-gateway-url",
-        "gateway_url",
-        {"help": "SGLang router/gateway in front of the engines"},
-    ),
-    (
-        "--versioned-lora-gateway-retries-disabled",
-        "gateway_retries_disabled",
-        {"action": "store_true", "help": "assert that the gateway runs with --disable-retries"},
-    ),
-    (
-        "--versioned-lora-gateway-id",
-        "gateway_id",
-        {"help": "this Session gateway's owner id (stable across its restarts; one per replica)"},
-    ),
-    (
-        "--versioned-lora-session-name-ttl",
-        "session_name_ttl",
-        {"type": float, "help": "seconds a closed gateway Session id stays refused"},
-    ),
-    (
-        "--versioned-lora-request-timeout",
-        "request_timeout",
-        {"type": float, "help": "generation timeout (s)"},
-    ),
-    (
-        "--versioned-lora-probe-interval",
-        "probe_interval",
-        {"type": float, "help": "seconds between engine incarnation/health probes (default 2)"},
-    ),
-    (
-        "--versioned-lora-http-transport",
-        "http_transport",
-        {"choices": ["aiohttp", "httpx"], "help": "HTTP transport under httpx"},
-    ),
-    (
-        "--versioned-lora-resolve-backoff-initial",
-        "resolve_backoff_initial",
-        {"type": float, "help": "first wait (s) before retrying a blocked publication's cleanup"},
-    ),
-    (
-        "--versioned-lora-resolve-backoff-max",
-        "resolve_backoff_max",
-        {"type": float, "help": "longest wait (s) between retries of a blocked publication"},
-    ),
-    (
-        "--versioned-lora-lease-ttl",
-        "lease_ttl",
-        {"type": float, "help": "seconds a dead worker's Sessions stay held (default 60)"},
-    ),
-    (
-        "--versioned-lora-lease-renew-interval",
-        "lease_renew_interval",
-        {"type": float, "help": "seconds between lease renewals (default: lease ttl / 3)"},
-    ),
-    (
-        "--versioned-lora-owner-id",
-        "owner_id",
-        {"help": "this worker slot's stable id (default: <hostname>-<pid>, TTL-only recovery)"},
-    ),
-    (
-        "--versioned-lora-max-version-lag",
-        "max_version_lag",
-        {
-            "type": int,
-            "help": "refuse a Session's next dispatch once its version is more than this many "
-            "publications behind the default (default: no bound)",
-        },
-    ),
-    (
-        "--versioned-lora-gateway-max-body-bytes",
-        "gateway_max_body_bytes",
-        {"type": int, "help": "gateway: largest request body (default 4 MiB; 413 beyond)"},
-    ),
-    (
-        "--versioned-lora-gateway-max-json-depth",
-        "gateway_max_json_depth",
-        {"type": int, "help": "gateway: deepest JSON nesting of a body (default 64)"},
-    ),
-    (
-        "--versioned-lora-gateway-max-messages",
-        "gateway_max_messages",
-        {"type": int, "help": "gateway: most chat messages per request (default 1024)"},
-    ),
-    (
-        "--versioned-lora-gateway-max-n",
-        "gateway_max_n",
-        {"type": int, "help": "gateway: largest n (samples per request, default 8)"},
-    ),
-    (
-        "--versioned-lora-gateway-max-tokens",
-        "gateway_max_tokens",
-        {
-            "type": int,
-            "help": "gateway: largest max_tokens / max_new_tokens (default 32768, lowered to the "
-            "engines' context length when they report it)",
-        },
-    ),
-    (
-        "--versioned-lora-gateway-max-sessions",
-        "gateway_max_sessions",
-        {"type": int, "help": "gateway: open Sessions at most (default 2048; 429 beyond)"},
-    ),
-    (
-        "--versioned-lora-gateway-idle-timeout",
-        "gateway_idle_timeout",
-        {
-            "type": float,
-            "help": "gateway: close Sessions idle this many seconds (default 900; 0 off)",
-        },
-    ),
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--enable-versioned-lora-publication`` and its ``--versioned-lora-*`` options."""
-    group = parser.add_argument_group(
-        "versioned LoRA publication",
-        "immutable adapter versions, Session binding at first generation, safe reclaim",
-    )
-    group.add_argument(
-        "--enable-versioned-lora-publication",
-        dest="enable_versioned_lora_publication",
-        action="store_true",
-        default=None,
-        help="publish every adapter update as an immutable version (off: legacy fixed name)",
-    )
-    for flag, field, kwargs in _OPTIONS:
-        opts = dict(kwargs)
-        if opts.get("action") == "store_true":
-            opts["default"] = None
-        else:
-            opts.setdefault("default", None)
-        if field == "engine_kind":
-            opts["choices"] = list(dialect_names())  # the installed dialects, read now
-        group.add_argument(flag, dest=_PREFIX + field, **opts)
-    return parser
-
-
-def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
-    """The settings fields the command line set (flags of :func:`add_arguments`), by field name."""
-    values: dict[str, Any] = {}
-    flag = getattr(namespace, "enable_versioned_lora_publication", None)
-    if flag is not None:
-        values["enable_versioned_lora_publication"] = flag
-    for _, field, _ in _OPTIONS:
-        v = getattr(namespace, _PREFIX + field, None)
-        if v is not None:
-            values[field] = v
-    return values
-
-
-def from_args(namespace: argparse.Namespace, **overrides: Any) -> AgenticLoRASettings:
-    """Settings from parsed arguments: given flags win over ``AGENTIC_LORA_*`` env, then defaults."""
-    return AgenticLoRASettings(**{**given_flags(namespace), **overrides})
 
 
 def load_settings(**values: Any) -> AgenticLoRASettings:

@@ -1,0 +1,155 @@
+"""Session bindings: the rules of a Session's life over the registry's state.
+
+A Session binds once, to the default of the moment, and keeps that binding for its whole life: a
+second ``bind_first`` answers the first binding whatever the default is now. Its binding holds one
+ref on its version; the ref is dropped exactly once, by ``release`` after ``begin_close`` or by its
+owner's lease ending, and a retired version is reclaimable only when no ref is left. A Session that
+was closed or expired can never bind again, so a late bind can never pin a retired version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agentic_lora.errors import (
+    InvalidStateError,
+    NoPublishedVersionError,
+    SessionClosedError,
+    SessionExpiredError,
+    SessionStillBoundError,
+)
+from agentic_lora.registry.durable_names import name_refusal, tombstone
+from agentic_lora.registry.state import RegistryState, SessionRecord, check_time
+from agentic_lora.registry.types import Binding, ReleaseResult, SessionState, SessionStatus
+from agentic_lora.registry.views import session_status
+
+__all__ = [
+    "begin_close",
+    "bind_first",
+    "detach",
+    "expire_session",
+    "forget_sessions",
+    "release",
+]
+
+
+def bind_first(state: RegistryState, session_key: str, lease: str | None = None) -> Binding:
+    s = state._sessions.get(session_key)
+    if s is not None:
+        if s.state is SessionState.BOUND:
+            assert s.binding is not None
+            return s.binding  # the first answer, whatever the default is now
+        raise _refusal(session_key, s.state)
+    name = state._name_of.get(session_key)
+    if name is not None:
+        # A named Session binds under its name's lease (a gateway may have adopted it).
+        rec = state._names[name]
+        if rec.closed_at is not None:
+            raise name_refusal(name, rec)
+        lease = rec.lease
+    owner = state._live_lease(lease) if lease is not None else None
+    if state._default is None:
+        raise NoPublishedVersionError("no version has been published yet", session=session_key)
+    v = state._versions[state._default]
+    v.session_refs += 1
+    binding = Binding(
+        session_key=session_key,
+        version_id=v.version_id,
+        lora_name=v.lora_name,
+        digest=v.digest,
+        default_revision=state._default_revision,
+    )
+    state._sessions[session_key] = SessionRecord(SessionState.BOUND, binding, lease)
+    if owner is not None:
+        owner.sessions.add(session_key)
+    return binding
+
+
+def _refusal(session_key: str, st: SessionState) -> Exception:
+    if st is SessionState.EXPIRED:
+        return SessionExpiredError(
+            f"session {session_key!r} expired with its owner's lease; it can only be closed",
+            session=session_key,
+            state=st.value,
+        )
+    return SessionClosedError(
+        f"session {session_key!r} is {st.value}; it cannot bind",
+        session=session_key,
+        state=st.value,
+    )
+
+
+def begin_close(state: RegistryState, session_key: str, now: float | None = None) -> SessionStatus:
+    # ``now`` dates a named Session's tombstone (its age bounds how long the name stays
+    # refused); without it (a direct core call) the registry's latest time is used.
+    if now is not None:
+        state._tick(check_time(now, "now"))
+    s = state._sessions.get(session_key)
+    if s is None:
+        # Close before bind: keep a record so a late bind is refused.
+        s = state._sessions[session_key] = SessionRecord(SessionState.CLOSING, None)
+    elif s.state is SessionState.BOUND:
+        s.state = SessionState.CLOSING
+    name = state._name_of.get(session_key)
+    if name is not None:
+        # From now on the name can never open a second lifecycle (on any gateway replica).
+        tombstone(state, name, "closed")
+    return session_status(session_key, s)
+
+
+def release(state: RegistryState, session_key: str) -> ReleaseResult:
+    s = state._sessions.get(session_key)
+    if s is None:
+        raise InvalidStateError(
+            f"session {session_key!r} is unknown; begin_close first",
+            session=session_key,
+            reason="unknown_session",
+        )
+    version_id = s.binding.version_id if s.binding is not None else None
+    if s.state in (SessionState.CLOSED, SessionState.EXPIRED):
+        # EXPIRED: the lease expiry already dropped the ref; closing it late changes nothing.
+        return ReleaseResult(session_key, version_id, released_now=False)
+    if s.state is not SessionState.CLOSING:
+        raise InvalidStateError(
+            f"session {session_key!r} is {s.state.value}; begin_close first",
+            session=session_key,
+            state=s.state.value,
+        )
+    s.state = SessionState.CLOSED
+    if version_id is not None:
+        state._versions[version_id].session_refs -= 1
+    detach(state, session_key, s)
+    return ReleaseResult(session_key, version_id, released_now=True)
+
+
+def forget_sessions(state: RegistryState, session_keys: Sequence[str]) -> int:
+    keys = list(session_keys)
+    live = [k for k in keys if (s := state._sessions.get(k)) is not None and s.state.holds_ref]
+    if live:
+        raise SessionStillBoundError(
+            f"{len(live)} session(s) are not released yet", sessions=live[:8]
+        )
+    forgotten = 0
+    for k in keys:
+        if state._sessions.pop(k, None) is not None:
+            forgotten += 1
+    # A named Session's name (and its key mapping) outlives the record: it is a tombstone
+    # kept by age (see sweep), so the name can never open a second lifecycle meanwhile.
+    return forgotten
+
+
+def detach(state: RegistryState, session_key: str, s: SessionRecord) -> None:
+    if s.lease is not None and (lease := state._leases.get(s.lease)) is not None:
+        lease.sessions.discard(session_key)
+
+
+def expire_session(state: RegistryState, session_key: str) -> bool:
+    """Drop a Session's ref because its lease ended; True if it held one."""
+    s = state._sessions.get(session_key)
+    if s is None or not s.state.holds_ref:
+        return False
+    if s.binding is not None:
+        state._versions[s.binding.version_id].session_refs -= 1
+    s.state = SessionState.EXPIRED
+    detach(state, session_key, s)
+    return True

@@ -1,0 +1,116 @@
+"""The registry's snapshot for journal compaction: its whole state as JSON-able data and back.
+
+The image includes the remembered results of recent calls (the idempotency window), so a registry
+rebuilt from a snapshot plus the journal's later rows answers a replayed call exactly as the live
+one would have. Sets are written sorted so the same state always gives the same image.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from agentic_lora.registry.state import (
+    LeaseRecord,
+    NameRecord,
+    RegistryState,
+    SessionRecord,
+    VersionRecord,
+)
+from agentic_lora.registry.types import SessionState, VersionState, from_wire, to_wire
+
+__all__ = ["dump_state", "load_state"]
+
+
+def dump_state(state: RegistryState) -> dict[str, Any]:
+    """A JSON-able image of everything, including remembered results of recent calls."""
+    return {
+        "seq": state.seq,
+        "default": state._default,
+        "default_revision": state._default_revision,
+        "pending": state._pending,
+        "incarnations": state._incarnations,
+        "versions": [
+            {
+                "version_id": v.version_id,
+                "digest": v.digest,
+                "lora_name": v.lora_name,
+                "state": v.state.value,
+                "attempt": v.attempt,
+                "ready": [to_wire(r) for r in v.ready.values()],
+                "cleaned": sorted(v.cleaned),
+                "reclaim_id": v.reclaim_id,
+                "reclaimed": sorted(v.reclaimed),
+                "session_refs": v.session_refs,
+                "commit_receipt": to_wire(v.commit_receipt),
+            }
+            for v in state._versions.values()
+        ],
+        "sessions": [
+            [k, s.state.value, to_wire(s.binding), s.lease] for k, s in state._sessions.items()
+        ],
+        "now": state._now,
+        "leases": [
+            [
+                lease.owner,
+                lease.incarnation,
+                lease.ttl,
+                lease.expires_at,
+                sorted(lease.sessions),
+                sorted(lease.names),
+            ]
+            for lease in state._leases.values()
+        ],
+        "owners": state._owners,
+        "dead_leases": [[k, why] for k, why in state._dead_leases.items()],
+        "names": [
+            [n, rec.session_key, rec.lease, rec.closed_at, rec.why]
+            for n, rec in state._names.items()
+        ],
+        "done": state._done.to_state(),
+    }
+
+
+def load_state(state: RegistryState, image: dict[str, Any]) -> None:
+    """Inverse of :func:`dump_state` (on a fresh state with the same fleet and capacity)."""
+    state.seq = int(image["seq"])
+    state._default = image["default"]
+    state._default_revision = int(image["default_revision"])
+    state._pending = image["pending"]
+    state._incarnations = dict(image["incarnations"])
+    state._versions = {}
+    for raw in image["versions"]:
+        v = VersionRecord(raw["version_id"], raw["digest"], raw["lora_name"])
+        v.state = VersionState(raw["state"])
+        v.attempt = int(raw["attempt"])
+        for r in raw["ready"]:
+            receipt = from_wire(r)
+            v.ready[receipt.engine] = receipt
+        v.cleaned = set(raw["cleaned"])
+        v.reclaim_id = raw["reclaim_id"]
+        v.reclaimed = set(raw["reclaimed"])
+        v.session_refs = int(raw["session_refs"])
+        v.commit_receipt = from_wire(raw["commit_receipt"])
+        state._versions[v.version_id] = v
+    state._sessions = {
+        k: SessionRecord(SessionState(st), from_wire(b), lease)
+        for k, st, b, lease in image["sessions"]
+    }
+    state._now = float(image["now"])
+    state._leases = {}
+    for owner, incarnation, ttl, expires_at, sessions, names in image["leases"]:
+        lease = LeaseRecord(owner, incarnation, float(ttl), float(expires_at))
+        lease.sessions = set(sessions)
+        lease.names = set(names)
+        state._leases[lease.lease_id] = lease
+    state._owners = dict(image["owners"])
+    state._dead_leases = OrderedDict((k, why) for k, why in image["dead_leases"])
+    state._names = {}
+    state._name_of = {}
+    for n, key, lease_id, closed_at, why in image["names"]:
+        rec = NameRecord(key, lease_id)
+        rec.closed_at = closed_at
+        rec.why = why
+        state._names[n] = rec
+        state._name_of[key] = n
+    state._done.load_state(image["done"])

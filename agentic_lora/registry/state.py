@@ -1,0 +1,249 @@
+"""The registry's in-memory state and the lookups every rule of the core shares.
+
+:class:`RegistryState` holds everything the registry knows: the fleet, the versions, the default,
+Sessions, owner leases, durable names, engine incarnations, the registry clock and the idempotency
+window. :class:`~agentic_lora.registry.core.RegistryCore` is a ``RegistryState`` with the verbs;
+the rule modules beside it (:mod:`~agentic_lora.registry.session_lifecycle`,
+:mod:`~agentic_lora.registry.owner_leases`, :mod:`~agentic_lora.registry.durable_names`,
+:mod:`~agentic_lora.registry.engine_incarnations`, :mod:`~agentic_lora.registry.views`,
+:mod:`~agentic_lora.registry.snapshot`) are functions over it, each run inside one of the core's
+atomic steps.
+Like the core, nothing here does I/O, reads a clock or draws randomness, so a journal replays it
+exactly. The records are mutable bookkeeping only the registry's own modules touch; everything
+handed out is a frozen value of :mod:`~agentic_lora.registry.types`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from agentic_lora.errors import (
+    InvalidStateError,
+    LeaseExpiredError,
+    StaleAttemptError,
+    UnknownEngineError,
+    UnknownVersionError,
+)
+from agentic_lora.identity import make_lora_name
+from agentic_lora.registry.idempotency import IdempotencyWindow
+from agentic_lora.registry.transitions import VersionEvent, advance
+from agentic_lora.registry.types import (
+    Binding,
+    CommitReceipt,
+    ReadyReceipt,
+    SessionState,
+    VersionState,
+)
+
+__all__ = [
+    "LeaseRecord",
+    "NameRecord",
+    "RegistryState",
+    "SessionRecord",
+    "VersionRecord",
+    "check_time",
+    "check_token",
+    "lease_id",
+]
+
+_MAX_NAME = 256
+
+
+class VersionRecord:
+    """Mutable bookkeeping of one version; only the registry's own modules touch it."""
+
+    __slots__ = (
+        "attempt",
+        "cleaned",
+        "commit_receipt",
+        "digest",
+        "lora_name",
+        "ready",
+        "reclaim_id",
+        "reclaimed",
+        "session_refs",
+        "state",
+        "version_id",
+    )
+
+    def __init__(self, version_id: str, digest: str, lora_name: str) -> None:
+        self.version_id = version_id
+        self.digest = digest
+        self.lora_name = lora_name
+        self.state = VersionState.LOADING
+        self.attempt = 1
+        self.ready: dict[str, ReadyReceipt] = {}
+        self.cleaned: set[str] = set()
+        self.reclaim_id: str | None = None
+        self.reclaimed: set[str] = set()
+        self.session_refs = 0
+        self.commit_receipt: CommitReceipt | None = None
+
+
+class SessionRecord:
+    __slots__ = ("binding", "lease", "state")
+
+    def __init__(
+        self, state: SessionState, binding: Binding | None, lease: str | None = None
+    ) -> None:
+        self.state = state
+        self.binding = binding
+        self.lease = lease
+
+
+class LeaseRecord:
+    """One owner incarnation's lease and what hangs on it."""
+
+    __slots__ = ("expires_at", "incarnation", "lease_id", "names", "owner", "sessions", "ttl")
+
+    def __init__(self, owner: str, incarnation: str, ttl: float, expires_at: float) -> None:
+        self.lease_id = lease_id(owner, incarnation)
+        self.owner = owner
+        self.incarnation = incarnation
+        self.ttl = ttl
+        self.expires_at = expires_at
+        self.sessions: set[str] = set()
+        self.names: set[str] = set()
+
+
+class NameRecord:
+    """A client-chosen Session name; ``closed_at`` set makes it a tombstone (kept by age)."""
+
+    __slots__ = ("closed_at", "lease", "session_key", "why")
+
+    def __init__(self, session_key: str, lease: str | None) -> None:
+        self.session_key = session_key
+        self.lease = lease
+        self.closed_at: float | None = None
+        self.why: str | None = None
+
+
+def lease_id(owner: str, incarnation: str) -> str:
+    return f"{owner}/{incarnation}"
+
+
+def check_token(value: object, what: str) -> str:
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > _MAX_NAME
+        or not value.isprintable()
+        or any(c.isspace() for c in value)
+    ):
+        raise InvalidStateError(
+            f"{what} must be a printable string of 1-{_MAX_NAME} characters without whitespace",
+            reason=f"bad_{what}",
+        )
+    return value
+
+
+def check_time(value: object, what: str, *, positive: bool = False) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        raise InvalidStateError(
+            f"{what} must be a finite number{' above 0' if positive else ''}", reason=f"bad_{what}"
+        )
+    return float(value)
+
+
+class RegistryState:
+    """The registry's state and shared lookups (see module docstring).
+
+    ``capacity`` counts versions that hold an engine slot: LOADING, PUBLISHED, RETIRED,
+    RECLAIMING, and ABORTED until every engine confirmed its cleanup.
+    """
+
+    def __init__(
+        self,
+        *,
+        engines: Sequence[str],
+        capacity: int,
+        deployment_epoch: int = 0,
+        prefix: str = "policy_lora",
+        idempotency_window: int = 16384,
+    ) -> None:
+        if not engines:
+            raise ValueError("the fleet needs at least one engine")
+        if len(set(engines)) != len(engines):
+            raise ValueError(f"duplicate engine names in {list(engines)}")
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.engines: tuple[str, ...] = tuple(engines)
+        self.capacity = capacity
+        self.deployment_epoch = deployment_epoch
+        self.prefix = prefix
+        make_lora_name(prefix, deployment_epoch, "probe", "0" * 64)  # validates the prefix early
+        self._versions: dict[str, VersionRecord] = {}
+        self._sessions: dict[str, SessionRecord] = {}
+        self._default: str | None = None
+        self._default_revision = 0
+        self._pending: str | None = None
+        self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
+        self._leases: dict[str, LeaseRecord] = {}  # live leases by id
+        self._owners: dict[str, str] = {}  # owner -> its current lease id
+        self._dead_leases: OrderedDict[str, str] = OrderedDict()  # lease id -> why it ended
+        self._names: dict[str, NameRecord] = {}
+        self._name_of: dict[str, str] = {}  # session key -> name
+        # The latest ``now`` any timed verb brought: the time of untimed transitions (a close
+        # tombstones a name at this time). Never goes backwards.
+        self._now = 0.0
+        self._done = IdempotencyWindow(idempotency_window)
+        #: Number of state-changing calls applied so far (the journal's sequence number).
+        self.seq = 0
+
+    def _version(self, version_id: str) -> VersionRecord:
+        v = self._versions.get(version_id)
+        if v is None:
+            raise UnknownVersionError(f"no version {version_id!r}", version=version_id)
+        return v
+
+    def _engine(self, engine: str) -> None:
+        if engine not in self._incarnations:
+            raise UnknownEngineError(
+                f"engine {engine!r} is not in the fleet {list(self.engines)}", engine=engine
+            )
+
+    def _slots_in_use(self) -> int:
+        return sum(1 for v in self._versions.values() if v.state.holds_slot)
+
+    def _attempt(self, v: VersionRecord, attempt: int) -> None:
+        if attempt != v.attempt:
+            raise StaleAttemptError(
+                f"attempt {attempt} of {v.version_id!r} is superseded by attempt {v.attempt}",
+                version=v.version_id,
+                attempt=attempt,
+                current_attempt=v.attempt,
+            )
+
+    def _live_lease(self, lease_id: str) -> LeaseRecord:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            why = self._dead_leases.get(lease_id, "unknown")
+            raise LeaseExpiredError(
+                f"lease {lease_id!r} is not live ({why})", lease=lease_id, reason=why
+            )
+        return lease
+
+    def _tick(self, now: float) -> None:
+        # Called only once the verb can no longer be refused: a refused call is not journaled, so
+        # if it moved the clock, a replay would tombstone names at another time than the live run.
+        self._now = max(self._now, now)
+
+    def _cleaned(self, v: VersionRecord, engine: str) -> None:
+        v.cleaned.add(engine)
+        if len(v.cleaned) == len(self.engines):
+            # Only now is it proven that no engine holds the candidate: free the slot.
+            v.state = advance(v.version_id, v.state, VersionEvent.ALL_CLEANED)
+            if self._pending == v.version_id:
+                self._pending = None
+
+    def _reclaimed(self, v: VersionRecord, engine: str) -> None:
+        v.reclaimed.add(engine)
+        if len(v.reclaimed) == len(self.engines):
+            v.state = advance(v.version_id, v.state, VersionEvent.ALL_RECLAIMED)

@@ -1,0 +1,123 @@
+"""Frozen views of the registry's state: what its verbs and reads hand out.
+
+Each function copies a record of :mod:`~agentic_lora.registry.state` into an immutable value of
+:mod:`~agentic_lora.registry.types`, so no caller can reach the core's mutable bookkeeping. Engine
+lists are always in fleet order, whatever order the engines reported in, so the same state always
+gives the same view.
+"""
+
+from __future__ import annotations
+
+from agentic_lora.registry.state import LeaseRecord, RegistryState, SessionRecord, VersionRecord
+from agentic_lora.registry.types import (
+    EngineStatus,
+    LeaseGrant,
+    LeaseStatus,
+    ReclaimClaim,
+    RegistryStatus,
+    Reservation,
+    ReserveOutcome,
+    SessionStatus,
+    VersionStatus,
+)
+
+__all__ = [
+    "lease_grant",
+    "lease_status",
+    "reclaim_claim",
+    "registry_status",
+    "reservation",
+    "session_status",
+    "version_status",
+]
+
+
+def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
+    engines = state.engines
+    return VersionStatus(
+        version_id=v.version_id,
+        digest=v.digest,
+        lora_name=v.lora_name,
+        state=v.state,
+        attempt=v.attempt,
+        session_refs=v.session_refs,
+        ready_engines=tuple(e for e in engines if e in v.ready),
+        cleaned_engines=tuple(e for e in engines if e in v.cleaned),
+        reclaim_id=v.reclaim_id,
+        reclaimed_engines=tuple(e for e in engines if e in v.reclaimed),
+        published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
+    )
+
+
+def reservation(state: RegistryState, v: VersionRecord, outcome: ReserveOutcome) -> Reservation:
+    return Reservation(
+        version_id=v.version_id,
+        digest=v.digest,
+        lora_name=v.lora_name,
+        attempt=v.attempt,
+        outcome=outcome,
+        state=v.state,
+        engines=state.engines,
+    )
+
+
+def reclaim_claim(state: RegistryState, v: VersionRecord) -> ReclaimClaim:
+    assert v.reclaim_id is not None
+    return ReclaimClaim(
+        version_id=v.version_id,
+        lora_name=v.lora_name,
+        reclaim_id=v.reclaim_id,
+        engines=state.engines,
+        confirmed=tuple(e for e in state.engines if e in v.reclaimed),
+    )
+
+
+def session_status(session_key: str, s: SessionRecord) -> SessionStatus:
+    return SessionStatus(
+        session_key,
+        s.state,
+        s.binding.version_id if s.binding is not None else None,
+        s.lease,
+    )
+
+
+def lease_status(lease: LeaseRecord) -> LeaseStatus:
+    return LeaseStatus(
+        lease_id=lease.lease_id,
+        owner=lease.owner,
+        incarnation=lease.incarnation,
+        ttl=lease.ttl,
+        expires_at=lease.expires_at,
+        sessions=len(lease.sessions),
+        names=len(lease.names),
+    )
+
+
+def lease_grant(
+    lease: LeaseRecord, released: tuple[str, ...] = (), adopted: tuple[str, ...] = ()
+) -> LeaseGrant:
+    return LeaseGrant(
+        lease_id=lease.lease_id,
+        owner=lease.owner,
+        incarnation=lease.incarnation,
+        ttl=lease.ttl,
+        expires_at=lease.expires_at,
+        released=released,
+        adopted=adopted,
+    )
+
+
+def registry_status(state: RegistryState) -> RegistryStatus:
+    return RegistryStatus(
+        deployment_epoch=state.deployment_epoch,
+        capacity=state.capacity,
+        engines=tuple(EngineStatus(e, state._incarnations[e]) for e in state.engines),
+        default_version=state._default,
+        default_revision=state._default_revision,
+        slots_in_use=state._slots_in_use(),
+        pending_version=state._pending,
+        versions=tuple(version_status(state, v) for v in state._versions.values()),
+        live_sessions=sum(1 for s in state._sessions.values() if s.state.holds_ref),
+        leases=tuple(lease_status(lease) for lease in state._leases.values()),
+        named_sessions=sum(1 for rec in state._names.values() if rec.closed_at is None),
+    )
