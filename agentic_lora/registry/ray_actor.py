@@ -183,7 +183,12 @@ class RayRegistryClient(RegistryAPI):
         self, *, request_id: str, session_key: str, lease: str | None = None
     ) -> Binding:
         r = await super().bind_first(request_id=request_id, session_key=session_key, lease=lease)
-        if r.version_id not in self._versions:
+        cached = self._versions.get(r.version_id)
+        # A bind only ever lands on a committed version, but the cache may hold what an earlier
+        # read saw while it was still LOADING (a refresh during its publication): the dispatch
+        # guard would then refuse the new Session's first request as VERSION_NOT_DISPATCHABLE
+        # until the next periodic refresh. Read it again unless the cache already agrees.
+        if cached is None or not cached.state.dispatchable:
             await self.fetch_version(r.version_id)
         return r
 

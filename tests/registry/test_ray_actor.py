@@ -18,7 +18,7 @@ from agentic_lora.errors import CapacityError, NoPublishedVersionError, SessionC
 from agentic_lora.leases import LeaseKeeper  # noqa: E402
 from agentic_lora.registry.ray_actor import RayRegistryClient, connect  # noqa: E402
 from agentic_lora.registry.types import new_request_id  # noqa: E402
-from agentic_lora.testing.publish import publish_by_verbs  # noqa: E402
+from agentic_lora.testing.publish import commit_staged, publish_by_verbs, stage  # noqa: E402
 
 from .util import E0, E1, digest_of  # noqa: E402
 
@@ -76,6 +76,28 @@ async def test_clients_share_one_named_writer_and_errors_stay_typed(
     assert isinstance(many[50], SessionClosedError)
     assert (await a.version("B")).session_refs == 50
     ray.kill(a.actor, no_restart=True)
+
+
+async def test_a_bind_refreshes_a_version_the_cache_saw_while_it_was_loading(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    trainer = _client("loading-cache", None)
+    worker = _client("loading-cache", None)
+    await _publish(trainer, "A")
+    staged = await stage(trainer, "B", (E0, E1))
+    await worker.refresh()  # a periodic refresh during B's publication
+    loading = worker.peek_version("B")
+    assert loading is not None
+    assert loading.state.value == "LOADING"
+    await commit_staged(trainer, staged)
+    binding = await worker.bind_first(request_id=new_request_id(), session_key="s-new")
+    assert binding.version_id == "B"
+    # The dispatch guard reads this cache: it must not refuse the new Session's first request.
+    cached = worker.peek_version("B")
+    assert cached is not None
+    assert cached.state.dispatchable
+    assert cached.ready_engines == (E0, E1)
+    ray.kill(trainer.actor, no_restart=True)
 
 
 async def test_a_killed_actor_restarts_from_its_journal(ray_cluster: None, tmp_path: Path) -> None:
