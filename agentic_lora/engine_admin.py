@@ -51,6 +51,7 @@ from agentic_lora.engines.wire import (
     classify_exception,
     classify_status,
     decode_body,
+    error_detail,
     make_engine_client,
 )
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
@@ -335,7 +336,7 @@ class EngineAdminClient(AdminHttpClient):
             lora_name=lora_name,
         )
         if "error" in body:
-            raise self._refused(op, _error_message(body), lora_name=lora_name)
+            raise self._refused(op, error_detail(body), lora_name=lora_name)
         meta = body.get("meta_info")
         if not isinstance(meta, dict):
             raise self._ambiguous(op, "generation answer has no meta_info", lora_name=lora_name)
@@ -390,7 +391,7 @@ class EngineAdminClient(AdminHttpClient):
             body = None
         if status >= 500:
             raise self._ambiguous(
-                op, f"HTTP {status}: {_error_message(body)}", lora_name=lora_name, status=status
+                op, f"HTTP {status}: {error_detail(body)}", lora_name=lora_name, status=status
             )
         if not isinstance(body, dict):
             if status >= 400:
@@ -401,7 +402,7 @@ class EngineAdminClient(AdminHttpClient):
             )
         if status >= 400 and "success" not in body:
             raise self._refused(
-                op, f"HTTP {status}: {_error_message(body)}", lora_name=lora_name, status=status
+                op, f"HTTP {status}: {error_detail(body)}", lora_name=lora_name, status=status
             )
         return body
 
@@ -420,16 +421,3 @@ def _loaded_adapters(body: Mapping[str, Any]) -> dict[str, str] | None:
         else:
             out[str(name)] = str(value)
     return out
-
-
-def _error_message(body: Any) -> str:
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        for key in ("error_message", "message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return "no detail"

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentic_lora.engines.dialect import DialectBase, SlotSettings, check_lora_slots
-from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome, classify_status
+from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome, classify_status, error_detail
 from agentic_lora.errors import AdapterMismatchError, ConfigurationError
 from agentic_lora.requests import Route
 
@@ -55,19 +55,6 @@ def server_fingerprint(info: Mapping[str, Any]) -> str:
     picked = {name: info.get(name) for name in FINGERPRINT_FIELDS}
     canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def _error_detail(body: Any) -> str:
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        if isinstance(error, Mapping) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        for key in ("error_message", "message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return "no detail"
 
 
 class SGLangDialect(DialectBase):
@@ -142,7 +129,7 @@ class SGLangDialect(DialectBase):
             raise http.failure(
                 outcome,
                 op,
-                f"HTTP {answer.status}: {_error_detail(answer.body)}",
+                f"HTTP {answer.status}: {error_detail(answer.body)}",
                 status=answer.status,
             )
         if not isinstance(answer.body, Mapping):

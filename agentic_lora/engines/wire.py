@@ -45,6 +45,7 @@ __all__ = [
     "classify_exception",
     "classify_status",
     "decode_body",
+    "error_detail",
     "make_engine_client",
 ]
 
@@ -302,3 +303,17 @@ def make_engine_client(
         transport=transport, timeout=timeout, follow_redirects=False, trust_env=False
     )
     return client, kind
+
+
+def error_detail(body: Any) -> str:
+    """The message of an engine's error body (SGLang and OpenAI shapes), or "no detail"."""
+    if isinstance(body, Mapping):
+        error = body.get("error")
+        if isinstance(error, Mapping) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("error_message", "message", "detail"):
+            if body.get(key):
+                return str(body[key])
+    return "no detail"

@@ -13,6 +13,7 @@ Everything is deterministic: no clocks, no randomness, no sleeps.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import enum
 import json
@@ -71,7 +72,7 @@ Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 
 @dataclass
-class ScriptedEngine(Generic[OpT, AdapterT]):
+class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     """One fake engine at ``base_url``; subclasses give the routes and the failure bodies."""
 
     name: str
@@ -98,13 +99,13 @@ class ScriptedEngine(Generic[OpT, AdapterT]):
 
     # --- what a subclass provides -------------------------------------------------------------
 
+    @abc.abstractmethod
     def routes(self) -> list[tuple[str, str, Handler]]:
         """``(method, path, handler)`` of every endpoint this engine serves."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
         """The answer to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the engine's words."""
-        raise NotImplementedError
 
     def base_model_root(self) -> str:
         """The ``root`` of the base model's card on ``/v1/models``."""
