@@ -862,12 +862,28 @@ def _line(a: dict[str, Any]) -> str:
     return f"{a['session_id']} {a['outcome']} {a['error_code']} on {a['engine']}"
 
 
-def _lease_of(worker: Any, incarnation: str) -> str:
-    """The registry lease id of a worker incarnation (its keeper's OPENED event)."""
-    for e in worker.events():
-        if e["kind"] == "lease" and e["event"] == "OPENED" and e["incarnation"] == incarnation:
-            return str(e["lease_id"])
-    raise AssertionError(f"worker {worker.owner} incarnation {incarnation} opened no lease")
+def _opened(worker: Any, incarnation: str) -> dict[str, Any] | None:
+    """The keeper's OPENED event of a worker incarnation, once the worker has written it."""
+    return next(
+        (
+            e
+            for e in worker.events()
+            if e["kind"] == "lease" and e["event"] == "OPENED" and e["incarnation"] == incarnation
+        ),
+        None,
+    )
+
+
+async def _lease_opened(worker: Any, incarnation: str) -> dict[str, Any]:
+    # The worker writes OPENED after the registry call returns: the registry (and so this
+    # process, through status) can see the new lease, and its predecessor's end, first.
+    async def probe() -> dict[str, Any] | None:
+        return _opened(worker, incarnation)
+
+    found: dict[str, Any] = await eventually(
+        probe, what=f"worker {worker.owner} incarnation {incarnation} opened its lease"
+    )
+    return found
 
 
 async def _worker_fault(
@@ -880,7 +896,7 @@ async def _worker_fault(
 ) -> None:
     """Kill the victim and let its lease expire; restart it; kill it under a long lease and
     restart it at once. Fills ``report`` (times from the first kill)."""
-    lease = _lease_of(victim, first["incarnation"])
+    lease = str((await _lease_opened(victim, first["incarnation"]))["lease_id"])
     # The versions the victim's Sessions were bound to when it died.
     pinned = {a["lora_name"] for a in victim.attempts(first["incarnation"]) if a["lora_name"]}
     fault_at = now()
@@ -931,7 +947,7 @@ async def _worker_fault(
     await nth_generation(
         traffic, 3, since=mark, tag_prefix=f"{victim.owner}.{second['incarnation']}"
     )
-    long_lease = _lease_of(victim, second["incarnation"])
+    long_lease = str((await _lease_opened(victim, second["incarnation"]))["lease_id"])
     killed_again = now()
     await victim.kill()
     restart_at = now()
@@ -945,13 +961,7 @@ async def _worker_fault(
     third = await starting
     report.back_s = round(now() - killed_again, 3)
     report.times["restart_releases_s"] = round(ended - restart_at, 3)
-    opened = next(
-        e["at"]
-        for e in victim.events()
-        if e["kind"] == "lease"
-        and e["event"] == "OPENED"
-        and e["incarnation"] == third["incarnation"]
-    )
+    opened = (await _lease_opened(victim, third["incarnation"]))["at"]
     report.times["restart_lease_opened_s"] = round(opened - restart_at, 3)
     again = await eventually(
         lambda: _first_ok(victim, third["incarnation"]),
