@@ -22,9 +22,17 @@ says when the physical unload may *happen* (the backend's unload waits for it).
   retried by a later round; a retry after a lost receipt finds the name absent, which confirms it
   without a second physical unload.
 
-:meth:`Reclaimer.reclaim_once` runs one round on demand. :meth:`Reclaimer.start` runs rounds in the
-background, each woken by :meth:`Reclaimer.poke` (after a commit, after a Session release) and, if
-``retry_interval`` is set, again after that long while some reclaim is unconfirmed.
+:meth:`Reclaimer.reclaim_once` runs one round on demand, over every eligible version.
+:meth:`Reclaimer.start` runs rounds in the background, each woken by :meth:`Reclaimer.poke` (after a
+commit, after a Session release) or by a version's retry falling due:
+
+* A version whose last round left an engine unconfirmed is retried after a backoff (1 s, 2 s,
+  4 s ... 30 s by default), not on the next poke. Under agent load a Session release pokes many
+  times a second; without the backoff every one of them sent another unload to an engine that is
+  down (and logged it), for as long as the engine stayed down. A poke still reclaims a version
+  that became eligible since at once. An engine that comes back as a new process confirms the
+  unload by its restart (the registry counts it), so the backoff never delays a freed slot past
+  the next round.
 """
 
 from __future__ import annotations
@@ -37,7 +45,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tenacity.wait import wait_base
+
 from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.backoff import backoff as default_backoff
+from agentic_lora.backoff import delay_after
 from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
 from agentic_lora.fleet import fixed_fleet
 from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
@@ -97,7 +109,7 @@ class Reclaimer:
         *,
         registry_retry: RegistryRetry | None = None,
         on_progress: Callable[[PhaseEvent], None] | None = None,
-        retry_interval: float | None = None,
+        backoff: wait_base | None = None,
         clock: Callable[[], float] = time.perf_counter,
         version_locks: VersionLocks | None = None,
     ) -> None:
@@ -106,7 +118,8 @@ class Reclaimer:
         self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
         self.retry = registry_retry or RegistryRetry()
         self.on_progress = on_progress
-        self.retry_interval = retry_interval
+        #: Wait before the background loop retries a version left unconfirmed (per version).
+        self.backoff = backoff if backoff is not None else default_backoff()
         #: Shared with the Repairer: a claim never overlaps a repair of the same version.
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
         self._clock = clock
@@ -117,11 +130,16 @@ class Reclaimer:
         self._loop_task: asyncio.Task[None] | None = None
         #: Rounds the background loop has finished (for observers and tests).
         self.rounds = 0
+        # version -> (unconfirmed rounds in a row, clock() before which the loop does not retry)
+        self._retry_at: dict[str, tuple[int, float]] = {}
 
     # --- on demand ---------------------------------------------------------------------------
 
     async def reclaim_once(self) -> ReclaimReport:
         """Reclaim every RETIRED version without Session refs, and resume RECLAIMING ones."""
+        return await self._round(due_only=False)
+
+    async def _round(self, *, due_only: bool) -> ReclaimReport:
         status = await self.registry.status()
         eligible = [
             v.version_id
@@ -129,10 +147,29 @@ class Reclaimer:
             if v.state is VersionState.RECLAIMING
             or (v.state is VersionState.RETIRED and v.session_refs == 0)
         ]
+        for gone in set(self._retry_at) - set(eligible):
+            del self._retry_at[gone]  # reclaimed (by a restart, another process) or bound again
+        if due_only:
+            now = self._clock()
+            eligible = [v for v in eligible if self._retry_at.get(v, (0, now))[1] <= now]
         if not eligible:
             return ReclaimReport()
         results = await asyncio.gather(*(self.reclaim_version(v) for v in eligible))
+        for result in results:
+            if result.outcome is ReclaimOutcome.PENDING:
+                failures = self._retry_at.get(result.version_id, (0, 0.0))[0] + 1
+                delay = delay_after(self.backoff, failures)
+                self._retry_at[result.version_id] = (failures, self._clock() + delay)
+            else:
+                self._retry_at.pop(result.version_id, None)
         return ReclaimReport(tuple(results))
+
+    @property
+    def retry_in(self) -> float | None:
+        """Seconds until the background loop retries the earliest version left unconfirmed."""
+        if not self._retry_at:
+            return None
+        return max(0.0, min(at for _, at in self._retry_at.values()) - self._clock())
 
     async def reclaim_version(self, version_id: str) -> ReclaimResult:
         """Reclaim one version (joins a reclaim of it already running in this process)."""
@@ -167,7 +204,8 @@ class Reclaimer:
                 await inflight
 
     async def settled(self) -> None:
-        """Return once no poke is pending and no background round is running."""
+        """Return once no poke is pending and no background round is running (a backoff wait in
+        progress counts as settled: :attr:`retry_in` says how long it is)."""
         async with self._idle:
             await self._idle.wait_for(lambda: not self._wake.is_set() and not self._busy)
 
@@ -179,23 +217,26 @@ class Reclaimer:
         await self.stop()
 
     async def _run(self) -> None:
-        pending = False
+        failed_rounds = 0
         while True:
-            if pending and self.retry_interval is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.retry_interval)
-            else:
+            # After a round that failed outright (the registry unreachable), back off as well:
+            # a version overdue for its retry must not turn the loop into a busy one.
+            retry_in = delay_after(self.backoff, failed_rounds) if failed_rounds else self.retry_in
+            if retry_in is None:
                 await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), retry_in)
             async with self._idle:
                 # Cleared before the round: a poke during it triggers another round.
                 self._wake.clear()
                 self._busy = True
             try:
-                report = await self.reclaim_once()
-                pending = bool(report.pending)
+                await self._round(due_only=True)
+                failed_rounds = 0
             except Exception:
                 logger.exception("reclaim round failed")
-                pending = True
+                failed_rounds += 1
             finally:
                 async with self._idle:
                     self._busy = False

@@ -32,6 +32,16 @@ C = tiny_snapshot(3)
 FAST = RegistryRetry(attempts=3, wait=wait_none())
 
 
+class SteppedClock:
+    """The reclaimer's clock, moved only by the test (backoff deadlines never pass by themselves)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class World:
     fleet: ScriptedFleet
@@ -39,6 +49,7 @@ class World:
     backend: HttpPushBackend
     publisher: Publisher
     reclaimer: Reclaimer
+    clock: SteppedClock
 
     async def bind(self, key: str) -> str:
         return (
@@ -71,11 +82,12 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     with ScriptedFleet(("e0", "e1")) as fleet:
         registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
         backend = HttpPushBackend(tmp_path / "store")
-        reclaimer = Reclaimer(registry, backend, fleet.refs, registry_retry=FAST)
+        clock = SteppedClock()
+        reclaimer = Reclaimer(registry, backend, fleet.refs, registry_retry=FAST, clock=clock)
         publisher = Publisher(
             registry, backend, fleet.refs, reclaimer=reclaimer, registry_retry=FAST
         )
-        yield World(fleet, registry, backend, publisher, reclaimer)
+        yield World(fleet, registry, backend, publisher, reclaimer, clock)
         await reclaimer.stop()
         await backend.aclose()
         await registry.aclose()
@@ -232,10 +244,45 @@ async def test_a_failing_round_does_not_stop_the_loop(world: World) -> None:
         world.reclaimer.poke()
         await world.reclaimer.settled()
         assert world.state("v1") is VersionState.RECLAIMING
+        world.clock.now += world.reclaimer.retry_in or 0.0
         world.reclaimer.poke()
         await world.reclaimer.settled()
         assert world.state("v1") is VersionState.RECLAIMED
     assert world.unloads("v1") == {"e0": 1, "e1": 1}
+
+
+@pytest.mark.asyncio
+async def test_pokes_during_a_versions_backoff_send_it_no_unload(world: World) -> None:
+    # Under agent load every Session release pokes the reclaimer. An engine that is down must
+    # cost one unload per backoff step, not one per release.
+    await a_retired_and_bound_b_published(world)
+    await world.close("s_a")
+    e0 = world.fleet["e0"]
+    e0.script(EngineOp.UNLOAD, *[Fault(FaultKind.SERVER_ERROR)] * 3)  # reached, not done
+    async with world.reclaimer:
+        world.reclaimer.poke()
+        await world.reclaimer.settled()
+        assert world.state("v1") is VersionState.RECLAIMING
+        assert world.reclaimer.retry_in == 1.0
+        tried = e0.count(EngineOp.UNLOAD)
+        for _ in range(5):
+            world.reclaimer.poke()
+            await world.reclaimer.settled()
+        assert e0.count(EngineOp.UNLOAD) == tried
+        world.clock.now += 1.0
+        world.reclaimer.poke()
+        await world.reclaimer.settled()
+        assert e0.count(EngineOp.UNLOAD) == tried + 1
+        assert world.reclaimer.retry_in == 2.0  # the second unconfirmed round in a row doubles it
+        world.clock.now += 2.0
+        world.reclaimer.poke()
+        await world.reclaimer.settled()
+        assert world.state("v1") is VersionState.RECLAIMING  # the third scripted refusal
+        world.clock.now += 4.0
+        world.reclaimer.poke()
+        await world.reclaimer.settled()
+        assert world.state("v1") is VersionState.RECLAIMED
+        assert world.reclaimer.retry_in is None
 
 
 @pytest.mark.asyncio
