@@ -1,4 +1,4 @@
-"""Prefill/decode-disaggregated engines: a PD group is one fleet member with role servers.
+"""Prefill.decode-disaggregated engines: a PD group is one fleet member with role servers.
 
 In a PD deployment a request is prefilled on a prefill server and decoded on a decode server;
 both must hold the exact adapter, or the output mixes two sets of weights. The model here:
@@ -7,7 +7,7 @@ both must hold the exact adapter, or the output mixes two sets of weights. The m
   a PD group is one fleet member, named by the group and reached at its dispatch address: the
   SGLang router started with ``--pd-disaggregation`` in front of its role servers.
 * For **publication, readiness, incarnations, repair and reclaim** every role server is an engine
-  of its own, named ``<group>/prefill`` and ``<group>/decode<i>``. The registry's existing rules
+  of its own, named ``<group>.prefill`` and ``<group>.decode<i>``. The registry's existing rules
   therefore count each role server without a special case: a commit needs READY from every role
   server under its current incarnation, and a restart of any one of them drops it from the
   version's holders until the repairer loaded the version there again.
@@ -21,6 +21,7 @@ Plain engines and PD groups can be mixed in one fleet; a plain engine is its own
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,11 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
+# A role server's name is an engine name (a store directory too): '<group>.decode<i>' must fit
+# the backends' 64-character engine names, and no '.' keeps it unambiguous.
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,47}$")
+
+
 def _url(value: Any, what: str) -> str:
     url = str(value).strip()
     if not url.startswith(("http://", "https://")):
@@ -80,9 +86,9 @@ class PDGroup:
 
     def role_servers(self) -> tuple[tuple[EngineRef, Role], ...]:
         """Every role server as an engine of its own, prefill first, with its role."""
-        servers = [(EngineRef(f"{self.name}/prefill", self.prefill), Role.PREFILL)]
+        servers = [(EngineRef(f"{self.name}.prefill", self.prefill), Role.PREFILL)]
         servers += [
-            (EngineRef(f"{self.name}/decode{i}", url), Role.DECODE)
+            (EngineRef(f"{self.name}.decode{i}", url), Role.DECODE)
             for i, url in enumerate(self.decode)
         ]
         return tuple(servers)
@@ -118,9 +124,10 @@ def parse_pd_group(value: Any, index: int) -> PDGroup:
     else:
         raise ValueError(f"PD group #{index}: expected 'NAME=prefill=URL,...', got {value!r}")
     name = name.strip()
-    if not name or "/" in name or any(c.isspace() for c in name):
+    if not _GROUP_NAME.match(name):
         raise ValueError(
-            f"PD group #{index}: name {name!r} must be non-empty, without '/' or space"
+            f"PD group #{index}: name {name!r} must be 1-48 letters, digits, '_' or '-' (its "
+            "role servers are named '<group>.prefill', '<group>.decode<i>')"
         )
     for role in ("prefill", "router"):
         if len(fields[role]) != 1:
@@ -222,7 +229,7 @@ class PDGuard:
 class RoleHealth(EngineHealth):
     """Server health (what the repairer's incarnation probe marks) folded into member health.
 
-    The repairer probes servers (``g1/prefill``, ``g1/decode0``); routing knows members (``g1``).
+    The repairer probes servers (``g1.prefill``, ``g1.decode0``); routing knows members (``g1``).
     A server that does not answer makes its member unhealthy in ``members``; the member is
     healthy again once every one of its servers answers. Only members this object marked down
     are marked healthy again, so an operator's mark on a member stands.

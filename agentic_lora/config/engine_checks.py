@@ -72,7 +72,7 @@ async def verify_fleet(settings: AgenticLoRASettings, transport: EngineTransport
         others,
         request_timeout=settings.request_timeout,
         connect_timeout=settings.connect_timeout,
-        http_transport=settings.http_transport,
+        http_transport=transport.http_transport,
         dialect=transport.dialect,
     ) as roles:
         await _verify_servers(

@@ -81,7 +81,7 @@ class AgenticLoRASettings(BaseSettings):
     initial seconds, then twice as long each time, never more than the max (a poke, e.g. a new
     BLOCKED result, retries at once).
 
-    ``pd_groups`` are prefill/decode-disaggregated engines (:mod:`agentic_lora.pd`), each one
+    ``pd_groups`` are prefill.decode-disaggregated engines (:mod:`agentic_lora.pd`), each one
     fleet member for routing (reached at its SGLang PD router, whose retries must be off:
     ``gateway_retries_disabled``) whose prefill and decode servers are each an engine for
     publication, readiness and reclaim. ``pd_decode_max_loaded_loras`` and

@@ -13,7 +13,7 @@ engines agree with it. A plugin proves conformance by subclassing it with a harn
     TestMyPlugin = MyPluginConformance.TestCase
 
 The suite drives two engines, the harness's first and second, as slots ``e0`` and ``e1``; their
-real names (a plain engine's, or PD role servers' like ``g1/prefill`` and ``g1/decode0``) are what
+real names (a plain engine's, or PD role servers' like ``g1.prefill`` and ``g1.decode0``) are what
 receipts must carry. The contract it checks (from :mod:`agentic_lora.backends`):
 
 * a READY receipt names exactly the target (engine, version, digest, lora name, attempt) and the

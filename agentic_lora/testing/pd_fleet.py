@@ -71,7 +71,7 @@ class ScriptedPDFleet(ScriptedFleet):
     """Plain scripted engines and scripted PD groups at ``127.0.0.1:<base_port + i>``.
 
     ``groups`` maps a group name to its number of decode servers. Role servers are named as the
-    fleet names them (``g1/prefill``, ``g1/decode0``) in :attr:`engines`, which holds every
+    fleet names them (``g1.prefill``, ``g1.decode0``) in :attr:`engines`, which holds every
     server (and :attr:`refs` their refs); :attr:`pd_routers` holds the groups' routers. Use it
     as a context manager while requests are made, like :class:`ScriptedFleet`.
     """
@@ -99,8 +99,8 @@ class ScriptedPDFleet(ScriptedFleet):
         self.pd_routers: dict[str, ScriptedPDRouter] = {}
         self.groups: list[PDGroup] = []
         for group, decodes in groups:
-            prefill = engine(f"{group}/prefill", "prefill")
-            decode = [engine(f"{group}/decode{i}", "decode") for i in range(decodes)]
+            prefill = engine(f"{group}.prefill", "prefill")
+            decode = [engine(f"{group}.decode{i}", "decode") for i in range(decodes)]
             router_url = f"http://127.0.0.1:{next(ports)}"
             self.engines.update((e.name, e) for e in (prefill, *decode))
             self.pd_routers[group] = ScriptedPDRouter(group, router_url, prefill, decode)
