@@ -39,10 +39,12 @@ def slot_settings(settings: AgenticLoRASettings, role: Role = Role.PLAIN) -> Slo
 def check_engine_server_info(
     settings: AgenticLoRASettings, engine: str, info: Mapping[str, Any]
 ) -> None:
-    """Check one engine's server info against the settings (LoRA on, enough slots), the way the
-    settings' engine dialect reads it."""
+    """Check one engine's server info against the settings (LoRA on, enough slots, and a PD role
+    server's role), the way the settings' engine dialect reads it."""
+    role = dict((ref.name, r) for ref, r in settings.fleet.servers()).get(engine, Role.PLAIN)
+    check_disaggregation_mode(info, engine=engine, role=role)
     load_dialect(settings.engine_kind).check_server_info(
-        info, engine=engine, slots=slot_settings(settings)
+        info, engine=engine, slots=slot_settings(settings, role)
     )
 
 
@@ -61,35 +63,29 @@ async def verify_fleet(settings: AgenticLoRASettings, transport: EngineTransport
     if not settings.enable_versioned_lora_publication:
         return
     known = {e.name for e in transport.engines}
-    servers = settings.fleet.servers()
-    others = [ref for ref, _ in servers if ref.name not in known]
-    if not others:
-        await _verify_servers(settings, transport, servers)
+    servers = settings.publication_engines
+    plain = [ref for ref in servers if ref.name in known]
+    roles = [ref for ref in servers if ref.name not in known]
+    if not await _verify_servers(settings, transport, plain) or not roles:
         return
     from agentic_lora.transport import EngineTransport
 
     async with EngineTransport(
-        others,
+        roles,
         request_timeout=settings.request_timeout,
         connect_timeout=settings.connect_timeout,
         http_transport=transport.http_transport,
         dialect=transport.dialect,
-    ) as roles:
-        await _verify_servers(
-            settings, transport, [(r, role) for r, role in servers if r.name in known]
-        )
-        await _verify_servers(
-            settings, roles, [(r, role) for r, role in servers if r.name not in known]
-        )
+    ) as role_transport:
+        await _verify_servers(settings, role_transport, roles)
 
 
 async def _verify_servers(
-    settings: AgenticLoRASettings,
-    transport: EngineTransport,
-    servers: Sequence[tuple[EngineRef, Role]],
-) -> None:
+    settings: AgenticLoRASettings, transport: EngineTransport, servers: Sequence[EngineRef]
+) -> bool:
+    """Check ``servers``; False when the dialect's engines publish no server info."""
     dialect = load_dialect(settings.engine_kind)
-    for ref, role in servers:
+    for ref in servers:
         info = await dialect.read_server_info(transport.engine_http(ref.name))
         if info is None:
             logger.info(
@@ -97,6 +93,6 @@ async def _verify_servers(
                 "publication",
                 extra={"engine_kind": settings.engine_kind},
             )
-            return
-        check_disaggregation_mode(info, engine=ref.name, role=role)
-        dialect.check_server_info(info, engine=ref.name, slots=slot_settings(settings, role))
+            return False
+        check_engine_server_info(settings, ref.name, info)
+    return True
