@@ -92,6 +92,7 @@ class ScriptedPDFleet(ScriptedFleet):
                 f"http://127.0.0.1:{next(ports)}",
                 max_loras_per_batch=max_loras_per_batch,
                 disaggregation_mode=mode,
+                report_lora_settings=True,
             )
 
         self.engines: dict[str, ScriptedSGLangEngine] = {n: engine(n) for n in plain}
