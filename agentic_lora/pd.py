@@ -182,10 +182,13 @@ class PDFleet:
             owner.update((ref.name, g.name) for ref, _ in g.role_servers())
         return owner
 
+    def requirements(self) -> tuple[tuple[str, frozenset[str]], ...]:
+        """``(member, the servers that must all hold a version for it)``, in fleet order."""
+        return tuple((m.name, frozenset(self.roles_of(m.name))) for m in self.members)
+
     def dispatchable(self, holders: Iterable[str]) -> tuple[str, ...]:
         """The members, in fleet order, every server of which is among ``holders``."""
-        held = set(holders)
-        return tuple(m.name for m in self.members if all(r in held for r in self.roles_of(m.name)))
+        return _holding(self.requirements(), holders)
 
     def check_distinct(self) -> None:
         """Raise ConfigurationError (``duplicate_engine``) on a name or URL used twice anywhere:
@@ -205,6 +208,13 @@ class PDFleet:
                 )
 
 
+def _holding(
+    requirements: tuple[tuple[str, frozenset[str]], ...], holders: Iterable[str]
+) -> tuple[str, ...]:
+    held = frozenset(holders)
+    return tuple(member for member, servers in requirements if servers <= held)
+
+
 class PDGuard:
     """A :class:`~agentic_lora.middleware.DispatchGuard` for a fleet with PD groups.
 
@@ -218,12 +228,20 @@ class PDGuard:
 
     def __init__(self, inner: DispatchGuard, fleet: PDFleet) -> None:
         self._inner = inner
-        self._fleet = fleet
+        self._requirements = fleet.requirements()
+        # The common case, every server holding the version, is one tuple comparison: the
+        # registry lists holders in its engine order, which is the fleet's server order.
+        self._all_servers = tuple(ref.name for ref in fleet.publication_engines)
+        self._all_members = tuple(m.name for m in fleet.members)
 
     def check(self, binding: Binding) -> tuple[str, ...] | None:
         """Raise as the inner guard does; else the members that hold the version on every role."""
         holders = self._inner.check(binding)
-        return None if holders is None else self._fleet.dispatchable(holders)
+        if holders is None:
+            return None
+        if holders == self._all_servers:
+            return self._all_members
+        return _holding(self._requirements, holders)
 
 
 class RoleHealth(EngineHealth):
