@@ -76,7 +76,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key)
 
 
-# --- 1. fleet model and configuration -----------------------------------------------------------
+# --- 1. fleet model and configuration; rule 5.2-3: slots on every role ----------------------------
 
 
 def test_a_pd_group_is_one_member_for_routing_and_its_role_servers_are_engines() -> None:
@@ -241,7 +241,7 @@ def test_role_health_folds_a_role_server_into_its_group() -> None:
     assert members.healthy() == ()
 
 
-# --- 2., 3., 5. publication, dispatch and reclaim through a Deployment ---------------------------
+# --- rule 3.3-4: publication, dispatch and reclaim on every role, through a Deployment ----------
 
 
 def _settings(fleet: ScriptedPDFleet, **kw: Any) -> AgenticLoRASettings:
