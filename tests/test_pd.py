@@ -372,6 +372,23 @@ async def test_a_plain_engine_serves_while_the_group_lacks_the_version(tmp_path:
 
 
 @pytest.mark.asyncio
+async def test_a_role_server_that_does_not_answer_takes_its_group_out_of_routing(
+    tmp_path: Path,
+) -> None:
+    with ScriptedPDFleet(plain=["e0"], groups=[("g1", 2)]) as fleet:
+        async for d in _deployment(fleet, tmp_path):
+            await d.publish("A", A)
+            fleet["g1.decode1"].script(EngineOp.SERVER_INFO, Fault(FaultKind.UNREACHABLE))
+            await d.repairer.probe_once()
+            assert d.versioning.health.healthy() == ("e0",)
+            async with d.session("s") as s:
+                await s.generate({"text": "turn"})
+            assert fleet.pd_routers["g1"].generates == []
+            await d.repairer.probe_once()  # it answers again, same process: routed to again
+            assert d.versioning.health.healthy() == ("e0", "g1")
+
+
+@pytest.mark.asyncio
 async def test_a_refusal_by_the_group_pokes_the_repairer_for_every_role(
     pd: tuple[ScriptedPDFleet, Deployment],
 ) -> None:
