@@ -277,6 +277,11 @@ async def pd(tmp_path: Path) -> AsyncIterator[tuple[ScriptedPDFleet, Deployment]
             yield fleet, d
 
 
+def _peek(d: Deployment, version_id: str) -> Any:
+    """The registry's version status, read without I/O (the in-process registry)."""
+    return d.registry.peek_version(version_id)  # type: ignore[attr-defined]
+
+
 def _generated(fleet: ScriptedPDFleet, name: str) -> list[Any]:
     """The adapters of the Sessions' requests a role server got through its PD router (the
     backend's own load probes carry no bootstrap room)."""
@@ -292,7 +297,7 @@ async def test_publish_loads_every_role_server_pinned_and_dispatch_carries_the_e
     fleet, d = pd
     result = await d.publish("A", A)
     assert result.outcome is PublicationOutcome.PUBLISHED
-    status = d.registry.peek_version("A")  # type: ignore[attr-defined]
+    status = _peek(d, "A")
     assert status.ready_engines == ROLES
     incarnations = {e.engine for e in (await d.status()).engines}
     assert incarnations == set(ROLES)  # each role server's incarnation is recorded
@@ -319,11 +324,11 @@ async def test_a_failure_on_one_role_fails_the_publication_cleanly_on_every_role
     fleet["g1.decode1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
     result = await d.publish("B", B)
     assert result.outcome is PublicationOutcome.FAILED_CLEAN
-    b_name = d.registry.peek_version("B").lora_name  # type: ignore[attr-defined]
+    b_name = _peek(d, "B").lora_name
     for name in ROLES:
         assert not fleet[name].holds(b_name), name
     # The default never moved: a new Session still gets A on both roles.
-    a_name = d.registry.peek_version("A").lora_name  # type: ignore[attr-defined]
+    a_name = _peek(d, "A").lora_name
     async with d.session("s") as s:
         await s.generate({"text": "turn"})
     assert _generated(fleet, "g1.prefill") == [a_name]
@@ -335,13 +340,13 @@ async def test_no_request_reaches_a_group_while_one_role_lacks_the_version(
 ) -> None:
     fleet, d = pd
     await d.publish("A", A)
-    a_name = d.registry.peek_version("A").lora_name  # type: ignore[attr-defined]
+    a_name = _peek(d, "A").lora_name
     async with d.session("s") as s:
         await s.generate({"text": "before"})
         fleet["g1.decode1"].restart()  # this decode server holds nothing now
         probe = await d.repairer.probe_once()
         assert probe.restarted == ("g1.decode1",)
-        assert d.registry.peek_version("A").ready_engines == ROLES[:2]  # type: ignore[attr-defined]
+        assert _peek(d, "A").ready_engines == ROLES[:2]
         sent = len(fleet.pd_routers["g1"].generates)
         with pytest.raises(VersionUnavailableError) as err:
             await s.generate({"text": "while a decode lacks it"})
@@ -409,7 +414,7 @@ async def test_reclaim_unloads_every_role_server_after_its_in_flight_requests(
 ) -> None:
     fleet, d = pd
     await d.publish("A", A)
-    a_name = d.registry.peek_version("A").lora_name  # type: ignore[attr-defined]
+    a_name = _peek(d, "A").lora_name
     async with d.session("old") as s:
         await s.generate({"text": "on A"})
         await d.publish("B", B)
@@ -422,7 +427,7 @@ async def test_reclaim_unloads_every_role_server_after_its_in_flight_requests(
     await fleet["g1.decode0"].release(rid)
     report = await reclaim
     assert [r.outcome for r in report.results] == [ReclaimOutcome.RECLAIMED]
-    assert d.registry.peek_version("A").state is VersionState.RECLAIMED  # type: ignore[attr-defined]
+    assert _peek(d, "A").state is VersionState.RECLAIMED
     for name in ROLES:
         assert fleet[name].physical_unloads[a_name] == 1, name
         assert fleet[name].count(EngineOp.UNLOAD) == 1, name
@@ -455,7 +460,7 @@ async def test_a_decode_server_without_a_free_slot_fails_the_publication(tmp_pat
             # group and is cleaned from the prefill server too.
             fleet["g1.decode0"].max_loras_per_batch = 2
             assert (await d.publish("B", B)).outcome is PublicationOutcome.FAILED_CLEAN
-            b_name = d.registry.peek_version("B").lora_name  # type: ignore[attr-defined]
+            b_name = _peek(d, "B").lora_name
             prefill = fleet["g1.prefill"]
             assert not prefill.holds(b_name)
             assert prefill.physical_unloads[b_name] == prefill.physical_loads[b_name]
