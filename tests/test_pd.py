@@ -395,12 +395,18 @@ async def test_a_role_server_that_does_not_answer_takes_its_group_out_of_routing
 
 @pytest.mark.asyncio
 async def test_a_refusal_by_the_group_pokes_the_repairer_for_every_role(
-    pd: tuple[ScriptedPDFleet, Deployment],
+    pd: tuple[ScriptedPDFleet, Deployment], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fleet, d = pd
     await d.publish("A", A)
     poked: list[str | None] = []
-    d.repairer.poke = poked.append  # type: ignore[method-assign]
+    poke = d.repairer.poke
+
+    def spy(engine: str | None = None) -> None:  # records, then pokes for real
+        poked.append(engine)
+        poke(engine)
+
+    monkeypatch.setattr(d.repairer, "poke", spy)
     fleet["g1.prefill"].script(EngineOp.GENERATE, Fault(FaultKind.REFUSE))
     async with d.session("s") as s:
         with pytest.raises(RequestRefusedError):
