@@ -83,7 +83,7 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     max_loras_per_batch: int = 3
     legacy_server_info: bool = False
-    #: ``--disaggregation-mode`` (``"prefill"`` or ``"decode"``; None: a plain engine, not reported).
+    #: ``--disaggregation-mode``: ``"prefill"`` or ``"decode"`` (None: a plain engine; unreported).
     disaggregation_mode: str | None = None
     #: Report the LoRA settings the start-up check reads (``enable_lora``, the slot counts).
     report_lora_settings: bool = False
