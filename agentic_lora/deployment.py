@@ -23,6 +23,10 @@ Frameworks that already have their own registry (a Ray actor shared by many work
 then only the process that publishes needs a publisher, and every rollout worker only needs
 :attr:`Deployment.versioning`.
 
+With PD groups (:mod:`agentic_lora.pd`) the publisher, reclaimer and repairer drive every role
+server as an engine of its own, the Sessions route to groups, and a group gets a request for a
+version only while every one of its role servers holds it.
+
 When the engine dialect's unload does not wait for requests still running on the version
 (``unload_waits_for_requests`` is False: vLLM), :meth:`Deployment.from_settings` hands the backend
 a drain hook (option :data:`~agentic_lora.engines.dialect.DRAIN_OPTION`) bound to
@@ -47,6 +51,7 @@ from agentic_lora.engines.dialect import DRAIN_OPTION, load_dialect
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import OnRestart
 from agentic_lora.middleware import Middleware
+from agentic_lora.pd import RoleHealth
 from agentic_lora.publisher import PhaseEvent, PublicationResult, Publisher
 from agentic_lora.reclaimer import Reclaimer, ReclaimReport
 from agentic_lora.registry.api import RegistryAPI, change_feed, refusal_feed
@@ -61,6 +66,7 @@ from agentic_lora.registry.types import (
 )
 from agentic_lora.repair import Repairer, SnapshotCache
 from agentic_lora.resolver import Resolver, ResolveReport, backoff
+from agentic_lora.routing import EngineHealth
 from agentic_lora.session import Session, Versioning
 from agentic_lora.transport import EngineTransport
 
@@ -112,7 +118,14 @@ class Deployment:
         self.registry = registry
         self.backend = backend
         self._owns_backend = owns_backend
+        # With PD groups, every role server is an engine for publication, readiness, repair and
+        # reclaim, while the Sessions route to groups (see agentic_lora.pd).
+        self.fleet = settings.fleet
         engines = versioning.engines
+        health: EngineHealth = versioning.health
+        if self.fleet.has_groups:
+            engines = self.fleet.publication_engines
+            health = RoleHealth(versioning.health, self.fleet)
         self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
         self.publisher = Publisher(
             registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
@@ -133,7 +146,7 @@ class Deployment:
             snapshots=self.snapshots,
             probe_interval=settings.probe_interval,
             version_locks=self.reclaimer.version_locks,
-            health=versioning.health,
+            health=health,
             on_progress=on_progress,
         )
         versioning.on_refused.append(self._on_refused)
@@ -222,8 +235,10 @@ class Deployment:
             self.snapshots.evict(result.version_id)  # no engine may ever load it again
 
     def _on_refused(self, engine: str, binding: Binding) -> None:
-        # An engine refused a Session's request: it may have restarted and lost the version.
-        self.repairer.poke(engine)
+        # An engine refused a Session's request: it may have restarted and lost the version. For
+        # a PD group, any of its role servers may be the one that did.
+        for server in self.fleet.roles_of(engine):
+            self.repairer.poke(server)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

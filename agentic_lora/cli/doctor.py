@@ -213,7 +213,10 @@ async def run_doctor(args: argparse.Namespace, config: ConfigFile) -> list[Docto
         adapter = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, args.adapter)
     async with httpx.AsyncClient(trust_env=False) as client:
         per_engine = await asyncio.gather(
-            *(_probe_engine(ref, settings, client, adapter) for ref in settings.engines)
+            *(
+                _probe_engine(ref, settings, client, adapter)
+                for ref in settings.publication_engines  # every PD role server too
+            )
         )
     found = list(checks.items)
     for engine_checks in per_engine:

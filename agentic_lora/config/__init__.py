@@ -8,11 +8,13 @@ One settings model, :class:`AgenticLoRASettings` (environment prefix ``AGENTIC_L
 
 Validation is fail-fast and each failure is a :class:`~agentic_lora.errors.ConfigurationError`
 whose ``details["check"]`` names the rule: ``empty_fleet``, ``duplicate_engine``, ``capacity``,
-``engine_lora_slots``, ``pinned_slots``, ``router_retries``, ``base_model_name``,
-``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in backend for another
-engine kind), ``journal_path``, ``gateway_id``, ``session_name_ttl``, ``resolve_backoff``,
-``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``, ``gateway_limits``, ``settings`` (a value of the wrong type) and, at start-up against live
-engines (:func:`verify_fleet`), ``engine_lora``.
+``engine_lora_slots``, ``pinned_slots`` (also for PD decode servers), ``router_retries``,
+``base_model_name``, ``lora_name_prefix``, ``router``, ``backend``, ``engine_kind`` (a built-in
+backend for another engine kind), ``journal_path``, ``gateway_id``, ``session_name_ttl``,
+``resolve_backoff``, ``lease``, ``owner_id``, ``probe_interval``, ``max_version_lag``,
+``gateway_limits``, ``settings`` (a value of the wrong type) and, at start-up against live
+engines (:func:`verify_fleet`), ``engine_lora`` and ``pd_role`` (a server whose
+``disaggregation_mode`` is not its configured role).
 
 ``engine_kind`` says what software the engines run: the name of an installed engine dialect
 (entry-point group ``agentic_lora.engines``, see :mod:`agentic_lora.engines.dialect`), which

@@ -30,6 +30,16 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         },
     ),
     (
+        "--versioned-lora-pd-group",
+        "pd_groups",
+        {
+            "action": "append",
+            "metavar": "NAME=prefill=URL,decode=URL,router=URL",
+            "help": "a prefill/decode-disaggregated engine group, one fleet member reached at "
+            "its SGLang PD router (repeat per group; decode may repeat)",
+        },
+    ),
+    (
         "--versioned-lora-capacity",
         "capacity",
         {"type": int, "help": "managed versions held at once (>= 2)"},
@@ -69,6 +79,16 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--versioned-lora-engine-max-loras-per-batch",
         "engine_max_loras_per_batch",
         {"type": int, "help": "the engines' --max-loras-per-batch (>= capacity + 1)"},
+    ),
+    (
+        "--versioned-lora-pd-decode-max-loaded-loras",
+        "pd_decode_max_loaded_loras",
+        {"type": int, "help": "the PD decode servers' --max-loaded-loras (>= capacity + 1)"},
+    ),
+    (
+        "--versioned-lora-pd-decode-max-loras-per-batch",
+        "pd_decode_max_loras_per_batch",
+        {"type": int, "help": "the PD decode servers' --max-loras-per-batch (>= capacity + 1)"},
     ),
     (
         "--versioned-lora-engine-kind",

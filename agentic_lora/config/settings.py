@@ -20,6 +20,7 @@ from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
 from agentic_lora.engines.dialect import check_lora_slots, dialect_names
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import check_lease_timing, check_owner
+from agentic_lora.pd import PDFleet, PDGroup, parse_pd_group
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
 
@@ -80,6 +81,14 @@ class AgenticLoRASettings(BaseSettings):
     initial seconds, then twice as long each time, never more than the max (a poke, e.g. a new
     BLOCKED result, retries at once).
 
+    ``pd_groups`` are prefill.decode-disaggregated engines (:mod:`agentic_lora.pd`), each one
+    fleet member for routing (reached at its SGLang PD router, whose retries must be off:
+    ``gateway_retries_disabled``) whose prefill and decode servers are each an engine for
+    publication, readiness and reclaim. ``pd_decode_max_loaded_loras`` and
+    ``pd_decode_max_loras_per_batch`` are the decode servers' slot options when they differ from
+    the ``engine_*`` ones; a decode server needs ``capacity + 1`` slots too (SGLang decode
+    servers admit requests per adapter slot), and settings that would let it run out fail here.
+
     ``gateway_id`` is the Session gateway's owner id in the registry (not the SGLang router's
     ``gateway_url``): keep it stable across restarts, so a restarted gateway adopts its
     predecessor's Sessions at once; give each replica its own. ``session_name_ttl`` is how long
@@ -91,6 +100,9 @@ class AgenticLoRASettings(BaseSettings):
 
     enable_versioned_lora_publication: bool = False
     engines: tuple[EngineRef, ...] = ()
+    pd_groups: tuple[PDGroup, ...] = ()
+    pd_decode_max_loaded_loras: int | None = None
+    pd_decode_max_loras_per_batch: int | None = None
     capacity: int = 2
     router: str = "session-affinity"
     backend: str = "http-push"
@@ -145,6 +157,41 @@ class AgenticLoRASettings(BaseSettings):
             value = [value]
         return tuple(_parse_engine(v, i) for i, v in enumerate(value))
 
+    @field_validator("pd_groups", mode="before")
+    @classmethod
+    def _pd_groups(cls, value: Any) -> tuple[PDGroup, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str | Mapping | PDGroup):
+            value = [value]
+        return tuple(parse_pd_group(v, i) for i, v in enumerate(value))
+
+    @property
+    def fleet(self) -> PDFleet:
+        """The fleet both ways: routing members and the servers publication drives."""
+        return PDFleet(self.engines, self.pd_groups)
+
+    @property
+    def publication_engines(self) -> tuple[EngineRef, ...]:
+        """Every server that holds adapters: plain engines and every PD role server."""
+        return self.fleet.publication_engines
+
+    @property
+    def dispatch_engines(self) -> tuple[EngineRef, ...]:
+        """The routing fleet: plain engines and one member per PD group (its router URL)."""
+        return self.fleet.members
+
+    def decode_slots(self) -> tuple[int | None, int | None]:
+        """The decode servers' (max_loaded_loras, max_loras_per_batch) as the settings say."""
+        return (
+            self.pd_decode_max_loaded_loras
+            if self.pd_decode_max_loaded_loras is not None
+            else self.engine_max_loaded_loras,
+            self.pd_decode_max_loras_per_batch
+            if self.pd_decode_max_loras_per_batch is not None
+            else self.engine_max_loras_per_batch,
+        )
+
     @field_validator("engine_kind")
     @classmethod
     def _engine_kind(cls, value: str) -> str:
@@ -172,16 +219,12 @@ def _fail(check: str, message: str, **details: Any) -> ConfigurationError:
 
 
 def _validate(s: AgenticLoRASettings) -> None:
-    if not s.engines:
-        raise _fail("empty_fleet", "no engines configured: give at least one engine as name=url")
-    names = [e.name for e in s.engines]
-    urls = [e.base_url for e in s.engines]
-    for label, values in (("name", names), ("URL", urls)):
-        dupes = sorted({v for v in values if values.count(v) > 1})
-        if dupes:
-            raise _fail(
-                "duplicate_engine", f"duplicate engine {label}(s): {dupes}", duplicates=dupes
-            )
+    if not s.engines and not s.pd_groups:
+        raise _fail(
+            "empty_fleet",
+            "no engines configured: give at least one engine as name=url or one PD group",
+        )
+    s.fleet.check_distinct()
     if s.request_timeout <= 0 or s.connect_timeout <= 0:
         raise _fail("settings", "request_timeout and connect_timeout must be positive")
     if not 0 < s.probe_interval < float("inf"):
@@ -211,6 +254,17 @@ def _validate(s: AgenticLoRASettings) -> None:
     check_lora_slots(
         s.capacity, s.engine_max_loaded_loras, s.engine_max_loras_per_batch, source="settings"
     )
+    if s.pd_groups:
+        loaded, per_batch = s.decode_slots()
+        check_lora_slots(s.capacity, loaded, per_batch, source="settings (PD decode servers)")
+    if s.pd_groups and not s.gateway_retries_disabled:
+        raise _fail(
+            "router_retries",
+            "PD groups are reached through their SGLang PD routers, which retry failed "
+            "generations by default: start each with --disable-retries and set "
+            "gateway_retries_disabled to assert so",
+            routers=[g.router for g in s.pd_groups],
+        )
     if s.gateway_url is not None and not s.gateway_retries_disabled:
         raise _fail(
             "router_retries",

@@ -32,6 +32,7 @@ from agentic_lora.middleware import (
     TransportEndpoint,
     build_chain,
 )
+from agentic_lora.pd import pd_guard
 from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
 from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
 from agentic_lora.registry.types import ReleaseResult, new_request_id
@@ -226,7 +227,7 @@ class Versioning:
         dialect = load_dialect(settings.engine_kind)
         if transport is None:
             transport = EngineTransport(
-                settings.engines,
+                settings.dispatch_engines,
                 request_timeout=settings.request_timeout,
                 connect_timeout=settings.connect_timeout,
                 http_transport=settings.http_transport,
@@ -236,7 +237,7 @@ class Versioning:
             from agentic_lora.registry.local import LocalRegistry
 
             registry = LocalRegistry(
-                engines=[e.name for e in settings.engines],
+                engines=[e.name for e in settings.publication_engines],
                 capacity=settings.capacity,
                 deployment_epoch=settings.deployment_epoch,
                 prefix=settings.lora_name_prefix,
@@ -250,9 +251,14 @@ class Versioning:
             lease = LeaseKeeper.from_settings(
                 settings, registry, owner=lease_owner, on_restart=lease_on_restart
             )
+        guard: DispatchGuard | None = None
+        if settings.pd_groups and settings.enable_versioned_lora_publication:
+            assert registry is not None
+            guard = pd_guard(registry, settings.fleet)
         return cls(
             transport=transport,
             registry=registry,
+            guard=guard,
             enabled=settings.enable_versioned_lora_publication,
             router=load_router(settings.router),
             base_model=settings.base_model_name,

@@ -12,7 +12,9 @@ engines agree with it. A plugin proves conformance by subclassing it with a harn
 
     TestMyPlugin = MyPluginConformance.TestCase
 
-The harness names its engines ``e0`` and ``e1``. The contract it checks (from :mod:`agentic_lora.backends`):
+The suite drives two engines, the harness's first and second, as slots ``e0`` and ``e1``; their
+real names (a plain engine's, or PD role servers' like ``g1.prefill`` and ``g1.decode0``) are what
+receipts must carry. The contract it checks (from :mod:`agentic_lora.backends`):
 
 * a READY receipt names exactly the target (engine, version, digest, lora name, attempt) and the
   engine's current incarnation, and the engine then holds exactly that content;
@@ -157,7 +159,8 @@ class BackendConformance(RuleBasedStateMachine):
         self._loop = asyncio.new_event_loop()
         self.harness = self._run(self.make_harness())
         self.backend = self.harness.backend
-        self.doubles = {d.ref.name: d for d in self.harness.engines}
+        # Slots in harness order: the rules sample slot names, receipts carry the real names.
+        self.doubles = dict(zip(("e0", "e1"), self.harness.engines, strict=False))
         self.tracks: dict[tuple[str, str], _Track] = {
             (e, v.lora_name): _Track() for e in self.doubles for v in _VERSIONS
         }
@@ -217,7 +220,7 @@ class BackendConformance(RuleBasedStateMachine):
             receipt.lora_name,
             receipt.attempt,
         ) == (
-            engine,
+            double.ref.name,
             version.version_id,
             version.snapshot.digest,
             version.lora_name,

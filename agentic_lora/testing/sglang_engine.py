@@ -83,6 +83,11 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     max_loras_per_batch: int = 3
     legacy_server_info: bool = False
+    #: ``--disaggregation-mode``: ``"prefill"`` or ``"decode"`` (None: a plain engine; unreported).
+    disaggregation_mode: str | None = None
+    #: Report the LoRA settings the start-up check reads (``enable_lora``, the slot counts).
+    report_lora_settings: bool = False
+    max_loaded_loras: int = 3
     #: Reads a stored adapter directory and returns its content digest (None: do not read).
     read_digest: Callable[[str], str] | None = _digest_of_dir
     implicit_reloads: Counter[str] = field(default_factory=Counter)
@@ -257,6 +262,12 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             "internal_states": [{"last_gen_throughput": float(len(self.calls))}],
             "version": "0.5.23",
         }
+        if self.disaggregation_mode is not None:
+            info["disaggregation_mode"] = self.disaggregation_mode
+        if self.report_lora_settings:
+            info["enable_lora"] = True
+            info["max_loaded_loras"] = self.max_loaded_loras
+            info["max_loras_per_batch"] = self.max_loras_per_batch
         return self._finish(fault, request, httpx.Response(200, json=info))
 
     def _lora_reply(self, status: int, error: str | None) -> httpx.Response:
