@@ -55,12 +55,14 @@ from dataclasses import dataclass
 from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from tenacity.wait import wait_base
 
+from agentic_lora.listeners import notify
 from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.registry.types import VersionState
 
 __all__ = [
     "DEFAULT_BACKOFF_INITIAL",
     "DEFAULT_BACKOFF_MAX",
+    "QueuedListener",
     "ResolveReport",
     "Resolver",
     "backoff",
@@ -74,6 +76,10 @@ DEFAULT_BACKOFF_INITIAL = 1.0
 DEFAULT_BACKOFF_MAX = 30.0
 
 _UNRESOLVED = (VersionState.LOADING, VersionState.ABORTED)
+
+#: ``listener(version_id)``: a resolve of ``version_id`` is about to wait for the publisher's lock
+#: (called on the event loop; must not block). See :attr:`Resolver.on_queued`.
+QueuedListener = Callable[[str], object]
 
 
 def backoff(
@@ -135,6 +141,9 @@ class Resolver:
         self.failures = 0
         #: Seconds until the next retry round (None: the loop waits for a poke).
         self.retry_in: float | None = None
+        #: Told the version id when a resolve of it queues behind the publisher's lock (a
+        #: publication or another resolve is running), right before it waits; append any time.
+        self.on_queued: list[QueuedListener] = []
         publisher.resolver = self
 
     # --- on demand ---------------------------------------------------------------------------
@@ -283,6 +292,7 @@ class Resolver:
                 version_id,
                 extra=extra,
             )
+            notify(self.on_queued, version_id, logger=logger, what="on_queued", extra=extra)
         result = await self.publisher.resolve(version_id, reason=reason)
         extra.update(outcome=result.outcome.value, attempt=result.attempt)
         if result.outcome is PublicationOutcome.BLOCKED:

@@ -26,7 +26,7 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
 from agentic_lora.transport import EngineReply
-from tests.session_support import log_signal
+from tests.session_support import Calls
 
 pytestmark = pytest.mark.asyncio
 
@@ -223,13 +223,15 @@ async def test_on_vllm_a_reclaim_waits_for_a_request_still_in_flight_on_the_vers
                 # The registry drops the Session's ref while its request still runs (as a
                 # supervisor releasing a worker's Sessions through a shared registry would): from
                 # here only the drain hook stands between the request and vLLM's at-once unload.
-                with log_signal("agentic_lora.middleware", "waiting for requests on", count=2) as w:
-                    await d.registry.begin_close(request_id=new_request_id(), session_key=s_old.key)
-                    await d.registry.release(request_id=new_request_id(), session_key=s_old.key)
-                    reclaim = asyncio.create_task(d.reclaimer.reclaim_version("A"))
-                    waiting = asyncio.create_task(w.wait())  # both engines' reclaims wait for it
-                    done, _ = await asyncio.wait({reclaim, waiting}, return_when=FIRST_COMPLETED)
+                w = Calls(count=2)  # both engines' reclaims wait for it
+                d.versioning.on_drain_wait.append(w)
+                await d.registry.begin_close(request_id=new_request_id(), session_key=s_old.key)
+                await d.registry.release(request_id=new_request_id(), session_key=s_old.key)
+                reclaim = asyncio.create_task(d.reclaimer.reclaim_version("A"))
+                waiting = asyncio.create_task(w.wait())
+                done, _ = await asyncio.wait({reclaim, waiting}, return_when=FIRST_COMPLETED)
                 assert done == {waiting}, "the reclaim did not wait for the request in flight"
+                assert w.calls == [(a_name, 1), (a_name, 1)]
                 assert d.registry.peek_version("A").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
                 for engine in engines.values():
                     assert engine.count(VllmOp.UNLOAD) == 0

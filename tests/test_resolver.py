@@ -10,8 +10,7 @@ which of two things finishes first by wall clock.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from agentic_lora.resolver import Resolver, backoff
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.session_support import Calls
 from tests.test_publisher import FAST, LossyRegistry, Progress
 
 A = tiny_snapshot(1)
@@ -383,34 +383,17 @@ async def test_a_blocked_commit_that_did_happen_is_left_published(world: World) 
 # --- never while this process publishes ---------------------------------------------------------
 
 
-class _Signal(logging.Handler):
-    """Sets ``event`` when the resolver logs that it waits for the publisher."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        super().__init__()
-        self.event = event
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "waits for the publisher" in record.getMessage():
-            self.event.set()
-
-
 @pytest.fixture
-def resolver_waits() -> Iterator[asyncio.Event]:
-    event = asyncio.Event()
-    handler = _Signal(event)
-    log = logging.getLogger("agentic_lora.resolver")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    yield event
-    log.removeHandler(handler)
-    log.setLevel(level)
+def resolver_waits(world: World) -> Calls:
+    """Called when a resolve queues behind the publisher's lock (:attr:`Resolver.on_queued`)."""
+    queued = Calls()
+    world.resolver.on_queued.append(queued)
+    return queued
 
 
 @pytest.mark.asyncio
 async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts_it(
-    world: World, resolver_waits: asyncio.Event
+    world: World, resolver_waits: Calls
 ) -> None:
     assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
     gate, reached = asyncio.Event(), asyncio.Event()
@@ -420,7 +403,8 @@ async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts
 
     # A start-up round takes every LOADING version; v2 is one, but it is being published.
     world.resolver.start()
-    await resolver_waits.wait()  # logged right before it queued on the publisher's lock
+    await resolver_waits.wait()  # told right before it queued on the publisher's lock
+    assert resolver_waits.calls == [("v2",)]
     assert world.state("v2") is VersionState.LOADING
     assert world.phases(None, Phase.ABORT, PhaseStatus.STARTED) == 0
     assert world.resolver.rounds == 0

@@ -25,6 +25,7 @@ from agentic_lora.middleware import (
     AdapterPinMiddleware,
     DispatchGuard,
     DispatchGuardMiddleware,
+    DrainWaitListener,
     Middleware,
     PeekGuard,
     RefusedListener,
@@ -113,6 +114,9 @@ class Versioning:
         self._enabled = enabled
         self._dialect = resolved
         self._adapter_requests = AdapterInFlight()
+        #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for this
+        #: manager's requests on an adapter (the drain of a reclaim); append listeners any time.
+        self.on_drain_wait: list[DrainWaitListener] = self._adapter_requests.on_wait
         self._registry = registry
         self._transport = transport
         self._owns_transport = owns_transport
