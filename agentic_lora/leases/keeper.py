@@ -38,6 +38,7 @@ from agentic_lora.leases.term import (
     LeaseState,
     LeaseTerm,
 )
+from agentic_lora.listeners import notify
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
 
@@ -430,11 +431,7 @@ class LeaseKeeper:
         adopted: tuple[str, ...] = (),
     ) -> None:
         event = LeaseEvent(kind, term.lease_id, self.clock(), reason, released, adopted)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                logger.exception("lease listener failed", extra={"lease": term.lease_id})
+        notify(self._listeners, event, logger=logger, what="lease", extra={"lease": term.lease_id})
 
     # --- closing -------------------------------------------------------------------------------
 
