@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.background import stop_loop
 from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
 from agentic_lora.fleet import fixed_fleet
 from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
@@ -158,13 +159,7 @@ class Reclaimer:
     async def stop(self) -> None:
         """Stop the background loop (an unload in flight finishes; its result is kept)."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for inflight in list(self._inflight.values()):
-            with contextlib.suppress(Exception):
-                await inflight
+        await stop_loop(task, then=self._inflight.values())
 
     async def settled(self) -> None:
         """Return once no poke is pending and no background round is running."""

@@ -47,7 +47,6 @@ observe_incarnation, cleanup, confirm_cleanup, each naming the version).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from dataclasses import dataclass
 from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from tenacity.wait import wait_base
 
+from agentic_lora.background import stop_loop
 from agentic_lora.listeners import notify
 from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.registry.types import VersionState
@@ -195,10 +195,7 @@ class Resolver:
         the next start or an operator.
         """
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_loop(task)
 
     async def settled(self, *, rounds: int = 0) -> None:
         """Return once no poke is pending, no round is running and ``rounds`` rounds finished.

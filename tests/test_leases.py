@@ -159,7 +159,18 @@ def lease_status(registry: LocalRegistry, lease_id: str) -> LeaseStatus | None:
     return registry.core.lease(lease_id)
 
 
-def leased(t: FakeTime, clock: RegistryClock | None = None, **lease: Any) -> Any:
+@dataclass
+class Leased(Harness):
+    """A :class:`Harness` whose Versioning binds under a lease (both are always there)."""
+
+    lease: LeaseKeeper
+    inner: LocalRegistry
+
+
+@contextlib.asynccontextmanager
+async def leased(
+    t: FakeTime, clock: RegistryClock | None = None, **lease: Any
+) -> AsyncIterator[Leased]:
     """A harness whose Versioning binds under owner ``w0``'s lease, on fake time."""
     options: dict[str, Any] = {
         "owner": "w0",
@@ -169,10 +180,13 @@ def leased(t: FakeTime, clock: RegistryClock | None = None, **lease: Any) -> Any
         "retry_wait": wait_fixed(5),
     }
     options.update(lease)
-    return harness(
+    async with harness(
         registry_options={"clock": clock or RegistryClock(t), "sweep_interval": None},
         lease=options,
-    )
+    ) as h:
+        assert h.lease is not None
+        assert h.inner is not None
+        yield Leased(h.versioning, h.registry, h.engines, h.transport, h.clock, h.lease, h.inner)
 
 
 # --- a dead owner ----------------------------------------------------------------------------
@@ -184,8 +198,6 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
     t = FakeTime()
     async with leased(t, sleep=never) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
@@ -230,8 +242,6 @@ async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() 
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -261,8 +271,6 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
     clock = RegistryClock(t)
     async with leased(t, clock) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         bound = v.open_session("bound")
         await bound.generate(turn("bound"))
@@ -306,8 +314,6 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() ->
     t = FakeTime()
     async with leased(t, sleep=never) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
@@ -330,8 +336,6 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -366,8 +370,6 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -399,8 +401,6 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         reg.fail_before["renew_lease"] = 10**6
@@ -431,8 +431,6 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
     clock = RegistryClock(t)
     async with leased(t, clock) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -458,8 +456,6 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
 async def test_an_idle_owner_renews_in_the_background() -> None:
     t = FakeTime()
     async with leased(t) as h:
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(h.registry, "A")
         await h.versioning.open_session("idle").generate(turn("idle"))
         log = Events(h.lease)
@@ -475,7 +471,6 @@ async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() ->
     t = FakeTime()
     async with leased(t, sleep=never) as h:  # the timer never fires: only dispatches renew
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -501,8 +496,6 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
     clock = RegistryClock(t)
     async with leased(t, clock, retry_wait=wait_none()) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         reg.lose_reply["open_lease"] = 1
         reg.lose_reply["renew_lease"] = 2
         await publish(reg, "A")
@@ -527,8 +520,6 @@ async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_
     clock = RegistryClock(t)
     async with leased(t, clock) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         log = Events(h.lease)
@@ -554,7 +545,6 @@ async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_
     t = FakeTime()
     async with leased(t) as h:  # retries every 5 s of fake time
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -584,7 +574,6 @@ async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lea
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -606,8 +595,6 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         first = h.lease.current
         gate = reg.gate("open_lease")
@@ -631,8 +618,6 @@ async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -
     clock = RegistryClock(t)
     async with leased(t, clock, open_attempts=2, retry_wait=wait_none()) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
@@ -657,8 +642,6 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         assert h.lease.state is LeaseState.PENDING
         assert not {"open_lease", "renew_lease"} & set(reg.calls)  # no I/O at construction
         await publish(reg, "A")
@@ -702,8 +685,6 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         await v.open_session("a").generate(turn("a"))
         v.open_session("b")  # never dispatched
@@ -735,7 +716,6 @@ async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
         await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
@@ -756,8 +736,6 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
     t = FakeTime()
     async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
         reg = h.registry
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         await h.lease.acquire()
         reg.fail_before["close_lease"] = 2
@@ -773,7 +751,6 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
 ) -> None:
     t = FakeTime()
     async with leased(t) as h:
-        assert h.lease is not None
 
         def broken(event: LeaseEvent) -> None:
             raise RuntimeError("listener bug")
@@ -978,7 +955,6 @@ async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> N
         raise RuntimeError("injected sleep failed")
 
     async with leased(t, sleep=broken_sleep) as h:
-        assert h.lease is not None
         await publish(h.registry, "A")
         s = h.versioning.open_session("s")
         await s.generate(turn("s"))

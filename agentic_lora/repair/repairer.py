@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.background import stop_loop
 from agentic_lora.errors import (
     BackendRefusedError,
     ConfigurationError,
@@ -212,13 +213,7 @@ class Repairer:
     async def stop(self) -> None:
         """Stop probing; a repair already loading finishes (its READY is recorded or cleaned)."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for running in list(self._repairs.values()):
-            with contextlib.suppress(Exception):
-                await running
+        await stop_loop(task, then=self._repairs.values())
 
     async def settled(self) -> None:
         """Return once no poke is pending, no round runs and no repair is loading."""
