@@ -30,6 +30,7 @@ from agentic_lora.resolver import Resolver, backoff
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication_support import RegistryReads
 from tests.session_support import Calls
 from tests.test_publisher import FAST, LossyRegistry, Progress
 
@@ -65,7 +66,7 @@ class Naps:
 
 
 @dataclass
-class World:
+class World(RegistryReads):
     fleet: ScriptedFleet
     registry: LocalRegistry
     link: LossyRegistry
@@ -74,19 +75,6 @@ class World:
     resolver: Resolver
     naps: Naps
     progress: Progress
-
-    def state(self, version_id: str) -> VersionState:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.state
-
-    def name(self, version_id: str) -> str:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.lora_name
-
-    async def slots(self) -> int:
-        return (await self.registry.status()).slots_in_use
 
     def phases(self, engine: str | None, phase: Phase, status: PhaseStatus) -> int:
         return sum(
