@@ -34,16 +34,7 @@ A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 
 
 def _settings(fleet: ScriptedFleet, **kw: object) -> object:
-    return load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-        capacity=2,
-        http_transport="httpx",  # respx intercepts httpx's default transport
-        engine_max_loaded_loras=3,
-        engine_max_loras_per_batch=3,
-        base_model_name="tiny-qwen3",
-        **kw,
-    )
+    return fleet.settings(**kw)
 
 
 def _sent_adapters(fleet: ScriptedFleet, session_marker: str) -> set[str]:

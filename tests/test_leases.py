@@ -21,7 +21,6 @@ import pytest
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
-from agentic_lora.config import load_settings
 from agentic_lora.deployment import Deployment
 from agentic_lora.errors import (
     ConfigurationError,
@@ -972,16 +971,7 @@ async def test_a_deployment_reclaims_as_soon_as_a_lease_releases_a_dead_workers_
 ) -> None:
     t = FakeTime()
     with ScriptedFleet(("e0", "e1")) as fleet:
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-            capacity=2,
-            http_transport="httpx",
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
-            base_model_name="tiny-qwen3",
-            owner_id="w0",
-        )
+        settings = fleet.settings(owner_id="w0")
         registry = LocalRegistry(
             engines=("e0", "e1"), capacity=2, clock=RegistryClock(t), sweep_interval=None
         )

@@ -70,18 +70,7 @@ NO_TICK = 3600.0
 
 
 def _settings(fleet: ScriptedFleet, **kw: Any) -> Any:
-    values: dict[str, Any] = {
-        "enable_versioned_lora_publication": True,
-        "engines": [f"{e.name}={e.base_url}" for e in fleet.refs],
-        "capacity": 2,
-        "http_transport": "httpx",  # respx intercepts httpx's default transport
-        "engine_max_loaded_loras": 3,
-        "engine_max_loras_per_batch": 3,
-        "base_model_name": "tiny-qwen3",
-        "probe_interval": NO_TICK,
-    }
-    values.update(kw)
-    return load_settings(**values)
+    return fleet.settings(**{"probe_interval": NO_TICK, **kw})
 
 
 @contextlib.asynccontextmanager

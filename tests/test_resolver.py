@@ -20,7 +20,6 @@ import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 
 from agentic_lora.backends import PublicationTarget
-from agentic_lora.config import load_settings
 from agentic_lora.deployment import Deployment
 from agentic_lora.errors import PublicationBlockedError
 from agentic_lora.publisher import Phase, PhaseStatus, PublicationOutcome, Publisher
@@ -253,17 +252,7 @@ async def test_an_engine_that_restarts_while_blocked_frees_the_slot_without_a_cl
 
 
 def deployment_settings(fleet: ScriptedFleet, journal: Path, **extra: Any) -> Any:
-    return load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-        capacity=2,
-        http_transport="httpx",  # respx intercepts httpx's default transport
-        engine_max_loaded_loras=3,
-        engine_max_loras_per_batch=3,
-        base_model_name="tiny-qwen3",
-        journal_path=journal,
-        **extra,
-    )
+    return fleet.settings(journal_path=journal, **extra)
 
 
 @pytest.mark.asyncio
