@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Final, get_args
+from typing import Final, get_args
 
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
 from tenacity.stop import stop_base
@@ -25,6 +25,7 @@ from agentic_lora.errors import (
 from agentic_lora.leases.call_replay import StopWhen, log_replay, replaying
 from agentic_lora.leases.options import (
     DEFAULT_LEASE_TTL,
+    LeaseSettings,
     OnRestart,
     check_lease_timing,
     check_owner,
@@ -41,9 +42,6 @@ from agentic_lora.leases.term import (
 from agentic_lora.listeners import notify
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
-
-if TYPE_CHECKING:
-    from agentic_lora.config import AgenticLoRASettings
 
 __all__ = ["LeaseKeeper"]
 
@@ -114,7 +112,7 @@ class LeaseKeeper:
     @classmethod
     def from_settings(
         cls,
-        settings: AgenticLoRASettings,
+        settings: LeaseSettings,
         registry: RegistryAPI,
         *,
         owner: str | None = None,
