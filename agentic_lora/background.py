@@ -1,4 +1,9 @@
-"""Stopping a component's background loop (the reclaimer's, the repairer's, the resolver's).
+"""A component's background loop (the reclaimer's, the repairer's, the resolver's): its rounds
+and how it stops.
+
+:class:`Rounds` is the I/O-free bookkeeping every such loop shares: a poke asks for a round, a
+round clears the poke when it starts (so a poke that arrives during a round triggers another
+one, never gets lost), and "settled" means no poke pending and no round running.
 
 A loop is cancelled and awaited until it really ended, so a stopped component never has a round
 still running behind its back. Work a round started that must not be abandoned halfway (an unload
@@ -11,10 +16,46 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-__all__ = ["stop_loop"]
+__all__ = ["Rounds", "stop_loop"]
+
+
+class Rounds:
+    """Pokes, the round running now, and how many rounds finished (see module docstring)."""
+
+    def __init__(self) -> None:
+        #: Set by a poke; cleared when the next round starts.
+        self.wake = asyncio.Event()
+        #: Rounds finished (a round that raised or was cancelled counts).
+        self.count = 0
+        self._busy = False
+        self._idle = asyncio.Condition()
+
+    def poke(self) -> None:
+        """Ask for a round."""
+        self.wake.set()
+
+    @contextlib.asynccontextmanager
+    async def round(self) -> AsyncIterator[None]:
+        """The block is one round: settled() waits for it, a poke during it is kept."""
+        async with self._idle:
+            self.wake.clear()
+            self._busy = True
+        try:
+            yield
+        finally:
+            async with self._idle:
+                self._busy = False
+                self.count += 1
+                self._idle.notify_all()
+
+    async def settled(self, until: Callable[[], bool] = lambda: True) -> None:
+        """Return once no poke is pending, no round is running and ``until()`` holds (it is
+        checked at the end of every round)."""
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self.wake.is_set() and not self._busy and until())
 
 
 async def stop_loop(

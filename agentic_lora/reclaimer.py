@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agentic_lora.backends import Backend, EngineRef
-from agentic_lora.background import stop_loop
+from agentic_lora.background import Rounds, stop_loop
 from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
 from agentic_lora.fleet import fixed_fleet
 from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
@@ -112,12 +112,8 @@ class Reclaimer:
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
         self._clock = clock
         self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
-        self._busy = False
+        self._rounds = Rounds()
         self._loop_task: asyncio.Task[None] | None = None
-        #: Rounds the background loop has finished (for observers and tests).
-        self.rounds = 0
 
     # --- on demand ---------------------------------------------------------------------------
 
@@ -149,7 +145,7 @@ class Reclaimer:
 
     def poke(self) -> None:
         """Ask the background loop for a round (after a commit or a Session release)."""
-        self._wake.set()
+        self._rounds.poke()
 
     def start(self) -> None:
         """Run rounds in the background until :meth:`stop`."""
@@ -163,8 +159,12 @@ class Reclaimer:
 
     async def settled(self) -> None:
         """Return once no poke is pending and no background round is running."""
-        async with self._idle:
-            await self._idle.wait_for(lambda: not self._wake.is_set() and not self._busy)
+        await self._rounds.settled()
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the background loop has finished (for observers and tests)."""
+        return self._rounds.count
 
     async def __aenter__(self) -> Reclaimer:
         self.start()
@@ -178,24 +178,16 @@ class Reclaimer:
         while True:
             if pending and self.retry_interval is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.retry_interval)
+                    await asyncio.wait_for(self._rounds.wake.wait(), self.retry_interval)
             else:
-                await self._wake.wait()
-            async with self._idle:
-                # Cleared before the round: a poke during it triggers another round.
-                self._wake.clear()
-                self._busy = True
-            try:
-                report = await self.reclaim_once()
-                pending = bool(report.pending)
-            except Exception:
-                logger.exception("reclaim round failed")
-                pending = True
-            finally:
-                async with self._idle:
-                    self._busy = False
-                    self.rounds += 1
-                    self._idle.notify_all()
+                await self._rounds.wake.wait()
+            async with self._rounds.round():
+                try:
+                    report = await self.reclaim_once()
+                    pending = bool(report.pending)
+                except Exception:
+                    logger.exception("reclaim round failed")
+                    pending = True
 
     # --- one version --------------------------------------------------------------------------
 

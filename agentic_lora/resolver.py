@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from tenacity.wait import wait_base
 
-from agentic_lora.background import stop_loop
+from agentic_lora.background import Rounds, stop_loop
 from agentic_lora.listeners import notify
 from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.registry.types import VersionState
@@ -131,12 +131,8 @@ class Resolver:
         self._sleep = sleep
         self._retrying = AsyncRetrying(wait=self.wait)
         self._at_start = False
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
-        self._busy = False
+        self._rounds = Rounds()
         self._loop_task: asyncio.Task[None] | None = None
-        #: Rounds the background loop has finished.
-        self.rounds = 0
         #: Rounds in a row that left a publication blocked (0: nothing is waiting for a retry).
         self.failures = 0
         #: Seconds until the next retry round (None: the loop waits for a poke).
@@ -176,13 +172,13 @@ class Resolver:
 
     def poke(self) -> None:
         """Ask for a round now (after a BLOCKED result); cuts a backoff wait short."""
-        self._wake.set()
+        self._rounds.poke()
 
     def start(self) -> None:
         """Run rounds in the background until :meth:`stop`; the first one runs at once."""
         if self._loop_task is None or self._loop_task.done():
             self._at_start = self.resolve_loading_at_start
-            self._wake.set()
+            self._rounds.poke()
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._run(), name="agentic-lora resolver"
             )
@@ -202,10 +198,12 @@ class Resolver:
 
         A backoff wait in progress counts as settled (:attr:`retry_in` says how long it is).
         """
-        async with self._idle:
-            await self._idle.wait_for(
-                lambda: not self._wake.is_set() and not self._busy and self.rounds >= rounds
-            )
+        await self._rounds.settled(lambda: self._rounds.count >= rounds)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the background loop has finished."""
+        return self._rounds.count
 
     async def __aenter__(self) -> Resolver:
         self.start()
@@ -217,25 +215,19 @@ class Resolver:
     async def _run(self) -> None:
         while True:
             await self._next_round()
-            async with self._idle:
-                # Cleared before the round: a poke during it triggers another round.
-                self._wake.clear()
-                self._busy = True
             blocked: tuple[str, ...] = ()
             failed = False
-            try:
-                blocked = (await self.resolve_pending()).blocked
-            except Exception:
-                # The registry could not be read: nothing is known resolved, so retry later.
-                logger.exception("resolve round failed", extra={"failures": self.failures + 1})
-                failed = True
-            finally:
-                async with self._idle:
+            async with self._rounds.round():
+                try:
+                    blocked = (await self.resolve_pending()).blocked
+                except Exception:
+                    # The registry could not be read: nothing is known resolved, so retry later.
+                    logger.exception("resolve round failed", extra={"failures": self.failures + 1})
+                    failed = True
+                finally:
+                    # Before the round ends: settled() never sees a finished round's old backoff.
                     self.failures = self.failures + 1 if (blocked or failed) else 0
                     self.retry_in = self._delay(self.failures) if self.failures else None
-                    self._busy = False
-                    self.rounds += 1
-                    self._idle.notify_all()
             if blocked:
                 logger.warning(
                     "publication(s) %s still blocked; retrying in %.1f s",
@@ -246,10 +238,10 @@ class Resolver:
 
     async def _next_round(self) -> None:
         if self.retry_in is None:
-            await self._wake.wait()
+            await self._rounds.wake.wait()
             return
         sleeper = asyncio.ensure_future(self._sleep(self.retry_in))
-        poked = asyncio.ensure_future(self._wake.wait())
+        poked = asyncio.ensure_future(self._rounds.wake.wait())
         try:
             await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
         finally:
