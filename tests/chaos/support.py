@@ -1034,25 +1034,12 @@ class ServeProcess:
 
     async def kill(self) -> None:
         """SIGKILL the whole process group (a crash: no Session is closed, nothing is flushed)."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(process.wait)
+        await _kill(self.process)
         self.process = None
 
     async def stop(self) -> None:
         """SIGTERM (serve closes its Sessions and flushes the journal), SIGKILL after 60 s."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, 60)
-        except subprocess.TimeoutExpired:
-            await self.kill()
+        await _terminate(self.process, 60)
         self.process = None
 
     def log_tail(self, lines: int = 40) -> str:
@@ -1152,27 +1139,38 @@ class WorkerProcess:
         ]
 
     async def kill(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(process.wait)
+        await _kill(self.process)
         self.process = None
 
     async def stop(self) -> None:
         """SIGTERM: the worker closes its Sessions and its lease; SIGKILL after the guard."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, GUARD_SECONDS)
-        except subprocess.TimeoutExpired:
-            await self.kill()
-            raise AssertionError(f"worker {self.owner} did not stop on SIGTERM") from None
+        stopped = await _terminate(self.process, GUARD_SECONDS)
         self.process = None
+        if not stopped:
+            raise AssertionError(f"worker {self.owner} did not stop on SIGTERM")
+
+
+async def _kill(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL ``process``'s whole group and reap it."""
+    if process is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await asyncio.to_thread(process.wait)
+
+
+async def _terminate(process: subprocess.Popen[bytes] | None, grace: float) -> bool:
+    """SIGTERM ``process`` and reap it; False when it outlived ``grace`` seconds (then killed)."""
+    if process is None:
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.to_thread(process.wait, grace)
+    except subprocess.TimeoutExpired:
+        await _kill(process)
+        return False
+    return True
 
 
 def _tail(path: Path, lines: int = 40) -> str:
