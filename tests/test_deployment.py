@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,7 +107,8 @@ async def test_closing_stops_the_reclaimer_before_the_registry(
         # (or be stopped) while the registry can still record what the engines did.
         await d.aclose()
         assert s.phase.value == "CLOSED"
-        assert not [r for r in caplog.records if "registry is closed" in r.getMessage()]
+        # No round failed on a registry that was already closed (nothing logged an error).
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
         states = {v.version_id: v.state for v in d.registry.core.status().versions}  # type: ignore[attr-defined]
         assert states["A"] in (VersionState.RETIRED, VersionState.RECLAIMED)
 

@@ -740,7 +740,9 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
         reg.fail_before["close_lease"] = 2
         with caplog.at_level(logging.WARNING, logger="agentic_lora.leases"):
             await h.lease.aclose()
-        assert "close_lease not confirmed" in caplog.text
+        # Told once, by the keeper, naming the lease the TTL will end.
+        [warned] = [r for r in caplog.records if r.name == "agentic_lora.leases.keeper"]
+        assert (warned.levelno, warned.lease) == (logging.WARNING, h.lease.lease_id)  # type: ignore[attr-defined]
         assert lease_status(h.inner, h.lease.lease_id) is not None  # the TTL will end it
         assert h.lease.state is LeaseState.CLOSED
 
@@ -758,7 +760,9 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
         await publish(h.registry, "A")
         with caplog.at_level(logging.ERROR, logger="agentic_lora.leases"):
             await h.versioning.open_session("s").generate(turn("s"))
-        assert "lease listener failed" in caplog.text
+        failed = [r for r in caplog.records if r.exc_info is not None]
+        assert [r.exc_info[0] for r in failed] == [RuntimeError]  # type: ignore[index]
+        assert failed[0].lease == h.lease.lease_id  # type: ignore[attr-defined]
         assert h.lease.state is LeaseState.HELD
 
 
