@@ -10,6 +10,7 @@ import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import respx
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.asyncio
 A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 
 
-def _settings(fleet: ScriptedFleet, **kw: object) -> object:
+def _settings(fleet: ScriptedFleet, **kw: Any) -> object:
     return fleet.settings(**kw)
 
 
