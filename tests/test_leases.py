@@ -168,9 +168,10 @@ class Leased(Harness):
 
 @contextlib.asynccontextmanager
 async def leased(
-    t: FakeTime, clock: RegistryClock | None = None, **lease: Any
+    t: FakeTime, clock: RegistryClock | None = None, *, published: str | None = None, **lease: Any
 ) -> AsyncIterator[Leased]:
-    """A harness whose Versioning binds under owner ``w0``'s lease, on fake time."""
+    """A harness whose Versioning binds under owner ``w0``'s lease, on fake time (with
+    ``published`` already published, when given)."""
     options: dict[str, Any] = {
         "owner": "w0",
         "ttl": TTL,
@@ -185,6 +186,8 @@ async def leased(
     ) as h:
         assert h.lease is not None
         assert h.inner is not None
+        if published is not None:
+            await publish(h.registry, published)
         yield Leased(h.versioning, h.registry, h.engines, h.transport, h.clock, h.lease, h.inner)
 
 
@@ -195,9 +198,8 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
     None
 ):
     t = FakeTime()
-    async with leased(t, sleep=never) as h:
+    async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
         await s2.generate(turn("s2"))
@@ -239,9 +241,8 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
 
 async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         reg.fail_before["renew_lease"] = 10**6  # partitioned from the registry from now on
@@ -268,9 +269,8 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
 ):
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         bound = v.open_session("bound")
         await bound.generate(turn("bound"))
         first = h.lease.current
@@ -311,9 +311,8 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
 
 async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() -> None:
     t = FakeTime()
-    async with leased(t, sleep=never) as h:
+    async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
         await s2.generate(turn("s2"))
@@ -333,9 +332,8 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
     None
 ):
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
@@ -367,9 +365,8 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
 
 async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         first = h.lease.current
@@ -398,9 +395,8 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
 
 async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         reg.fail_before["renew_lease"] = 10**6
         await t.sleeping()
@@ -428,9 +424,8 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
 async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -468,9 +463,10 @@ async def test_an_idle_owner_renews_in_the_background() -> None:
 
 async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() -> None:
     t = FakeTime()
-    async with leased(t, sleep=never) as h:  # the timer never fires: only dispatches renew
+    async with leased(
+        t, sleep=never, published="A"
+    ) as h:  # the timer never fires: only dispatches renew
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -517,9 +513,8 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
 async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         log = Events(h.lease)
         gate = reg.gate("renew_lease")
@@ -542,9 +537,8 @@ async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_
 
 async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline() -> None:
     t = FakeTime()
-    async with leased(t) as h:  # retries every 5 s of fake time
+    async with leased(t, published="A") as h:  # retries every 5 s of fake time
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         term = h.lease.current
@@ -571,9 +565,8 @@ async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_
 
 async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -592,9 +585,8 @@ async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lea
 
 async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         first = h.lease.current
         gate = reg.gate("open_lease")
         s = v.open_session("s")
@@ -615,9 +607,8 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
 async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock, open_attempts=2, retry_wait=wait_none()) as h:
+    async with leased(t, clock, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
         s = v.open_session("s")
@@ -663,9 +654,8 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
     None
 ):
     t = FakeTime()
-    async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
+    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         reg.fail_before["open_lease"] = 2
         s = v.open_session("s")
         with pytest.raises(RequestRefusedError) as err:
@@ -682,9 +672,8 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
 
 async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         await v.open_session("a").generate(turn("a"))
         v.open_session("b")  # never dispatched
         lease_id = h.lease.lease_id
@@ -713,9 +702,8 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
 
 async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None:
     t = FakeTime()
-    async with leased(t) as h:
-        reg, v = h.registry, h.versioning
-        await publish(reg, "A")
+    async with leased(t, published="A") as h:
+        v = h.versioning
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
