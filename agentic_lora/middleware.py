@@ -51,6 +51,7 @@ from agentic_lora.errors import (
     VersionNotDispatchableError,
     VersionUnavailableError,
 )
+from agentic_lora.listeners import notify
 from agentic_lora.registry.types import Binding, VersionStatus
 from agentic_lora.requests import Route
 from agentic_lora.routing import EngineHealth, Router
@@ -62,6 +63,7 @@ __all__ = [
     "Dispatch",
     "DispatchGuard",
     "DispatchGuardMiddleware",
+    "DrainWaitListener",
     "EngineCall",
     "InFlight",
     "Middleware",
@@ -130,6 +132,10 @@ RefusedListener = Callable[[str, Binding], object]
 Called synchronously on the dispatch path, so it must only note or schedule (poke a repairer,
 start a refresh); an exception it raises is logged and never reaches the caller.
 """
+
+DrainWaitListener = Callable[[str, int], object]
+"""``listener(lora_name, in_flight)``: a drain wait on ``lora_name`` started with ``in_flight``
+requests still running (see :attr:`AdapterInFlight.on_wait`); an exception it raises is logged."""
 
 
 class Middleware:
@@ -260,6 +266,9 @@ class AdapterInFlight:
         # One event per busy name, created when its count leaves zero and set when it returns
         # there: a waiter never sees a later busy period's event, so it cannot miss its wake-up.
         self._drained: dict[str, asyncio.Event] = {}
+        #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for busy
+        #: requests (never when it returns at once); append listeners at any time.
+        self.on_wait: list[DrainWaitListener] = []
 
     def count(self, lora_name: str) -> int:
         """Requests on ``lora_name`` in flight now."""
@@ -295,11 +304,10 @@ class AdapterInFlight:
         event = self._drained.get(lora_name)
         if event is None:
             return
-        logger.info(
-            "waiting for requests on %s to end",
-            lora_name,
-            extra={"version": lora_name, "in_flight": self._counts.get(lora_name, 0)},
-        )
+        in_flight = self._counts.get(lora_name, 0)
+        extra = {"version": lora_name, "in_flight": in_flight}
+        logger.info("waiting for requests on %s to end", lora_name, extra=extra)
+        notify(self.on_wait, lora_name, in_flight, logger=logger, what="on_wait", extra=extra)
         await event.wait()
 
 

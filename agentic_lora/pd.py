@@ -24,25 +24,20 @@ import enum
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentic_lora.backends import EngineRef
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.routing import EngineHealth
 
-if TYPE_CHECKING:
-    from agentic_lora.middleware import DispatchGuard
-    from agentic_lora.registry.types import Binding
-
 __all__ = [
     "PDFleet",
     "PDGroup",
-    "PDGuard",
     "Role",
     "RoleHealth",
     "check_disaggregation_mode",
+    "members_holding",
     "parse_pd_group",
-    "pd_guard",
 ]
 
 
@@ -188,7 +183,7 @@ class PDFleet:
 
     def dispatchable(self, holders: Iterable[str]) -> tuple[str, ...]:
         """The members, in fleet order, every server of which is among ``holders``."""
-        return _holding(self.requirements(), holders)
+        return members_holding(self.requirements(), holders)
 
     def check_distinct(self) -> None:
         """Raise ConfigurationError (``duplicate_engine``) on a name or URL used twice anywhere:
@@ -208,40 +203,12 @@ class PDFleet:
                 )
 
 
-def _holding(
+def members_holding(
     requirements: tuple[tuple[str, frozenset[str]], ...], holders: Iterable[str]
 ) -> tuple[str, ...]:
+    """The members whose every server is among ``holders`` (``requirements``: member -> servers)."""
     held = frozenset(holders)
     return tuple(member for member, servers in requirements if servers <= held)
-
-
-class PDGuard:
-    """A :class:`~agentic_lora.middleware.DispatchGuard` for a fleet with PD groups.
-
-    The inner guard answers which *servers* hold the bound version (the registry's
-    ``ready_engines``); this one answers which *members* may get the request: a group only while
-    every role server holds the version. A prefill that holds it with a restarted decode that
-    does not would mix the version's prefill with the base model's decode, so that group is not
-    offered to the router, and with no member left the dispatch is refused before anything is
-    sent (:class:`~agentic_lora.errors.VersionUnavailableError`).
-    """
-
-    def __init__(self, inner: DispatchGuard, fleet: PDFleet) -> None:
-        self._inner = inner
-        self._requirements = fleet.requirements()
-        # The common case, every server holding the version, is one tuple comparison: the
-        # registry lists holders in its engine order, which is the fleet's server order.
-        self._all_servers = tuple(ref.name for ref in fleet.publication_engines)
-        self._all_members = tuple(m.name for m in fleet.members)
-
-    def check(self, binding: Binding) -> tuple[str, ...] | None:
-        """Raise as the inner guard does; else the members that hold the version on every role."""
-        holders = self._inner.check(binding)
-        if holders is None:
-            return None
-        if holders == self._all_servers:
-            return self._all_members
-        return _holding(self._requirements, holders)
 
 
 class RoleHealth(EngineHealth):
@@ -295,14 +262,3 @@ def check_disaggregation_mode(info: Mapping[str, Any], *, engine: str, role: Rol
             mode=str(mode),
             role=role.value,
         )
-
-
-def pd_guard(registry: object, fleet: PDFleet) -> PDGuard | None:
-    """The dispatch guard of a fleet with PD groups: the registry's version read (``peek_version``)
-    folded into members by :class:`PDGuard`; None when the registry has no synchronous read (then
-    :class:`~agentic_lora.session.Versioning` refuses to start without an explicit guard)."""
-    from agentic_lora.middleware import PeekGuard
-    from agentic_lora.registry.api import peeker
-
-    peek = peeker(registry)
-    return None if peek is None else PDGuard(PeekGuard(peek.peek_version), fleet)

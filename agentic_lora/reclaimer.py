@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from tenacity.wait import wait_base
 
 from agentic_lora.backends import Backend, EngineRef
-from agentic_lora.backoff import backoff as default_backoff
-from agentic_lora.backoff import delay_after
+from agentic_lora.background import Rounds, delay_after, stop_loop
+from agentic_lora.background import backoff as default_backoff
 from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
 from agentic_lora.fleet import fixed_fleet
 from agentic_lora.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
@@ -124,12 +124,8 @@ class Reclaimer:
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
         self._clock = clock
         self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
-        self._busy = False
+        self._rounds = Rounds()
         self._loop_task: asyncio.Task[None] | None = None
-        #: Rounds the background loop has finished (for observers and tests).
-        self.rounds = 0
         # version -> (unconfirmed rounds in a row, clock() before which the loop does not retry)
         self._retry_at: dict[str, tuple[int, float]] = {}
 
@@ -185,7 +181,7 @@ class Reclaimer:
 
     def poke(self) -> None:
         """Ask the background loop for a round (after a commit or a Session release)."""
-        self._wake.set()
+        self._rounds.poke()
 
     def start(self) -> None:
         """Run rounds in the background until :meth:`stop`."""
@@ -195,19 +191,17 @@ class Reclaimer:
     async def stop(self) -> None:
         """Stop the background loop (an unload in flight finishes; its result is kept)."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for inflight in list(self._inflight.values()):
-            with contextlib.suppress(Exception):
-                await inflight
+        await stop_loop(task, then=self._inflight.values())
 
     async def settled(self) -> None:
         """Return once no poke is pending and no background round is running (a backoff wait in
         progress counts as settled: :attr:`retry_in` says how long it is)."""
-        async with self._idle:
-            await self._idle.wait_for(lambda: not self._wake.is_set() and not self._busy)
+        await self._rounds.settled()
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the background loop has finished (for observers and tests)."""
+        return self._rounds.count
 
     async def __aenter__(self) -> Reclaimer:
         self.start()
@@ -223,25 +217,17 @@ class Reclaimer:
             # a version overdue for its retry must not turn the loop into a busy one.
             retry_in = delay_after(self.backoff, failed_rounds) if failed_rounds else self.retry_in
             if retry_in is None:
-                await self._wake.wait()
+                await self._rounds.wake.wait()
             else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), retry_in)
-            async with self._idle:
-                # Cleared before the round: a poke during it triggers another round.
-                self._wake.clear()
-                self._busy = True
-            try:
-                await self._round(due_only=True)
-                failed_rounds = 0
-            except Exception:
-                logger.exception("reclaim round failed")
-                failed_rounds += 1
-            finally:
-                async with self._idle:
-                    self._busy = False
-                    self.rounds += 1
-                    self._idle.notify_all()
+                    await asyncio.wait_for(self._rounds.wake.wait(), retry_in)
+            async with self._rounds.round():
+                try:
+                    await self._round(due_only=True)
+                    failed_rounds = 0
+                except Exception:
+                    logger.exception("reclaim round failed")
+                    failed_rounds += 1
 
     # --- one version --------------------------------------------------------------------------
 

@@ -47,20 +47,28 @@ observe_incarnation, cleanup, confirm_cleanup, each naming the version).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tenacity import AsyncRetrying, RetryCallState, wait_exponential
 from tenacity.wait import wait_base
 
+from agentic_lora.background import (
+    DEFAULT_BACKOFF_INITIAL,
+    DEFAULT_BACKOFF_MAX,
+    Rounds,
+    backoff,
+    delay_after,
+    stop_loop,
+)
+from agentic_lora.listeners import notify
 from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.registry.types import VersionState
 
 __all__ = [
     "DEFAULT_BACKOFF_INITIAL",
     "DEFAULT_BACKOFF_MAX",
+    "QueuedListener",
     "ResolveReport",
     "Resolver",
     "backoff",
@@ -68,19 +76,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Seconds before the first retry of a blocked publication's cleanup.
-DEFAULT_BACKOFF_INITIAL = 1.0
-#: Longest wait between two retries.
-DEFAULT_BACKOFF_MAX = 30.0
-
 _UNRESOLVED = (VersionState.LOADING, VersionState.ABORTED)
 
-
-def backoff(
-    initial: float = DEFAULT_BACKOFF_INITIAL, cap: float = DEFAULT_BACKOFF_MAX
-) -> wait_base:
-    """``initial``, twice that, four times ... at most ``cap`` seconds between two rounds."""
-    return wait_exponential(multiplier=initial, max=cap)
+#: ``listener(version_id)``: a resolve of ``version_id`` is about to wait for the publisher's lock
+#: (called on the event loop; must not block). See :attr:`Resolver.on_queued`.
+QueuedListener = Callable[[str], object]
 
 
 @dataclass(frozen=True)
@@ -123,18 +123,16 @@ class Resolver:
         self.wait = wait if wait is not None else backoff()
         self.resolve_loading_at_start = resolve_loading_at_start
         self._sleep = sleep
-        self._retrying = AsyncRetrying(wait=self.wait)
         self._at_start = False
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
-        self._busy = False
+        self._rounds = Rounds()
         self._loop_task: asyncio.Task[None] | None = None
-        #: Rounds the background loop has finished.
-        self.rounds = 0
         #: Rounds in a row that left a publication blocked (0: nothing is waiting for a retry).
         self.failures = 0
         #: Seconds until the next retry round (None: the loop waits for a poke).
         self.retry_in: float | None = None
+        #: Told the version id when a resolve of it queues behind the publisher's lock (a
+        #: publication or another resolve is running), right before it waits; append any time.
+        self.on_queued: list[QueuedListener] = []
         publisher.resolver = self
 
     # --- on demand ---------------------------------------------------------------------------
@@ -167,13 +165,13 @@ class Resolver:
 
     def poke(self) -> None:
         """Ask for a round now (after a BLOCKED result); cuts a backoff wait short."""
-        self._wake.set()
+        self._rounds.poke()
 
     def start(self) -> None:
         """Run rounds in the background until :meth:`stop`; the first one runs at once."""
         if self._loop_task is None or self._loop_task.done():
             self._at_start = self.resolve_loading_at_start
-            self._wake.set()
+            self._rounds.poke()
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._run(), name="agentic-lora resolver"
             )
@@ -186,20 +184,19 @@ class Resolver:
         the next start or an operator.
         """
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_loop(task)
 
     async def settled(self, *, rounds: int = 0) -> None:
         """Return once no poke is pending, no round is running and ``rounds`` rounds finished.
 
         A backoff wait in progress counts as settled (:attr:`retry_in` says how long it is).
         """
-        async with self._idle:
-            await self._idle.wait_for(
-                lambda: not self._wake.is_set() and not self._busy and self.rounds >= rounds
-            )
+        await self._rounds.settled(lambda: self._rounds.count >= rounds)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds the background loop has finished."""
+        return self._rounds.count
 
     async def __aenter__(self) -> Resolver:
         self.start()
@@ -211,25 +208,19 @@ class Resolver:
     async def _run(self) -> None:
         while True:
             await self._next_round()
-            async with self._idle:
-                # Cleared before the round: a poke during it triggers another round.
-                self._wake.clear()
-                self._busy = True
             blocked: tuple[str, ...] = ()
             failed = False
-            try:
-                blocked = (await self.resolve_pending()).blocked
-            except Exception:
-                # The registry could not be read: nothing is known resolved, so retry later.
-                logger.exception("resolve round failed", extra={"failures": self.failures + 1})
-                failed = True
-            finally:
-                async with self._idle:
+            async with self._rounds.round():
+                try:
+                    blocked = (await self.resolve_pending()).blocked
+                except Exception:
+                    # The registry could not be read: nothing is known resolved, so retry later.
+                    logger.exception("resolve round failed", extra={"failures": self.failures + 1})
+                    failed = True
+                finally:
+                    # Before the round ends: settled() never sees a finished round's old backoff.
                     self.failures = self.failures + 1 if (blocked or failed) else 0
                     self.retry_in = self._delay(self.failures) if self.failures else None
-                    self._busy = False
-                    self.rounds += 1
-                    self._idle.notify_all()
             if blocked:
                 logger.warning(
                     "publication(s) %s still blocked; retrying in %.1f s",
@@ -240,10 +231,10 @@ class Resolver:
 
     async def _next_round(self) -> None:
         if self.retry_in is None:
-            await self._wake.wait()
+            await self._rounds.wake.wait()
             return
         sleeper = asyncio.ensure_future(self._sleep(self.retry_in))
-        poked = asyncio.ensure_future(self._wake.wait())
+        poked = asyncio.ensure_future(self._rounds.wake.wait())
         try:
             await asyncio.wait((sleeper, poked), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -253,9 +244,7 @@ class Resolver:
             await asyncio.gather(sleeper, poked, return_exceptions=True)
 
     def _delay(self, failures: int) -> float:
-        state = RetryCallState(self._retrying, None, (), {})
-        state.attempt_number = failures
-        return float(self.wait(state))
+        return delay_after(self.wait, failures)
 
     # --- one version --------------------------------------------------------------------------
 
@@ -283,6 +272,7 @@ class Resolver:
                 version_id,
                 extra=extra,
             )
+            notify(self.on_queued, version_id, logger=logger, what="on_queued", extra=extra)
         result = await self.publisher.resolve(version_id, reason=reason)
         extra.update(outcome=result.outcome.value, attempt=result.attempt)
         if result.outcome is PublicationOutcome.BLOCKED:

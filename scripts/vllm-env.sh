@@ -5,11 +5,4 @@
 # successful install, clean-up and import check marks it done; an unfinished venv is rebuilt.
 # The logic lives in harness/agentic_lora_harness/vllm_env.py; this is the shell entry point.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-if [[ -x $root/.venv/bin/python ]]; then
-  py=$root/.venv/bin/python
-else
-  py=${PYTHON:-python3}
-fi
-# The module needs only the standard library, so it also runs before the dev venv exists.
-PYTHONPATH="$root/harness${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m agentic_lora_harness.vllm_env "$@"
+exec "$(dirname "$0")/harness-module.sh" vllm_env "$@"

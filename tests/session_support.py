@@ -7,8 +7,8 @@
   per verb, can hold a verb at a gate, and can fail a verb before or after it ran (a lost reply).
 * :func:`publish` / :func:`stage`: drive publications with the registry verbs directly
   (:mod:`agentic_lora.testing.publish`, with each engine's READY naming ``<engine>-inc-1``).
-* :func:`log_signal`: an event set when the code under test logs that it started waiting, so a
-  test can act exactly while it waits.
+* :class:`Calls`: a listener for a product hook, with an event set once it was called ``count``
+  times, so a test can act exactly while the code under test waits.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,28 +338,23 @@ async def harness(
             await inner.aclose()
 
 
-@contextlib.contextmanager
-def log_signal(logger_name: str, message: str, *, count: int = 1) -> Iterator[asyncio.Event]:
-    """An event set once ``count`` records starting with ``message`` were logged on the logger.
+class Calls:
+    """A listener for a product hook: records every call, sets ``event`` at the ``count``-th.
 
-    The logger passes INFO records for the duration of the block.
+    Append it to a hook (``versioning.on_drain_wait``, ``resolver.on_queued``) to act exactly
+    while the code under test waits.
     """
-    seen = asyncio.Event()
-    hits: list[logging.LogRecord] = []
 
-    class _Signal(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage().startswith(message):
-                hits.append(record)
-                if len(hits) >= count:
-                    seen.set()
+    def __init__(self, count: int = 1) -> None:
+        self.count = count
+        self.calls: list[tuple[object, ...]] = []
+        self.event = asyncio.Event()
 
-    target = logging.getLogger(logger_name)
-    handler, level = _Signal(logging.INFO), target.level
-    target.addHandler(handler)
-    target.setLevel(logging.INFO)
-    try:
-        yield seen
-    finally:
-        target.removeHandler(handler)
-        target.setLevel(level)
+    def __call__(self, *args: object) -> None:
+        self.calls.append(args)
+        if len(self.calls) >= self.count:
+            self.event.set()
+
+    async def wait(self) -> None:
+        """Return once ``count`` calls arrived."""
+        await self.event.wait()

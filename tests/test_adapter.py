@@ -47,6 +47,17 @@ reference_deserialize = cast(
     Callable[[bytes], list[tuple[str, dict[str, Any]]]], safetensors.deserialize
 )
 
+#: Every float dtype an adapter may carry, with its safetensors code.
+FLOAT_DTYPES = pytest.mark.parametrize(
+    ("dtype", "code"),
+    [
+        (torch.float16, "F16"),
+        (torch.bfloat16, "BF16"),
+        (torch.float32, "F32"),
+        (torch.float64, "F64"),
+    ],
+)
+
 
 @contextlib.contextmanager
 def invalid(problem: AdapterProblem) -> Iterator[None]:
@@ -311,15 +322,7 @@ def test_torch_state_dict_tensors_own_their_memory() -> None:
     ].tolist() == [[0.5, -1.0]]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "code"),
-    [
-        (torch.float16, "F16"),
-        (torch.bfloat16, "BF16"),
-        (torch.float32, "F32"),
-        (torch.float64, "F64"),
-    ],
-)
+@FLOAT_DTYPES
 def test_every_float_dtype_round_trips_through_torch(dtype: torch.dtype, code: str) -> None:
     model = peft_model(seed=9, dtype=dtype)
     snapshot = AdapterSnapshot.from_module(model)
@@ -761,15 +764,7 @@ def finite_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return str(request.param)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "code"),
-    [
-        (torch.float16, "F16"),
-        (torch.bfloat16, "BF16"),
-        (torch.float32, "F32"),
-        (torch.float64, "F64"),
-    ],
-)
+@FLOAT_DTYPES
 def test_count_non_finite_matches_torch(finite_check: str, dtype: torch.dtype, code: str) -> None:
     generator = torch.Generator().manual_seed(0)
     values = torch.cat([torch.tensor(_SPECIALS), torch.randn(64, generator=generator) * 1e4])

@@ -138,17 +138,7 @@ def lora_server_info(fleet: ScriptedFleet, **fields: Any) -> None:
 
 
 def settings_for(fleet: ScriptedFleet, **overrides: Any) -> Any:
-    values: dict[str, Any] = {
-        "enable_versioned_lora_publication": True,
-        "engines": [f"{e.name}={e.base_url}" for e in fleet.refs],
-        "capacity": 2,
-        "http_transport": "httpx",  # respx intercepts httpx's default transport
-        "engine_max_loaded_loras": 3,
-        "engine_max_loras_per_batch": 3,
-        "base_model_name": BASE_MODEL,
-    }
-    values.update(overrides)
-    return load_settings(**values)
+    return fleet.settings(**{"base_model_name": BASE_MODEL, **overrides})
 
 
 @dataclass

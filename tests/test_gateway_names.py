@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -64,6 +64,15 @@ class FakeClock:
 async def fleet_and_routes() -> AsyncIterator[tuple[ScriptedFleet, OpenAIRoutes]]:
     with ScriptedFleet() as fleet:
         yield fleet, OpenAIRoutes(fleet)
+
+
+R = TypeVar("R", bound=LocalRegistry)
+
+
+def shared_registry(fleet: ScriptedFleet, kind: type[R] = LocalRegistry, **options: Any) -> R:
+    """A registry on ``fleet``'s engines and capacity, for gateways given it to share."""
+    settings = settings_for(fleet)
+    return kind(engines=[e.name for e in settings.engines], capacity=settings.capacity, **options)
 
 
 async def start_gateway(
@@ -322,10 +331,7 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
 
 async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -> None:
     async with fleet_and_routes() as (fleet, routes):
-        settings = settings_for(fleet)
-        registry = LocalRegistry(
-            engines=[e.name for e in settings.engines], capacity=settings.capacity
-        )
+        registry = shared_registry(fleet)
         one = await start_gateway(fleet, routes, tmp_path, registry=registry, gateway_id="gw-1")
         await one.publish("A", 1)
         a_name = lora_name(one, "A")
@@ -416,14 +422,7 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
 ) -> None:
     clock = FakeClock()
     async with fleet_and_routes() as (fleet, routes):
-        settings = settings_for(fleet)
-        registry = LocalRegistry(
-            engines=[e.name for e in settings.engines],
-            capacity=settings.capacity,
-            clock=clock,
-            sweep_interval=None,
-            name_ttl=600.0,
-        )
+        registry = shared_registry(fleet, clock=clock, sweep_interval=None, name_ttl=600.0)
         # A lease far longer than the fake time this test skips: only names age here.
         stack = await start_gateway(
             fleet, routes, tmp_path, registry=registry, lease_ttl=1e6, session_name_ttl=600.0
@@ -476,13 +475,7 @@ async def test_ten_thousand_closed_ids_grow_only_the_registry_which_ages_them_ou
     clock = FakeClock()
     with ScriptedFleet() as fleet:
         settings = settings_for(fleet, lease_ttl=1e6)  # only names age here
-        registry = LocalRegistry(
-            engines=[e.name for e in settings.engines],
-            capacity=settings.capacity,
-            clock=clock,
-            sweep_interval=None,
-            name_ttl=60.0,
-        )
+        registry = shared_registry(fleet, clock=clock, sweep_interval=None, name_ttl=60.0)
         versioning = Versioning.from_settings(
             settings,
             registry=registry,
@@ -551,13 +544,7 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
 ) -> None:
     clock = FakeClock()
     async with fleet_and_routes() as (fleet, routes):
-        settings = settings_for(fleet)
-        registry = LocalRegistry(
-            engines=[e.name for e in settings.engines],
-            capacity=settings.capacity,
-            clock=clock,
-            sweep_interval=None,
-        )
+        registry = shared_registry(fleet, clock=clock, sweep_interval=None)
         stack = await start_gateway(fleet, routes, tmp_path, registry=registry, lease_ttl=30.0)
         try:
             await stack.publish("A", 1)
@@ -621,10 +608,7 @@ async def test_a_lost_open_named_reply_is_replayed_with_the_same_request_id(
     tmp_path: Path,
 ) -> None:
     async with fleet_and_routes() as (fleet, routes):
-        settings = settings_for(fleet)
-        registry = LosingRegistry(
-            engines=[e.name for e in settings.engines], capacity=settings.capacity
-        )
+        registry = shared_registry(fleet, LosingRegistry)
         stack = await start_gateway(fleet, routes, tmp_path, registry=registry)
         try:
             await stack.publish("A", 1)

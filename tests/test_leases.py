@@ -21,7 +21,6 @@ import pytest
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
-from agentic_lora.config import load_settings
 from agentic_lora.deployment import Deployment
 from agentic_lora.errors import (
     ConfigurationError,
@@ -159,8 +158,20 @@ def lease_status(registry: LocalRegistry, lease_id: str) -> LeaseStatus | None:
     return registry.core.lease(lease_id)
 
 
-def leased(t: FakeTime, clock: RegistryClock | None = None, **lease: Any) -> Any:
-    """A harness whose Versioning binds under owner ``w0``'s lease, on fake time."""
+@dataclass
+class Leased(Harness):
+    """A :class:`Harness` whose Versioning binds under a lease (both are always there)."""
+
+    lease: LeaseKeeper
+    inner: LocalRegistry
+
+
+@contextlib.asynccontextmanager
+async def leased(
+    t: FakeTime, clock: RegistryClock | None = None, *, published: str | None = None, **lease: Any
+) -> AsyncIterator[Leased]:
+    """A harness whose Versioning binds under owner ``w0``'s lease, on fake time (with
+    ``published`` already published, when given)."""
     options: dict[str, Any] = {
         "owner": "w0",
         "ttl": TTL,
@@ -169,10 +180,15 @@ def leased(t: FakeTime, clock: RegistryClock | None = None, **lease: Any) -> Any
         "retry_wait": wait_fixed(5),
     }
     options.update(lease)
-    return harness(
+    async with harness(
         registry_options={"clock": clock or RegistryClock(t), "sweep_interval": None},
         lease=options,
-    )
+    ) as h:
+        assert h.lease is not None
+        assert h.inner is not None
+        if published is not None:
+            await publish(h.registry, published)
+        yield Leased(h.versioning, h.registry, h.engines, h.transport, h.clock, h.lease, h.inner)
 
 
 # --- a dead owner ----------------------------------------------------------------------------
@@ -182,11 +198,8 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
     None
 ):
     t = FakeTime()
-    async with leased(t, sleep=never) as h:
+    async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
         await s2.generate(turn("s2"))
@@ -228,11 +241,8 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
 
 async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         reg.fail_before["renew_lease"] = 10**6  # partitioned from the registry from now on
@@ -259,11 +269,8 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
 ):
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         bound = v.open_session("bound")
         await bound.generate(turn("bound"))
         first = h.lease.current
@@ -304,11 +311,8 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
 
 async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() -> None:
     t = FakeTime()
-    async with leased(t, sleep=never) as h:
+    async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s1, s2 = v.open_session("s1"), v.open_session("s2")
         await s1.generate(turn("s1"))
         await s2.generate(turn("s2"))
@@ -328,11 +332,8 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
     None
 ):
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
@@ -364,11 +365,8 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
 
 async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         first = h.lease.current
@@ -397,11 +395,8 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
 
 async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         reg.fail_before["renew_lease"] = 10**6
         await t.sleeping()
@@ -429,11 +424,8 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
 async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -458,8 +450,6 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
 async def test_an_idle_owner_renews_in_the_background() -> None:
     t = FakeTime()
     async with leased(t) as h:
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(h.registry, "A")
         await h.versioning.open_session("idle").generate(turn("idle"))
         log = Events(h.lease)
@@ -473,10 +463,10 @@ async def test_an_idle_owner_renews_in_the_background() -> None:
 
 async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() -> None:
     t = FakeTime()
-    async with leased(t, sleep=never) as h:  # the timer never fires: only dispatches renew
+    async with leased(
+        t, sleep=never, published="A"
+    ) as h:  # the timer never fires: only dispatches renew
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -501,8 +491,6 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
     clock = RegistryClock(t)
     async with leased(t, clock, retry_wait=wait_none()) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         reg.lose_reply["open_lease"] = 1
         reg.lose_reply["renew_lease"] = 2
         await publish(reg, "A")
@@ -525,11 +513,8 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
 async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock) as h:
+    async with leased(t, clock, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         await v.open_session("s").generate(turn("s"))
         log = Events(h.lease)
         gate = reg.gate("renew_lease")
@@ -552,10 +537,8 @@ async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_
 
 async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline() -> None:
     t = FakeTime()
-    async with leased(t) as h:  # retries every 5 s of fake time
+    async with leased(t, published="A") as h:  # retries every 5 s of fake time
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         term = h.lease.current
@@ -582,10 +565,8 @@ async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_
 
 async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.lease is not None
-        await publish(reg, "A")
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -604,11 +585,8 @@ async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lea
 
 async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         first = h.lease.current
         gate = reg.gate("open_lease")
         s = v.open_session("s")
@@ -629,11 +607,8 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
 async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -> None:
     t = FakeTime()
     clock = RegistryClock(t)
-    async with leased(t, clock, open_attempts=2, retry_wait=wait_none()) as h:
+    async with leased(t, clock, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
         s = v.open_session("s")
@@ -657,8 +632,6 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
         assert h.lease.state is LeaseState.PENDING
         assert not {"open_lease", "renew_lease"} & set(reg.calls)  # no I/O at construction
         await publish(reg, "A")
@@ -681,9 +654,8 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
     None
 ):
     t = FakeTime()
-    async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
+    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
-        await publish(reg, "A")
         reg.fail_before["open_lease"] = 2
         s = v.open_session("s")
         with pytest.raises(RequestRefusedError) as err:
@@ -700,11 +672,8 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
 
 async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing() -> None:
     t = FakeTime()
-    async with leased(t) as h:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        assert h.inner is not None
-        assert h.lease is not None
-        await publish(reg, "A")
         await v.open_session("a").generate(turn("a"))
         v.open_session("b")  # never dispatched
         lease_id = h.lease.lease_id
@@ -733,10 +702,8 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
 
 async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None:
     t = FakeTime()
-    async with leased(t) as h:
-        reg, v = h.registry, h.versioning
-        assert h.lease is not None
-        await publish(reg, "A")
+    async with leased(t, published="A") as h:
+        v = h.versioning
         s = v.open_session("s")
         await s.generate(turn("s"))
         log = Events(h.lease)
@@ -756,14 +723,14 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
     t = FakeTime()
     async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
         reg = h.registry
-        assert h.inner is not None
-        assert h.lease is not None
         await publish(reg, "A")
         await h.lease.acquire()
         reg.fail_before["close_lease"] = 2
         with caplog.at_level(logging.WARNING, logger="agentic_lora.leases"):
             await h.lease.aclose()
-        assert "close_lease not confirmed" in caplog.text
+        # Told once, by the keeper, naming the lease the TTL will end.
+        [warned] = [r for r in caplog.records if r.name == "agentic_lora.leases.keeper"]
+        assert (warned.levelno, warned.lease) == (logging.WARNING, h.lease.lease_id)  # type: ignore[attr-defined]
         assert lease_status(h.inner, h.lease.lease_id) is not None  # the TTL will end it
         assert h.lease.state is LeaseState.CLOSED
 
@@ -773,7 +740,6 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
 ) -> None:
     t = FakeTime()
     async with leased(t) as h:
-        assert h.lease is not None
 
         def broken(event: LeaseEvent) -> None:
             raise RuntimeError("listener bug")
@@ -782,7 +748,9 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
         await publish(h.registry, "A")
         with caplog.at_level(logging.ERROR, logger="agentic_lora.leases"):
             await h.versioning.open_session("s").generate(turn("s"))
-        assert "lease listener failed" in caplog.text
+        failed = [r for r in caplog.records if r.exc_info is not None]
+        assert [r.exc_info[0] for r in failed] == [RuntimeError]  # type: ignore[index]
+        assert failed[0].lease == h.lease.lease_id  # type: ignore[attr-defined]
         assert h.lease.state is LeaseState.HELD
 
 
@@ -978,7 +946,6 @@ async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> N
         raise RuntimeError("injected sleep failed")
 
     async with leased(t, sleep=broken_sleep) as h:
-        assert h.lease is not None
         await publish(h.registry, "A")
         s = h.versioning.open_session("s")
         await s.generate(turn("s"))
@@ -996,16 +963,7 @@ async def test_a_deployment_reclaims_as_soon_as_a_lease_releases_a_dead_workers_
 ) -> None:
     t = FakeTime()
     with ScriptedFleet(("e0", "e1")) as fleet:
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-            capacity=2,
-            http_transport="httpx",
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
-            base_model_name="tiny-qwen3",
-            owner_id="w0",
-        )
+        settings = fleet.settings(owner_id="w0")
         registry = LocalRegistry(
             engines=("e0", "e1"), capacity=2, clock=RegistryClock(t), sweep_interval=None
         )

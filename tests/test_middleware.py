@@ -37,7 +37,7 @@ from agentic_lora.registry.types import Binding, VersionState, VersionStatus, ne
 from agentic_lora.requests import Route
 from agentic_lora.routing import EngineHealth, InFlightCounter
 from agentic_lora.transport import EngineReply
-from tests.session_support import harness, publish
+from tests.session_support import Calls, harness, publish
 
 VLLM = VllmDialect()
 LORA = "policy_lora@0-v1-0123456789abcdef"
@@ -185,6 +185,30 @@ async def test_adapter_in_flight_counts_per_name_and_wakes_waiters_when_one_drai
     await asyncio.gather(*tasks, *waiters)
     assert log == ["a1 ended", "b ended", "b drained", "a2 ended", "a drained"]
     assert counter.busy() == {}
+
+
+@pytest.mark.asyncio
+async def test_adapter_in_flight_tells_its_listeners_when_a_drain_starts_to_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    counter = AdapterInFlight()
+    told = Calls()
+
+    def broken(lora_name: str, in_flight: int) -> None:
+        raise RuntimeError("listener bug")
+
+    counter.on_wait.extend([broken, told])
+    await counter.wait_drained("a")  # nothing in flight: returns at once, nobody is told
+    assert told.calls == []
+    with counter.track("a"), counter.track("a"):
+        waiter = asyncio.create_task(counter.wait_drained("a"))
+        await told.wait()
+        assert not waiter.done()
+    await waiter
+    # The broken listener was logged and skipped; the next one was still told.
+    assert told.calls == [("a", 2)]
+    [failure] = [r for r in caplog.records if r.exc_info is not None]
+    assert (failure.version, failure.in_flight) == ("a", 2)  # type: ignore[attr-defined]
 
 
 class Recorder:
@@ -515,7 +539,8 @@ async def test_an_engine_refusing_a_versioned_request_is_reported_to_listeners(
     with pytest.raises(RequestRefusedError, match="HTTP 400"):
         await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
     assert heard == [("e1", "v1")]
-    assert "on_refused listener failed" in caplog.text
+    [failure] = [r for r in caplog.records if r.exc_info is not None]
+    assert (failure.engine, failure.version) == ("e1", "v1")  # type: ignore[attr-defined]
     with pytest.raises(RequestIndeterminateError):  # may have run: not a refusal
         await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", BINDING))
     unversioned = build_chain(

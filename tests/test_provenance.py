@@ -30,17 +30,8 @@ A, B = tiny_snapshot(1), tiny_snapshot(2)
 
 
 def _deployment(fleet: ScriptedFleet, tmp_path: Path) -> Deployment:
-    settings = load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-        capacity=2,
-        http_transport="httpx",  # respx intercepts httpx's default transport
-        engine_max_loaded_loras=3,
-        engine_max_loras_per_batch=3,
-        base_model_name="tiny-qwen3",
-    )
     return Deployment.from_settings(
-        settings, backend_options={"store_root": str(tmp_path / "adapters")}
+        fleet.settings(), backend_options={"store_root": str(tmp_path / "adapters")}
     )
 
 

@@ -42,6 +42,7 @@ from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication_support import RegistryReads
 
 A = tiny_snapshot(1)
 B = tiny_snapshot(2)
@@ -97,7 +98,7 @@ class LossyRegistry:
 
 
 @dataclass
-class World:
+class World(RegistryReads):
     fleet: ScriptedFleet
     registry: LocalRegistry
     link: LossyRegistry
@@ -112,26 +113,6 @@ class World:
         binding = await self.registry.bind_first(request_id=new_request_id(), session_key=key)
         self.sessions[key] = binding
         return binding
-
-    async def close(self, key: str) -> None:
-        await self.registry.begin_close(request_id=new_request_id(), session_key=key)
-        await self.registry.release(request_id=new_request_id(), session_key=key)
-
-    async def default(self) -> str | None:
-        return (await self.registry.status()).default_version
-
-    async def slots(self) -> int:
-        return (await self.registry.status()).slots_in_use
-
-    def state(self, version_id: str) -> VersionState:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.state
-
-    def name(self, version_id: str) -> str:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.lora_name
 
 
 @pytest_asyncio.fixture

@@ -25,6 +25,7 @@ from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication_support import RegistryReads
 
 A = tiny_snapshot(1)
 B = tiny_snapshot(2)
@@ -43,7 +44,7 @@ class SteppedClock:
 
 
 @dataclass
-class World:
+class World(RegistryReads):
     fleet: ScriptedFleet
     registry: LocalRegistry
     backend: HttpPushBackend
@@ -55,23 +56,6 @@ class World:
         return (
             await self.registry.bind_first(request_id=new_request_id(), session_key=key)
         ).version_id
-
-    async def close(self, key: str) -> None:
-        await self.registry.begin_close(request_id=new_request_id(), session_key=key)
-        await self.registry.release(request_id=new_request_id(), session_key=key)
-
-    async def slots(self) -> int:
-        return (await self.registry.status()).slots_in_use
-
-    def state(self, version_id: str) -> VersionState:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.state
-
-    def name(self, version_id: str) -> str:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.lora_name
 
     def unloads(self, version_id: str) -> dict[str, int]:
         return {n: e.physical_unloads[self.name(version_id)] for n, e in self.fleet.engines.items()}

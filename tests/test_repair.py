@@ -70,18 +70,7 @@ NO_TICK = 3600.0
 
 
 def _settings(fleet: ScriptedFleet, **kw: Any) -> Any:
-    values: dict[str, Any] = {
-        "enable_versioned_lora_publication": True,
-        "engines": [f"{e.name}={e.base_url}" for e in fleet.refs],
-        "capacity": 2,
-        "http_transport": "httpx",  # respx intercepts httpx's default transport
-        "engine_max_loaded_loras": 3,
-        "engine_max_loras_per_batch": 3,
-        "base_model_name": "tiny-qwen3",
-        "probe_interval": NO_TICK,
-    }
-    values.update(kw)
-    return load_settings(**values)
+    return fleet.settings(**{"probe_interval": NO_TICK, **kw})
 
 
 @contextlib.asynccontextmanager
@@ -549,7 +538,8 @@ async def test_a_version_whose_content_is_gone_is_reported_and_its_sessions_use_
                 assert result.outcome is RepairOutcome.SNAPSHOT_UNAVAILABLE
             assert d.repairer.outcomes[RepairOutcome.SNAPSHOT_UNAVAILABLE] == 2
             # Reported once (log and progress event), not once per round.
-            assert len([r for r in caplog.records if "cannot repair A" in r.getMessage()]) == 1
+            warned = [r for r in caplog.records if getattr(r, "version", None) == "A"]
+            assert [(r.levelno, r.engines) for r in warned] == [(logging.WARNING, ["e1"])]  # type: ignore[attr-defined]
             reported = [e for e in events if e.error_code == SNAPSHOT_UNAVAILABLE]
             assert reported == [
                 PhaseEvent("e1", Phase.PREPARE, PhaseStatus.FAILED, 0.0, SNAPSHOT_UNAVAILABLE, "A")

@@ -10,8 +10,7 @@ which of two things finishes first by wall clock.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 
 from agentic_lora.backends import PublicationTarget
-from agentic_lora.config import load_settings
 from agentic_lora.deployment import Deployment
 from agentic_lora.errors import PublicationBlockedError
 from agentic_lora.publisher import Phase, PhaseStatus, PublicationOutcome, Publisher
@@ -31,6 +29,8 @@ from agentic_lora.resolver import Resolver, backoff
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication_support import RegistryReads
+from tests.session_support import Calls
 from tests.test_publisher import FAST, LossyRegistry, Progress
 
 A = tiny_snapshot(1)
@@ -65,7 +65,7 @@ class Naps:
 
 
 @dataclass
-class World:
+class World(RegistryReads):
     fleet: ScriptedFleet
     registry: LocalRegistry
     link: LossyRegistry
@@ -74,19 +74,6 @@ class World:
     resolver: Resolver
     naps: Naps
     progress: Progress
-
-    def state(self, version_id: str) -> VersionState:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.state
-
-    def name(self, version_id: str) -> str:
-        status = self.registry.peek_version(version_id)
-        assert status is not None
-        return status.lora_name
-
-    async def slots(self) -> int:
-        return (await self.registry.status()).slots_in_use
 
     def phases(self, engine: str | None, phase: Phase, status: PhaseStatus) -> int:
         return sum(
@@ -265,17 +252,7 @@ async def test_an_engine_that_restarts_while_blocked_frees_the_slot_without_a_cl
 
 
 def deployment_settings(fleet: ScriptedFleet, journal: Path, **extra: Any) -> Any:
-    return load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-        capacity=2,
-        http_transport="httpx",  # respx intercepts httpx's default transport
-        engine_max_loaded_loras=3,
-        engine_max_loras_per_batch=3,
-        base_model_name="tiny-qwen3",
-        journal_path=journal,
-        **extra,
-    )
+    return fleet.settings(journal_path=journal, **extra)
 
 
 @pytest.mark.asyncio
@@ -383,34 +360,17 @@ async def test_a_blocked_commit_that_did_happen_is_left_published(world: World) 
 # --- never while this process publishes ---------------------------------------------------------
 
 
-class _Signal(logging.Handler):
-    """Sets ``event`` when the resolver logs that it waits for the publisher."""
-
-    def __init__(self, event: asyncio.Event) -> None:
-        super().__init__()
-        self.event = event
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "waits for the publisher" in record.getMessage():
-            self.event.set()
-
-
 @pytest.fixture
-def resolver_waits() -> Iterator[asyncio.Event]:
-    event = asyncio.Event()
-    handler = _Signal(event)
-    log = logging.getLogger("agentic_lora.resolver")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    yield event
-    log.removeHandler(handler)
-    log.setLevel(level)
+def resolver_waits(world: World) -> Calls:
+    """Called when a resolve queues behind the publisher's lock (:attr:`Resolver.on_queued`)."""
+    queued = Calls()
+    world.resolver.on_queued.append(queued)
+    return queued
 
 
 @pytest.mark.asyncio
 async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts_it(
-    world: World, resolver_waits: asyncio.Event
+    world: World, resolver_waits: Calls
 ) -> None:
     assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
     gate, reached = asyncio.Event(), asyncio.Event()
@@ -420,7 +380,8 @@ async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts
 
     # A start-up round takes every LOADING version; v2 is one, but it is being published.
     world.resolver.start()
-    await resolver_waits.wait()  # logged right before it queued on the publisher's lock
+    await resolver_waits.wait()  # told right before it queued on the publisher's lock
+    assert resolver_waits.calls == [("v2",)]
     assert world.state("v2") is VersionState.LOADING
     assert world.phases(None, Phase.ABORT, PhaseStatus.STARTED) == 0
     assert world.resolver.rounds == 0

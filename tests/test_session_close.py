@@ -32,6 +32,7 @@ async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_clo
         assert result.version_id is None
         assert result.released_now
         assert s.phase is SessionPhase.CLOSED
+        assert not s.close_waits.is_set()  # nothing was in flight
         with pytest.raises(SessionClosedError):
             await s.generate({"text": "late"})
         assert h.registry.calls["bind_first"] == 0

@@ -19,7 +19,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
-from tests.session_support import BASE_MODEL, harness, log_signal, publish
+from tests.session_support import BASE_MODEL, harness, publish
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -89,10 +89,9 @@ async def test_vllm_sessions_cannot_abort_and_close_drains_without_an_abort_rout
             await s.abort(held.rid)
         assert err.value.details["reason"] == "abort_unsupported"
 
-        with log_signal("agentic_lora.session", "close waits for in-flight") as signal:
-            closing = asyncio.create_task(s.close())
-            waiting = asyncio.create_task(signal.wait())
-            done, _ = await asyncio.wait({closing, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        closing = asyncio.create_task(s.close())
+        waiting = asyncio.create_task(s.close_waits.wait())
+        done, _ = await asyncio.wait({closing, waiting}, return_when=asyncio.FIRST_COMPLETED)
         assert done == {waiting}, "close ended while its request was still running"
         # Close is past the point where SGLang's would have aborted: nothing was sent, and the
         # request is still running.

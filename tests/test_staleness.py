@@ -36,16 +36,7 @@ A, B, C, D = (tiny_snapshot(i) for i in (1, 2, 3, 4))
 
 
 def _settings(fleet: ScriptedFleet, *, capacity: int = 2, **kw: Any) -> AgenticLoRASettings:
-    return load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{e.name}={e.base_url}" for e in fleet.refs],
-        capacity=capacity,
-        http_transport="httpx",  # respx intercepts httpx's default transport
-        engine_max_loaded_loras=capacity + 1,
-        engine_max_loras_per_batch=capacity + 1,
-        base_model_name="tiny-qwen3",
-        **kw,
-    )
+    return fleet.settings(capacity=capacity, **kw)
 
 
 def _deployment(fleet: ScriptedFleet, tmp_path: Path, **kw: Any) -> Deployment:

@@ -386,7 +386,7 @@ async def test_a_close_that_fails_after_a_lost_reply_does_not_replace_its_verdic
                 await t.send("e0", "/generate", {"text": "x", "rid": "r-close"})
         finally:
             await t.aclose()
-    [record] = [r for r in caplog.records if r.getMessage().startswith("closing an engine")]
+    [record] = [r for r in caplog.records if getattr(r, "rid", None) == "r-close"]
     assert (record.engine, record.rid, record.error) == (  # type: ignore[attr-defined]
         "e0",
         "r-close",

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Final, get_args
+from typing import Final, get_args
 
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
 from tenacity.stop import stop_base
@@ -25,6 +25,7 @@ from agentic_lora.errors import (
 from agentic_lora.leases.call_replay import StopWhen, log_replay, replaying
 from agentic_lora.leases.options import (
     DEFAULT_LEASE_TTL,
+    LeaseSettings,
     OnRestart,
     check_lease_timing,
     check_owner,
@@ -38,11 +39,9 @@ from agentic_lora.leases.term import (
     LeaseState,
     LeaseTerm,
 )
+from agentic_lora.listeners import notify
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
-
-if TYPE_CHECKING:
-    from agentic_lora.config import AgenticLoRASettings
 
 __all__ = ["LeaseKeeper"]
 
@@ -113,7 +112,7 @@ class LeaseKeeper:
     @classmethod
     def from_settings(
         cls,
-        settings: AgenticLoRASettings,
+        settings: LeaseSettings,
         registry: RegistryAPI,
         *,
         owner: str | None = None,
@@ -430,11 +429,7 @@ class LeaseKeeper:
         adopted: tuple[str, ...] = (),
     ) -> None:
         event = LeaseEvent(kind, term.lease_id, self.clock(), reason, released, adopted)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                logger.exception("lease listener failed", extra={"lease": term.lease_id})
+        notify(self._listeners, event, logger=logger, what="lease", extra={"lease": term.lease_id})
 
     # --- closing -------------------------------------------------------------------------------
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from agentic_lora.errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
+    "LeaseSettings",
     "OnRestart",
     "check_lease_timing",
     "check_owner",
@@ -19,6 +20,21 @@ __all__ = [
 
 #: What a new incarnation does with its predecessor's Sessions (see :mod:`agentic_lora.leases`).
 OnRestart = Literal["release", "adopt"]
+
+
+class LeaseSettings(Protocol):
+    """The lease part of the settings (:class:`~agentic_lora.config.AgenticLoRASettings` has it);
+    declared here so the lease layer does not depend on the configuration layer above it."""
+
+    @property
+    def owner_id(self) -> str | None: ...
+
+    @property
+    def lease_ttl(self) -> float: ...
+
+    @property
+    def lease_renew_interval(self) -> float | None: ...
+
 
 #: Seconds. Minutes-scale, not hours: a dead worker's refs are released within about a minute.
 DEFAULT_LEASE_TTL: Final = 60.0

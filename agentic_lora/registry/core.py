@@ -119,27 +119,8 @@ TIMED_VERBS: frozenset[str] = frozenset(
 class RegistryCore(RegistryState):
     """The LoRA version registry as a deterministic state machine (see module docstring).
 
-    ``capacity`` counts versions that hold an engine slot: LOADING, PUBLISHED, RETIRED,
-    RECLAIMING, and ABORTED until every engine confirmed its cleanup.
+    Constructed as :class:`~agentic_lora.registry.state.RegistryState` (engines, capacity, ...).
     """
-
-    def __init__(
-        self,
-        *,
-        engines: Sequence[str],
-        capacity: int,
-        deployment_epoch: int = 0,
-        prefix: str = "policy_lora",
-        idempotency_window: int = 16384,
-    ) -> None:
-        super().__init__(
-            engines=engines,
-            capacity=capacity,
-            deployment_epoch=deployment_epoch,
-            prefix=prefix,
-            idempotency_window=idempotency_window,
-        )
-        self._verbs: dict[str, Callable[..., Any]] = {v: getattr(self, v) for v in MUTATING_VERBS}
 
     # --- the entry point the journal and every front end use ---------------------------------
 
@@ -155,7 +136,8 @@ class RegistryCore(RegistryState):
         seen, earlier = self._done.recall(request_id, verb, fp)
         if seen:
             return earlier, False
-        fn = self._verbs.get(verb)
+        # Only the declared mutating verbs: an arbitrary attribute name is never callable here.
+        fn: Callable[..., Any] | None = getattr(self, verb) if verb in MUTATING_VERBS else None
         if fn is None:
             raise InvalidStateError(f"unknown verb {verb!r}", reason="unknown_verb")
         result = fn(**args)

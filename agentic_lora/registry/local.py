@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentic_lora.errors import AgenticLoRAError, JournalCorruptError, JournalError
+from agentic_lora.listeners import notify
 from agentic_lora.registry.api import RegistryAPI, RegistryListener
 from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.journal import Journal, JournalEntry
@@ -208,11 +209,9 @@ class LocalRegistry(RegistryAPI):
                         json.dumps(to_wire(args), separators=(",", ":")),
                     )
                 )
-            for listener in self._listeners:
-                try:
-                    listener(verb, result)
-                except Exception:
-                    logger.exception("registry listener failed", extra={"verb": verb})
+            notify(
+                self._listeners, verb, result, logger=logger, what="registry", extra={"verb": verb}
+            )
             if verb == "open_lease":
                 self._ensure_sweeper()
         elif self._journal is not None and self._durable_seq < self._core.seq:

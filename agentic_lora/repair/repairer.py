@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from agentic_lora.adapter import AdapterSnapshot
 from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.background import Rounds, stop_loop
 from agentic_lora.errors import (
     BackendRefusedError,
     ConfigurationError,
@@ -141,8 +142,6 @@ class Repairer:
         self._clock = clock
         #: Every repair's outcome so far, counted (for metrics and tests).
         self.outcomes: Counter[RepairOutcome] = Counter()
-        #: Rounds the background loop has finished.
-        self.rounds = 0
         self._probe = EngineProbe(
             registry,
             backend,
@@ -158,9 +157,7 @@ class Repairer:
         self._poked_by: set[str] = set()
         self._unavailable: set[str] = set()  # versions whose missing content was reported
         self._repairs: dict[str, asyncio.Task[list[RepairResult]]] = {}
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Condition()
-        self._busy = False
+        self._rounds = Rounds()
         self._loop_task: asyncio.Task[None] | None = None
 
     # --- what it knows --------------------------------------------------------------------------
@@ -195,16 +192,21 @@ class Repairer:
 
     # --- background -----------------------------------------------------------------------------
 
+    @property
+    def rounds(self) -> int:
+        """Rounds the background loop has finished."""
+        return self._rounds.count
+
     def poke(self, engine: str | None = None) -> None:
         """Probe (and repair) now, not at the next tick; ``engine``: who looked restarted."""
         if engine is not None:
             self._poked_by.add(engine)
-        self._wake.set()
+        self._rounds.poke()
 
     def start(self) -> None:
         """Probe at once, then every ``probe_interval`` and on every poke, until :meth:`stop`."""
         if self._loop_task is None or self._loop_task.done():
-            self._wake.set()  # the start-up probe is pending: settled() waits for it
+            self._rounds.poke()  # the start-up probe is pending: settled() waits for it
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._run(), name="lora-repairer"
             )
@@ -212,19 +214,12 @@ class Repairer:
     async def stop(self) -> None:
         """Stop probing; a repair already loading finishes (its READY is recorded or cleaned)."""
         task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for running in list(self._repairs.values()):
-            with contextlib.suppress(Exception):
-                await running
+        await stop_loop(task, then=self._repairs.values())
 
     async def settled(self) -> None:
         """Return once no poke is pending, no round runs and no repair is loading."""
         while True:
-            async with self._idle:
-                await self._idle.wait_for(lambda: not self._wake.is_set() and not self._busy)
+            await self._rounds.settled()
             running = [t for t in self._repairs.values() if not t.done()]
             if not running:
                 return
@@ -239,27 +234,19 @@ class Repairer:
 
     async def _run(self) -> None:
         while True:
-            async with self._idle:
-                # Cleared before the round: a poke during it triggers another round.
-                self._wake.clear()
-                self._busy = True
-            poked, self._poked_by = self._poked_by, set()
-            if poked:
-                logger.info(
-                    "probing now: a dispatch was refused",
-                    extra={"engines": sorted(poked)},
-                )
-            try:
-                self._schedule(await self.probe_once())
-            except Exception:
-                logger.exception("repair round failed; retried next interval")
-            finally:
-                async with self._idle:
-                    self._busy = False
-                    self.rounds += 1
-                    self._idle.notify_all()
+            async with self._rounds.round():
+                poked, self._poked_by = self._poked_by, set()
+                if poked:
+                    logger.info(
+                        "probing now: a dispatch was refused",
+                        extra={"engines": sorted(poked)},
+                    )
+                try:
+                    self._schedule(await self.probe_once())
+                except Exception:
+                    logger.exception("repair round failed; retried next interval")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.probe_interval)
+                await asyncio.wait_for(self._rounds.wake.wait(), self.probe_interval)
 
     # --- repairs --------------------------------------------------------------------------------
 
@@ -303,7 +290,7 @@ class Repairer:
         # waits for the next tick, so a version that cannot be repaired is not retried in a loop.
         again = (RepairOutcome.REPAIRED, RepairOutcome.STALE)
         if any(r.outcome in again for r in task.result()):
-            self._wake.set()
+            self._rounds.poke()
 
     async def _repair_version(
         self, version_id: str, engines: list[EngineRef]

@@ -84,6 +84,9 @@ class Session:
         self._in_flight: set[InFlight] = set()
         self._drained = asyncio.Event()
         self._drained.set()
+        #: Set when :meth:`close` starts waiting for requests still in flight (after aborting
+        #: those the engine can abort); never set when nothing was in flight at that point.
+        self.close_waits = asyncio.Event()
 
     # --- what it is ------------------------------------------------------------------------------
 
@@ -249,6 +252,7 @@ class Session:
                 "close waits for in-flight requests to end",
                 extra={"session": self._key, "in_flight": len(self._in_flight)},
             )
+            self.close_waits.set()
         await self._drained.wait()
         result = await binder.release()
         self._release_result = result

@@ -25,6 +25,7 @@ from agentic_lora.middleware import (
     AdapterPinMiddleware,
     DispatchGuard,
     DispatchGuardMiddleware,
+    DrainWaitListener,
     Middleware,
     PeekGuard,
     RefusedListener,
@@ -32,7 +33,6 @@ from agentic_lora.middleware import (
     TransportEndpoint,
     build_chain,
 )
-from agentic_lora.pd import pd_guard
 from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
 from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
 from agentic_lora.registry.types import ReleaseResult, new_request_id
@@ -44,6 +44,7 @@ from agentic_lora.session.binder import (
     SessionBinder,
 )
 from agentic_lora.session.lifecycle import Session, SessionRuntime
+from agentic_lora.session.pd_guard import pd_guard
 from agentic_lora.transport import EngineTransport
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class Versioning:
         self._enabled = enabled
         self._dialect = resolved
         self._adapter_requests = AdapterInFlight()
+        #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for this
+        #: manager's requests on an adapter (the drain of a reclaim); append listeners any time.
+        self.on_drain_wait: list[DrainWaitListener] = self._adapter_requests.on_wait
         self._registry = registry
         self._transport = transport
         self._owns_transport = owns_transport

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import respx
 
 from agentic_lora.backends import EngineRef
+from agentic_lora.config import AgenticLoRASettings, load_settings
 from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
 
 __all__ = ["ScriptedFleet"]
@@ -34,6 +36,24 @@ class ScriptedFleet:
 
     def __getitem__(self, name: str) -> ScriptedSGLangEngine:
         return self.engines[name]
+
+    def settings(self, *, capacity: int = 2, **overrides: Any) -> AgenticLoRASettings:
+        """Settings of a Deployment on this fleet; ``overrides`` win.
+
+        Versioned publication on, ``capacity`` versions with capacity + 1 LoRA slots per engine,
+        the ``httpx`` transport (the one the fleet's routes intercept) and base model
+        ``tiny-qwen3``.
+        """
+        values: dict[str, Any] = {
+            "enable_versioned_lora_publication": True,
+            "engines": [f"{e.name}={e.base_url}" for e in self.refs],
+            "capacity": capacity,
+            "http_transport": "httpx",
+            "engine_max_loaded_loras": capacity + 1,
+            "engine_max_loras_per_batch": capacity + 1,
+            "base_model_name": "tiny-qwen3",
+        }
+        return load_settings(**{**values, **overrides})
 
     def calls(self, op: EngineOp | None = None) -> int:
         """Requests that reached any engine (of one operation, or all)."""

@@ -12,14 +12,16 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict
+from typing import Any
 
 import pytest
 
 from agentic_lora_harness.engine_env import EngineEnv, ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_harness.fixture import Fixture, build_fixture
+from agentic_lora_harness.venv_builder import BuiltVenv
 
-__all__ = ["engine_env", "engine_fleet", "model_fixture"]
+__all__ = ["engine_env", "engine_fleet", "model_fixture", "write_fleet_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +47,31 @@ def engine_fleet(engine_env: EngineEnv, model_fixture: Fixture) -> Iterator[Engi
     """
     with EngineFleet(engine_env, model_fixture, count=2) as fleet:
         yield fleet
-        report = {
-            "engine_env": {
-                "sglang": engine_env.sglang_version,
-                "torch": engine_env.torch_version,
-                "install_seconds": engine_env.install_seconds,
-                "size_bytes": engine_env.size_bytes,
-            },
-            "engines": {
-                name: {
-                    "startup_seconds": fleet.startup_seconds(name),
-                    "incarnation": fleet.incarnation(name),
-                    **(asdict(fleet.memory(name)) if fleet.pid(name) else {}),
-                }
-                for name in fleet.names
-            },
-        }
-        (fleet.log_dir / "fleet-report.json").write_text(json.dumps(report, indent=2) + "\n")
-        logger.info("engine fleet report", extra={"report": report})
+        write_fleet_report(fleet, "engine_env", engine_env, sglang=engine_env.sglang_version)
+
+
+def write_fleet_report(
+    fleet: EngineFleet, env_key: str, env: BuiltVenv, **versions: str
+) -> dict[str, Any]:
+    """Write ``fleet-report.json`` beside the engine logs: the venv (``env_key``: its engine
+    ``versions``, torch, install seconds, size) and each engine's start-up seconds, incarnation
+    and memory. Returns the report (it is also logged)."""
+    report = {
+        env_key: {
+            **versions,
+            "torch": env.torch_version,
+            "install_seconds": env.install_seconds,
+            "size_bytes": env.size_bytes,
+        },
+        "engines": {
+            name: {
+                "startup_seconds": fleet.startup_seconds(name),
+                "incarnation": fleet.incarnation(name),
+                **(asdict(fleet.memory(name)) if fleet.pid(name) else {}),
+            }
+            for name in fleet.names
+        },
+    }
+    (fleet.log_dir / "fleet-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("engine fleet report", extra={"report": report})
+    return report

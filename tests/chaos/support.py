@@ -43,11 +43,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
-import aiohttp
 import httpx
-from aiohttp import web
 
 from agentic_lora.errors import (
     AgenticLoRAError,
@@ -56,7 +54,6 @@ from agentic_lora.errors import (
     SessionReleaseError,
     error_from_code,
 )
-from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY
 from agentic_lora.registry.types import (
     Binding,
     EngineStatus,
@@ -67,7 +64,7 @@ from agentic_lora.registry.types import (
 )
 from agentic_lora.session import Versioning
 from agentic_lora.transport import EngineReply, Outcome, classify_exception
-from tests.e2e.recording_proxy import Exchange, TrafficLog, Waiters
+from tests.e2e.recording_proxy import Exchange, RecordingProxy, TrafficLog, Waiters
 
 _AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 if str(_AGENTS) not in sys.path:
@@ -174,14 +171,12 @@ async def eventually(
 # --- the engine side of the wire ----------------------------------------------------------------
 
 
-class EngineTap:
+class EngineTap(RecordingProxy):
     """A recording proxy in front of one engine that can also play that engine's death.
 
     Every request is forwarded once, unchanged, and recorded on ``log`` as an
-    :class:`~tests.e2e.recording_proxy.Exchange`. Upstream idle connections are dropped at
-    :data:`~agentic_lora.http_limits.ENGINE_KEEPALIVE_EXPIRY`, below the engine's keep-alive, like
-    every engine client of the product (a longer one would lose requests to the keep-alive race
-    and blame the product for it).
+    :class:`~tests.e2e.recording_proxy.Exchange` (see
+    :class:`~tests.e2e.recording_proxy.RecordingProxy`).
 
     Faithful death. A killed engine refuses new connections (the client sees "connection refused":
     provably not sent) and drops the ones it had. A proxy that kept listening would turn that into
@@ -196,36 +191,17 @@ class EngineTap:
     """
 
     def __init__(self, engine: str, upstream: str, log: TrafficLog) -> None:
-        self.engine = engine
-        self.upstream = upstream.rstrip("/")
-        self.log = log
-        self.port = 0
+        super().__init__(engine, upstream, log)
         #: Log sequence number of the moment each incarnation of the engine became reachable.
         self.up_marks: list[int] = []
-        #: Requests answered 502 because the upstream was unreachable or lost (with the reason).
-        self.upstream_failures: list[tuple[Exchange, str]] = []
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
-        self._client: aiohttp.ClientSession | None = None
         self._down = False
-
-    @property
-    def base_url(self) -> str:
-        if not self.port:
-            raise RuntimeError("the tap is not started")
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def down(self) -> bool:
         return self._down
 
-    async def start(self) -> EngineTap:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        self._client = self._new_client()
-        await self._listen()
+    async def start(self) -> Self:
+        await super().start()
         self.up_marks.append(self.log.mark(f"{self.engine} up"))
         return self
 
@@ -260,94 +236,6 @@ class EngineTap:
         mark = self.log.mark(f"{self.engine} up")
         self.up_marks.append(mark)
         return mark
-
-    async def aclose(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-    async def __aenter__(self) -> EngineTap:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def exchanges(self) -> list[Exchange]:
-        return [e for e in self.log.exchanges if e.engine == self.engine]
-
-    @staticmethod
-    def _new_client() -> aiohttp.ClientSession:
-        # No total timeout: an unload legitimately waits for the engine's requests to drain.
-        return aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None),
-            connector=aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
-        )
-
-    async def _listen(self) -> None:
-        assert self._runner is not None
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
-        await site.start()
-        self._site = site
-        if not self.port:
-            self.port = int(self._runner.addresses[0][1])
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        exchange = Exchange(
-            engine=self.engine,
-            method=request.method,
-            path=request.path,
-            body=_decode(raw),
-            seq_sent=self.log.tick(),
-        )
-        self.log._started(exchange)
-        try:
-            return await self._forward(request, exchange, raw)
-        finally:
-            self.log._finished(exchange)
-
-    async def _forward(
-        self, request: web.Request, exchange: Exchange, raw: bytes
-    ) -> web.StreamResponse:
-        client = self._client
-        assert client is not None
-        headers = {"Content-Type": request.content_type} if request.content_type else {}
-        exchange.forwarded = True
-        try:
-            async with client.request(
-                request.method,
-                self.upstream + request.path_qs,
-                data=raw or None,
-                headers=headers,
-                allow_redirects=False,
-            ) as upstream:
-                body = await upstream.read()
-                exchange.status = upstream.status
-                exchange.reply = _decode(body)
-                response = web.Response(status=upstream.status, body=body)
-                with contextlib.suppress(KeyError):
-                    response.headers["Content-Type"] = upstream.headers["Content-Type"]
-                return response
-        except aiohttp.ClientError as exc:
-            # The engine died under this request (or was unreachable): the caller must treat it as
-            # possibly run, like a reset connection. Never resent.
-            reason = f"{type(exc).__name__}: {exc}"
-            self.upstream_failures.append((exchange, reason))
-            exchange.status = 502
-            exchange.reply = {"tap": "upstream lost", "reason": reason}
-            return web.json_response(exchange.reply, status=502)
-
-
-def _decode(raw: bytes) -> Any:
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
 
 
 # --- reading the wire ---------------------------------------------------------------------------
@@ -1146,25 +1034,12 @@ class ServeProcess:
 
     async def kill(self) -> None:
         """SIGKILL the whole process group (a crash: no Session is closed, nothing is flushed)."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(process.wait)
+        await _kill(self.process)
         self.process = None
 
     async def stop(self) -> None:
         """SIGTERM (serve closes its Sessions and flushes the journal), SIGKILL after 60 s."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, 60)
-        except subprocess.TimeoutExpired:
-            await self.kill()
+        await _terminate(self.process, 60)
         self.process = None
 
     def log_tail(self, lines: int = 40) -> str:
@@ -1264,27 +1139,38 @@ class WorkerProcess:
         ]
 
     async def kill(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(process.wait)
+        await _kill(self.process)
         self.process = None
 
     async def stop(self) -> None:
         """SIGTERM: the worker closes its Sessions and its lease; SIGKILL after the guard."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.to_thread(process.wait, GUARD_SECONDS)
-        except subprocess.TimeoutExpired:
-            await self.kill()
-            raise AssertionError(f"worker {self.owner} did not stop on SIGTERM") from None
+        stopped = await _terminate(self.process, GUARD_SECONDS)
         self.process = None
+        if not stopped:
+            raise AssertionError(f"worker {self.owner} did not stop on SIGTERM")
+
+
+async def _kill(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL ``process``'s whole group and reap it."""
+    if process is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await asyncio.to_thread(process.wait)
+
+
+async def _terminate(process: subprocess.Popen[bytes] | None, grace: float) -> bool:
+    """SIGTERM ``process`` and reap it; False when it outlived ``grace`` seconds (then killed)."""
+    if process is None:
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.to_thread(process.wait, grace)
+    except subprocess.TimeoutExpired:
+        await _kill(process)
+        return False
+    return True
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -26,10 +26,12 @@ import contextlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import aiohttp
 from aiohttp import web
+
+from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY
 
 __all__ = [
     "FORBIDDEN_DURING_PUBLICATION",
@@ -239,41 +241,48 @@ def _decode(raw: bytes) -> Any:
 
 
 class RecordingProxy:
-    """Forwards ``127.0.0.1:<port>`` to one engine's base URL, recording on ``log``."""
+    """Forwards ``127.0.0.1:<port>`` to one engine's base URL, recording on ``log``.
+
+    Upstream idle connections are dropped at
+    :data:`~agentic_lora.http_limits.ENGINE_KEEPALIVE_EXPIRY`, below the engine's keep-alive, like
+    every engine client of the product (a longer one would lose requests to the keep-alive race
+    and blame the product for it). A request whose upstream was unreachable or lost is answered,
+    and recorded, with status 502 (and listed in ``upstream_failures`` with the reason).
+    """
 
     def __init__(self, engine: str, upstream: str, log: TrafficLog) -> None:
         self.engine = engine
         self.upstream = upstream.rstrip("/")
         self.log = log
+        #: The port listened on (0 before the first start: a free one is picked).
+        self.port = 0
         self.rules: list[Rule] = []
+        #: Requests answered 502 because the upstream was unreachable or lost (with the reason).
+        self.upstream_failures: list[tuple[Exchange, str]] = []
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
         self._client: aiohttp.ClientSession | None = None
-        self._port: int | None = None
 
     @property
     def base_url(self) -> str:
         """Where the product under test should send this engine's traffic."""
-        if self._port is None:
+        if not self.port:
             raise RuntimeError("the proxy is not started")
-        return f"http://127.0.0.1:{self._port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def add_rule(self, rule: Rule) -> Rule:
         """Script the next matching request(s) (see :class:`Rule`)."""
         self.rules.append(rule)
         return rule
 
-    async def start(self) -> RecordingProxy:
+    async def start(self) -> Self:
         """Listen on a free loopback port."""
-        # No total timeout: an unload legitimately blocks until the engine's requests drained.
-        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        address = self._runner.addresses[0]
-        self._port = int(address[1])
+        self._client = self._new_client()
+        await self._listen()
         return self
 
     async def aclose(self) -> None:
@@ -285,11 +294,31 @@ class RecordingProxy:
             await self._client.close()
             self._client = None
 
-    async def __aenter__(self) -> RecordingProxy:
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def exchanges(self) -> list[Exchange]:
+        """Every exchange this proxy's engine received (from the shared log)."""
+        return [e for e in self.log.exchanges if e.engine == self.engine]
+
+    @staticmethod
+    def _new_client() -> aiohttp.ClientSession:
+        # No total timeout: an unload legitimately waits for the engine's requests to drain.
+        return aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
+        )
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self._site = site
+        if not self.port:
+            self.port = int(self._runner.addresses[0][1])
 
     def _rule_for(self, exchange: Exchange) -> Rule | None:
         for rule in self.rules:
@@ -327,22 +356,30 @@ class RecordingProxy:
     async def _forward(
         self, request: web.Request, exchange: Exchange, raw: bytes
     ) -> web.StreamResponse:
-        assert self._client is not None
-        headers = {}
-        if request.content_type:
-            headers["Content-Type"] = request.content_type
+        client = self._client
+        assert client is not None
+        headers = {"Content-Type": request.content_type} if request.content_type else {}
         exchange.forwarded = True
-        async with self._client.request(
-            request.method,
-            self.upstream + request.path_qs,
-            data=raw if raw else None,
-            headers=headers,
-            allow_redirects=False,
-        ) as upstream:
-            body = await upstream.read()
-            exchange.status = upstream.status
-            exchange.reply = _decode(body)
-            response = web.Response(status=upstream.status, body=body)
-            with contextlib.suppress(KeyError):
-                response.headers["Content-Type"] = upstream.headers["Content-Type"]
-            return response
+        try:
+            async with client.request(
+                request.method,
+                self.upstream + request.path_qs,
+                data=raw or None,
+                headers=headers,
+                allow_redirects=False,
+            ) as upstream:
+                body = await upstream.read()
+                exchange.status = upstream.status
+                exchange.reply = _decode(body)
+                response = web.Response(status=upstream.status, body=body)
+                with contextlib.suppress(KeyError):
+                    response.headers["Content-Type"] = upstream.headers["Content-Type"]
+                return response
+        except aiohttp.ClientError as exc:
+            # The engine died under this request (or was unreachable): the caller must treat it as
+            # possibly run, like a reset connection. Never resent.
+            reason = f"{type(exc).__name__}: {exc}"
+            self.upstream_failures.append((exchange, reason))
+            exchange.status = 502
+            exchange.reply = {"proxy": "upstream lost", "reason": reason}
+            return web.json_response(exchange.reply, status=502)

@@ -348,6 +348,18 @@ def _bind(reg: LocalRegistry, key: str, request_id: str | None = None) -> asynci
     return asyncio.create_task(reg.bind_first(request_id=request_id or key, session_key=key))
 
 
+async def _writing_s1(
+    path: Path, gate: _Gate, **kw: object
+) -> tuple[LocalRegistry, dict[str, asyncio.Task[Any]]]:
+    """A journaled registry with A published whose writer is held in the middle of s1's bind."""
+    reg = _registry(path, **kw)
+    await _publish(reg, "A")
+    gate.arm()
+    calls = {"s1": _bind(reg, "s1")}
+    await gate.writing()
+    return reg, calls
+
+
 @pytest.mark.parametrize("group_commit", [False, True])
 @pytest.mark.parametrize("original_row", ["being written", "queued"])
 async def test_a_replay_is_answered_only_once_the_original_row_is_durable(
@@ -408,11 +420,7 @@ async def test_a_call_racing_aclose_is_told_the_truth(
     # Formerly: aclose() flushed, then cancelled the writer while it wrote a row that arrived
     # during the flush; that row reached the disk and its caller got JournalError.
     path = tmp_path / "registry.sqlite"
-    reg = _registry(path, group_commit=group_commit)
-    await _publish(reg, "A")
-    gate.arm()
-    calls = {"s1": _bind(reg, "s1")}
-    await gate.writing()
+    reg, calls = await _writing_s1(path, gate, group_commit=group_commit)
     calls["s2"] = _bind(reg, "s2")  # queued behind s1
     await _spin()
     closing = asyncio.create_task(reg.aclose())
@@ -438,11 +446,8 @@ async def test_rows_committed_before_a_failed_snapshot_are_answered(
     # A batch may be several transactions: rows, then a snapshot, then (group commit) more rows.
     # Formerly one failure anywhere failed every caller of the batch.
     path = tmp_path / "registry.sqlite"
-    reg = _registry(path, group_commit=group_commit, compact_every=2)
-    await _publish(reg, "A")  # 4 rows: a snapshot after every second one
-    gate.arm()
-    calls = {"s1": _bind(reg, "s1")}
-    await gate.writing()
+    # 4 rows for A: a snapshot after every second one.
+    reg, calls = await _writing_s1(path, gate, group_commit=group_commit, compact_every=2)
     calls["s2"] = _bind(reg, "s2")  # a snapshot is queued right behind this row
     calls["s3"] = _bind(reg, "s3")
     await _spin()
@@ -466,11 +471,7 @@ async def test_a_cancelled_writer_still_reports_the_batch_it_was_writing(
     tmp_path: Path, gate: _Gate
 ) -> None:
     path = tmp_path / "registry.sqlite"
-    reg = _registry(path)
-    await _publish(reg, "A")
-    gate.arm()
-    calls = {"s1": _bind(reg, "s1")}
-    await gate.writing()
+    reg, calls = await _writing_s1(path, gate)
     calls["s2"] = _bind(reg, "s2")  # queued: the cancelled writer never takes it
     await _spin()
     assert reg._writer is not None
@@ -492,11 +493,7 @@ async def test_a_cancelled_aclose_still_closes_and_releases_the_journal(
     tmp_path: Path, gate: _Gate
 ) -> None:
     path = tmp_path / "registry.sqlite"
-    reg = _registry(path)
-    await _publish(reg, "A")
-    gate.arm()
-    calls = {"s1": _bind(reg, "s1")}
-    await gate.writing()
+    reg, calls = await _writing_s1(path, gate)
     first = asyncio.create_task(reg.aclose())
     second = asyncio.create_task(reg.aclose())
     await _spin()

@@ -13,14 +13,13 @@ exactly as long as it needs, without any timing.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.pytest_fixtures import write_fleet_report
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_harness.vllm_env import VllmEnv, ensure_vllm_env
 
@@ -57,24 +56,7 @@ def vllm_fleet(
         extra_env={"PYTHONPATH": str(ENGINE_SITE)},
     ) as fleet:
         yield fleet
-        report = {
-            "vllm_env": {
-                "vllm": vllm_env.vllm_version,
-                "torch": vllm_env.torch_version,
-                "install_seconds": vllm_env.install_seconds,
-                "size_bytes": vllm_env.size_bytes,
-            },
-            "engines": {
-                name: {
-                    "startup_seconds": fleet.startup_seconds(name),
-                    "incarnation": fleet.incarnation(name),
-                    **(asdict(fleet.memory(name)) if fleet.pid(name) else {}),
-                }
-                for name in fleet.names
-            },
-        }
-        (fleet.log_dir / "fleet-report.json").write_text(json.dumps(report, indent=2) + "\n")
-        logger.info("vllm fleet report", extra={"report": report})
+        write_fleet_report(fleet, "vllm_env", vllm_env, vllm=vllm_env.vllm_version)
 
 
 @pytest.fixture

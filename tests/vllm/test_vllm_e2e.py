@@ -32,7 +32,7 @@ from agentic_lora.publisher import PublicationOutcome
 from agentic_lora.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.transport import EngineReply
-from tests.session_support import log_signal
+from tests.session_support import Calls
 from tests.vllm.engine_gate import EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
@@ -150,15 +150,16 @@ async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_i
             try:
                 await engine_gate.reached(what="the old Session's long turn on A")
                 assert d.versioning.in_flight(a.lora_name) == 1
-                with log_signal("agentic_lora.middleware", "waiting for requests on", count=2) as w:
-                    await d.registry.begin_close(request_id=new_request_id(), session_key=old.key)
-                    await d.registry.release(request_id=new_request_id(), session_key=old.key)
-                    reclaim = asyncio.create_task(d.reclaimer.reclaim_version("e2e-a"))
-                    reclaim.add_done_callback(lambda _: ended.append("reclaim"))
-                    waiting = asyncio.create_task(w.wait())  # both engines' reclaims wait for it
-                    done, _ = await asyncio.wait(
-                        {reclaim, waiting, long_turn}, return_when=asyncio.FIRST_COMPLETED
-                    )
+                w = Calls(count=2)  # both engines' reclaims wait for it
+                d.versioning.on_drain_wait.append(w)
+                await d.registry.begin_close(request_id=new_request_id(), session_key=old.key)
+                await d.registry.release(request_id=new_request_id(), session_key=old.key)
+                reclaim = asyncio.create_task(d.reclaimer.reclaim_version("e2e-a"))
+                reclaim.add_done_callback(lambda _: ended.append("reclaim"))
+                waiting = asyncio.create_task(w.wait())
+                done, _ = await asyncio.wait(
+                    {reclaim, waiting, long_turn}, return_when=asyncio.FIRST_COMPLETED
+                )
                 assert done == {waiting}, "the reclaim did not wait for the request in flight"
                 assert d.registry.peek_version("e2e-a").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
                 for url in urls.values():

@@ -1,0 +1,74 @@
+"""The package's layers (scripts/layers.py): no import goes upward beyond the recorded number."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def layers() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "agentic_lora_layers", ROOT / "scripts" / "layers.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_module_has_a_layer_and_upward_imports_do_not_grow(layers: ModuleType) -> None:
+    imports = layers.package_imports(ROOT)
+    assert len(imports) > 100  # the walk really read the package
+    up, unplaced = layers.upward(imports)
+    assert unplaced == [], "place these modules in a layer of scripts/layers.py"
+    running = [f"{i.importer}:{i.line} -> {i.imported}" for i in up if not i.typing_only]
+    typing_only = [f"{i.importer}:{i.line} -> {i.imported}" for i in up if i.typing_only]
+    assert len(running) <= layers.RECORDED_UPWARD, running
+    assert len(typing_only) <= layers.RECORDED_UPWARD_TYPING, typing_only
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_upward_imports_are_found_and_told_apart(layers: ModuleType, tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "agentic_lora/__init__.py": "from agentic_lora.gateway import app\n",
+            "agentic_lora/errors.py": "import agentic_lora.gateway.app\n",
+            "agentic_lora/store.py": "",
+            "agentic_lora/adapter.py": "from . import store\nfrom agentic_lora import errors\n",
+            "agentic_lora/registry/__init__.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from agentic_lora.config import AgenticLoRASettings\n"
+            ),
+            "agentic_lora/config/__init__.py": "from ..registry import api\n",
+            "agentic_lora/gateway/__init__.py": "",
+            "agentic_lora/gateway/app.py": "def f() -> None:\n    from agentic_lora import cli\n",
+            "agentic_lora/cli.py": "",
+            "agentic_lora/transport.py": "import agentic_lora_http\n",
+            "agentic_lora/mystery.py": "from agentic_lora import errors\n",
+            "plugins/agentic_lora_http/__init__.py": "import agentic_lora.gateway\n",
+        },
+    )
+    up, unplaced = layers.upward(layers.package_imports(tmp_path))
+    found = {(i.importer, i.imported, i.typing_only) for i in up}
+    assert found == {
+        ("agentic_lora.errors", "agentic_lora.gateway.app", False),
+        ("agentic_lora.registry", "agentic_lora.config", True),
+        ("agentic_lora.transport", "agentic_lora_http", False),  # a plugin: never imported
+    }
+    assert unplaced == ["agentic_lora.mystery"]
