@@ -7,12 +7,15 @@ with streamed answers from :mod:`agentic_lora.testing.streams`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import respx
+import uvicorn
 from tenacity import wait_none
 
 from agentic_lora.backends import EngineRef
@@ -93,3 +96,26 @@ def _streams(engine: ScriptedSGLangEngine | ScriptedVllmEngine) -> list[Any]:
 async def read_all(s: Session, route: Any, request: Any) -> list[StreamChunk]:
     """Every chunk of one stream of ``s``."""
     return [chunk async for chunk in s.stream(route, request)]
+
+
+@contextlib.asynccontextmanager
+async def served(app: Any) -> AsyncIterator[str]:
+    """``app`` on a real socket (uvicorn, in this loop), for clients that must disconnect."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    started = asyncio.Event()
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            started.set()
+
+    server = _Server(uvicorn.Config(app, lifespan="off", log_config=None))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await started.wait()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()

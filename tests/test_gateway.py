@@ -341,24 +341,6 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_streaming_is_refused_with_a_clean_400_before_anything_binds(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
-        agent = stack.agent("streamer")
-        with pytest.raises(openai.BadRequestError) as err:
-            await agent.chat.completions.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-        assert err.value.status_code == 400
-        assert err.value.body["code"] == "INVALID_REQUEST"  # type: ignore[index]
-        assert "stream" in err.value.body["message"]  # type: ignore[index]
-        assert err.value.response.headers["x-should-retry"] == "false"
-        assert stack.routes.sent == []
-        status = await stack.gateway.deployment.status()
-        assert [v.session_refs for v in status.versions] == [0]
-
-
-@pytest.mark.asyncio
 async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)

@@ -220,7 +220,7 @@ async def test_a_reader_leaving_an_sglang_stream_aborts_the_request_by_id(how: s
             await s_drained(s)
         (sent,) = h.sglang.bodies(EngineOp.GENERATE)
         assert h.sglang.bodies(EngineOp.ABORT) == [{"rid": sent["rid"]}]
-        assert held.aborted
+        assert held.aborted.is_set()
         assert h.versioning.in_flight(a.lora_name) == 0
         assert s.in_flight == 0
         # The Session stays usable; nothing was retried.

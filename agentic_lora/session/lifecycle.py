@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +189,7 @@ class Session:
             self._flight_ended(flight)
         return binder.after_reply(reply, turn)
 
-    async def stream(self, route: Route, request: RequestLike) -> AsyncIterator[StreamChunk]:
+    async def stream(self, route: Route, request: RequestLike) -> AsyncGenerator[StreamChunk, None]:
         """Send one request down the chain as a stream: its chunks, each naming this Session's
         version (:attr:`StreamChunk.provenance <agentic_lora.streaming.StreamChunk>`).
 

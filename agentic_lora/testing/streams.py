@@ -113,14 +113,15 @@ class ScriptedStream(httpx.AsyncByteStream):
         self.closed_early = asyncio.Event()
         #: Set when the stream sent its last event.
         self.finished = asyncio.Event()
-        self.aborted = False
+        #: Set when the engine was asked to abort the request (``/abort_request``).
+        self.aborted = asyncio.Event()
         self.sent = 0
         #: Called once when the request ends on the engine's side (finished or abandoned).
         self.on_end: Callable[[], Awaitable[None]] | None = None
 
     def abort(self) -> None:
         """End the request as an engine's abort does (a last ``abort`` chunk, then [DONE])."""
-        self.aborted = True
+        self.aborted.set()
         self.gate.set()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -128,17 +129,17 @@ class ScriptedStream(httpx.AsyncByteStream):
             if self.hold_after is not None and self.sent == self.hold_after:
                 self.held.set()
                 await self.gate.wait()
-            if self.aborted:
+            if self.aborted.is_set():
                 break
             self.sent += 1
             yield _event(chunk)
         tail: list[bytes] = []
-        if self.aborted:
+        if self.aborted.is_set():
             tail.append(_event({"meta_info": {"finish_reason": {"type": "abort"}}, "text": ""}))
         elif self.ending is StreamEnding.ERROR:
             message = {"message": "scripted failure", "code": self.error_status}
             tail.append(_event({"error": {**message, "type": "InternalServerError"}}))
-        if self.aborted or self.ending in (StreamEnding.ERROR, StreamEnding.DONE):
+        if self.aborted.is_set() or self.ending in (StreamEnding.ERROR, StreamEnding.DONE):
             tail.append(_event("[DONE]"))
         for i, event in enumerate(tail):
             if i == len(tail) - 1:
@@ -147,7 +148,7 @@ class ScriptedStream(httpx.AsyncByteStream):
                 self.finished.set()
                 await self._ended()
             yield event
-        if self.ending is StreamEnding.DROP and not self.aborted:
+        if self.ending is StreamEnding.DROP and not self.aborted.is_set():
             raise httpx.ReadError("connection dropped mid-stream (scripted)")
         self.finished.set()
         await self._ended()
