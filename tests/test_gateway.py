@@ -36,6 +36,7 @@ from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
 BASE_MODEL = "base-model"  # what ScriptedSGLangEngine serves
 ADMIN_TOKEN = "admin-secret-token"
@@ -50,7 +51,7 @@ class OpenAIRoutes:
     """SGLang's OpenAI routes on every engine of a ScriptedFleet.
 
     Like SGLang, ``model="<base>:<adapter>"`` must name the served base model and a registered
-    adapter. Faults are scripted per engine: ``"unreachable"`` (never reaches the engine) or
+    adapter; ``"stream": true`` is answered with server-sent chunks. Faults are scripted per engine: ``"unreachable"`` (never reaches the engine) or
     ``"lose_reply"`` (the engine runs it, the reply is lost).
     """
 
@@ -87,6 +88,13 @@ class OpenAIRoutes:
                 return httpx.Response(
                     400, json={"error": {"message": f"unknown model {body.get('model')!r}"}}
                 )
+            if body.get("stream"):
+                # Like SGLang: server-sent chunks (the engine's queued ScriptedStream, if any).
+                stream = engine.streams.popleft() if engine.streams else ScriptedStream()
+                if stream.chunks is None:
+                    stream.chunks = openai_chunks(3, path, body["model"])
+                engine.streamed[body.get("rid")] = stream
+                return stream_reply(stream)
             if path.endswith("chat/completions"):
                 choice: dict[str, Any] = {
                     "index": 0,

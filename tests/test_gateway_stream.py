@@ -14,51 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 import pytest
 
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from agentic_lora.testing.streams import (
     ScriptedStream,
     StreamEnding,
     generate_chunks,
-    openai_chunks,
-    stream_reply,
 )
 from tests.streaming_support import served
-from tests.test_gateway import BASE_MODEL, OPENAI_PATHS, Stack, gateway_stack, lora_name
+from tests.test_gateway import BASE_MODEL, gateway_stack, lora_name
 
 CHAT = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-def stream_openai_routes(stack: Stack) -> dict[str, list[ScriptedStream]]:
-    """Answer streamed OpenAI requests on every engine with ScriptedStreams (others as before);
-    the streams given, per engine."""
-    given: dict[str, list[ScriptedStream]] = {}
-    for engine in stack.fleet.engines.values():
-        given[engine.name] = []
-        for path in OPENAI_PATHS:
-            plain = stack.routes._handler(engine, path)
-
-            def handle(
-                request: httpx.Request,
-                engine: ScriptedSGLangEngine = engine,
-                path: str = path,
-                plain: Any = plain,
-            ) -> httpx.Response:
-                body = json.loads(request.content)
-                if not body.get("stream"):
-                    return plain(request)  # type: ignore[no-any-return]
-                stack.routes.sent.append((engine.name, path, body))
-                stream = engine.streams.popleft() if engine.streams else ScriptedStream()
-                if stream.chunks is None:
-                    stream.chunks = openai_chunks(3, path, body.get("model"))
-                given[engine.name].append(stream)
-                return stream_reply(stream)
-
-            stack.fleet.router.post(engine.base_url + path).mock(side_effect=handle)
-    return given
 
 
 def events(text: str) -> list[Any]:
@@ -74,7 +42,6 @@ def events(text: str) -> list[Any]:
 @pytest.mark.asyncio
 async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
-        stream_openai_routes(stack)
         await stack.publish("A", 1)
         old = stack.agent("episode-old")
         first = await old.chat.completions.create(**CHAT, stream=True)
@@ -171,7 +138,6 @@ async def test_a_failure_mid_stream_ends_with_a_final_error_event(tmp_path: Path
         assert error["details"]["chunks"] == 2
         # The openai client raises it rather than end the stream quietly.
         agent = stack.agent("chat-1")
-        stream_openai_routes(stack)
         for engine in stack.fleet.engines.values():
             engine.streams.clear()
             engine.streams.append(ScriptedStream(ending=StreamEnding.DROP))

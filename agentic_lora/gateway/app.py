@@ -324,7 +324,13 @@ class Gateway(GenerationRoutes):
             200: {
                 "content": {
                     "application/json": {"schema": {"type": "object"}},
-                    SSE_MEDIA_TYPE: {"schema": {"type": "string"}},
+                    SSE_MEDIA_TYPE: {
+                        "schema": {
+                            "type": "object",
+                            "description": "one server-sent event: a chunk object, the final "
+                            "error object, or [DONE]",
+                        }
+                    },
                 }
             }
         }
