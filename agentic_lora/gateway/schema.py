@@ -176,7 +176,8 @@ def validate_body(models: RequestModels, route: Route, body: Any) -> dict[str, A
         ) from exc
     # What the Session will check after the bind must hold now, before a Session is opened
     # (``stream`` aside: a streamed request goes to Session.stream, which asks for the stream).
-    parse_request(route, {k: v for k, v in body.items() if k != "stream"})
+    streamed = body.get("stream") is True
+    parse_request(route, {k: v for k, v in body.items() if k != "stream"} if streamed else body)
     return body
 
 
