@@ -10,7 +10,7 @@ reader through a :class:`StreamSink`, a bounded queue. So:
   the Session's own in-flight record is dropped only once the pump has ended;
 * a slow reader never makes this process buffer more than ``buffer`` chunks: a full sink stops
   the pump reading, and the engine's connection then stops at the socket's window;
-* a reader that stops early (``aclose``, ``break``, cancellation) ends the engine request:
+* a reader that stops early (``aclose``, cancellation) ends the engine request:
   :func:`end_upstream` aborts it by id where the dialect can, then cancels the pump, which closes
   the engine connection (all vLLM learns of it). The end runs in a task of its own, so a reader
   cancelled again while it waits (Starlette cancels a disconnected response's scope) still

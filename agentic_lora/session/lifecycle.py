@@ -194,7 +194,7 @@ class Session:
         version (:attr:`StreamChunk.provenance <agentic_lora.streaming.StreamChunk>`).
 
         The request holds its version (in-flight count, drain, close) until the stream ends or
-        the iterator is closed; closing it early (``aclose``, ``break``, cancellation) aborts
+        the iterator is closed; closing it early (``aclose``, cancellation) aborts
         the engine request by id where the engine can, else closes its connection. A failure
         before the first chunk is refused or indeterminate as in :meth:`dispatch`; after it,
         RequestIndeterminateError, raised once the chunks before it were read. Never resent.
