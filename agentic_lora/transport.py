@@ -22,9 +22,10 @@ times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,20 @@ async def _close_quietly(response: httpx.Response, where: Mapping[str, Any]) -> 
             "closing an engine response failed",
             extra={**where, "error": type(exc).__name__},
         )
+
+
+async def _lines(response: httpx.Response, where: Mapping[str, Any]) -> AsyncIterator[str]:
+    try:
+        async for line in response.aiter_lines():
+            yield line
+    except WIRE_ERRORS as exc:
+        raise _failure(
+            Outcome.INDETERMINATE,
+            f"streamed reply lost while reading it ({type(exc).__name__}); the engine ran "
+            "the request",
+            error=type(exc).__name__,
+            **where,
+        ) from exc
 
 
 def _failure(
@@ -314,6 +329,54 @@ class EngineTransport:
                 reply = await self._exchange(engine, "POST", path, content, rid)
         assert reply is not None
         return reply
+
+    @contextlib.asynccontextmanager
+    async def open_stream(
+        self, engine: str, path: str, body: Mapping[str, Any]
+    ) -> AsyncIterator[AsyncIterator[str]]:
+        """POST one streamed generation to ``engine`` (one attempt); yields its body's lines.
+
+        Until the answer's head is in, failures are classified as :meth:`send` classifies them,
+        and a non-2xx answer is read and raised the same way. A failure while the lines are read
+        is RequestIndeterminateError (the engine answered, so it had the request). On exit the
+        answer is closed: one not read to its end closes its connection, which is how an engine
+        without abort by id learns that nobody reads the request any more.
+        """
+        if self._closed:
+            raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
+        content = _encode(body)
+        given_rid = body.get("rid")
+        where = {"engine": engine, "path": path, "rid": given_rid}
+        url = self._ref(engine).base_url.rstrip("/") + path
+        try:
+            request = self._client.build_request(
+                "POST", url, content=content, headers={"content-type": "application/json"}
+            )
+            response = await self._client.send(request, stream=True)
+        except WIRE_ERRORS as exc:
+            raise _failure(
+                classify_exception(exc),
+                f"POST {path} (streamed) to {engine}: {type(exc).__name__} ({exc}); not resent",
+                error=type(exc).__name__,
+                **where,
+            ) from exc
+        try:
+            outcome = classify_status(response.status_code)
+            if outcome is not None:
+                answer: Any = None
+                with contextlib.suppress(*WIRE_ERRORS, ReplyTooDeepError):
+                    await response.aread()
+                    answer = decode_body(response)
+                raise _failure(
+                    outcome,
+                    f"POST {path} (streamed) to {engine} answered HTTP {response.status_code}",
+                    status=response.status_code,
+                    body=answer,
+                    **where,
+                )
+            yield _lines(response, where)
+        finally:
+            await _close_quietly(response, where)
 
     def _control_policy(self) -> AsyncRetrying:
         def retryable(exc: BaseException) -> bool:

@@ -75,6 +75,7 @@ from agentic_lora.engine_admin import AdminTimeouts
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus, PublicationResult
 from agentic_lora.registry.types import VersionState
+from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
 from agentic_lora.transport import EngineReply, EngineTransport
 
@@ -306,6 +307,8 @@ class Outcome:
     checks: list[tuple[bool, str, str]]
     states: dict[str, str]
     windows: dict[str, tuple[float, float]]
+    #: The version each chunk of the streamed turn named (from its Session's binding).
+    streamed: list[str | None] = field(default_factory=list)
 
 
 def _tasks(opts: Options) -> tuple[Task, Task, list[Task], list[Task], Task]:
@@ -425,6 +428,7 @@ async def scenario(fleet: EngineFleet, fixture: Fixture, opts: Options, store: P
     versions = pubs.versions
     windows: dict[str, tuple[float, float]] = {}
     runs: list[Run] = []
+    streamed: list[str | None] = []
     try:
         await verify_fleet(settings, transport)
         versioning = Versioning.from_settings(settings, transport=transport)
@@ -477,6 +481,20 @@ async def scenario(fleet: EngineFleet, fixture: Fixture, opts: Options, store: P
                 await _wait_for(run, run.observer.bound, "bound a version")
             tl.mark(f"{len(new_runs)} new Sessions started and bound")
 
+            # 4b. One streamed turn of a new Session: every chunk names the Session's version.
+            async with d.session("stream-0") as s:
+                turn = {
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                }
+                streamed = [c.version_id async for c in s.stream(Route.CHAT_COMPLETIONS, turn)]
+            tl.mark(
+                f"stream-0 streamed one turn: {len(streamed)} chunks, each naming version "
+                f"{', '.join(sorted({str(v) for v in streamed}))}"
+            )
+
             # 5. C: A is retired but bound, B is published: no slot, refused before any transfer.
             c_start = clock()
             c_skipped = await pubs.publish(d, "C (A still bound)", "C", snapshots["C"])
@@ -512,7 +530,9 @@ async def scenario(fleet: EngineFleet, fixture: Fixture, opts: Options, store: P
                 run.task_handle.cancel()
         await transport.aclose()
         await client.aclose()
-    outcome = Outcome(fleet.engines, names, runs, pubs.entries, tl, wire, [], states, windows)
+    outcome = Outcome(
+        fleet.engines, names, runs, pubs.entries, tl, wire, [], states, windows, streamed
+    )
     outcome.checks = run_checks(outcome, fleet)
     return outcome
 
@@ -705,6 +725,13 @@ def run_checks(outcome: Outcome, fleet: EngineFleet) -> list[tuple[bool, str, st
         "no /pause_generation, /flush_cache or abort-all was sent (wire log and engine logs)",
         f"{len(outcome.wire.events)} engine requests, {len(abort_events)} aborts, all by rid"
         + (f"; found {forbidden + in_logs}" if forbidden or in_logs else ""),
+    )
+
+    _check(
+        checks,
+        len(outcome.streamed) > 1 and set(outcome.streamed) == {"B"},
+        "a streamed turn of a new Session carried B on every chunk",
+        f"{len(outcome.streamed)} chunks: {sorted({str(v) for v in outcome.streamed})}",
     )
 
     # The episodes themselves: answered, and the tools computed what the plans should give.

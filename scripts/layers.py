@@ -72,7 +72,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("leases", "owner leases held against the registry", ("leases",)),
     ("config", "settings, flags and the start-up engine checks", ("config",)),
-    ("session", "Sessions and the dispatch middleware", ("middleware", "session")),
+    (
+        "session",
+        "Sessions, the dispatch middleware and streams",
+        ("middleware", "session", "streaming"),
+    ),
     (
         "publication",
         "publisher, reclaimer, repairer and resolver",

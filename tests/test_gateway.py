@@ -36,6 +36,7 @@ from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
 BASE_MODEL = "base-model"  # what ScriptedSGLangEngine serves
 ADMIN_TOKEN = "admin-secret-token"
@@ -50,7 +51,7 @@ class OpenAIRoutes:
     """SGLang's OpenAI routes on every engine of a ScriptedFleet.
 
     Like SGLang, ``model="<base>:<adapter>"`` must name the served base model and a registered
-    adapter. Faults are scripted per engine: ``"unreachable"`` (never reaches the engine) or
+    adapter; ``"stream": true`` is answered with server-sent chunks. Faults are scripted per engine: ``"unreachable"`` (never reaches the engine) or
     ``"lose_reply"`` (the engine runs it, the reply is lost).
     """
 
@@ -87,6 +88,13 @@ class OpenAIRoutes:
                 return httpx.Response(
                     400, json={"error": {"message": f"unknown model {body.get('model')!r}"}}
                 )
+            if body.get("stream"):
+                # Like SGLang: server-sent chunks (the engine's queued ScriptedStream, if any).
+                stream = engine.streams.popleft() if engine.streams else ScriptedStream()
+                if stream.chunks is None:
+                    stream.chunks = openai_chunks(3, path, body["model"])
+                engine.streamed[body.get("rid")] = stream
+                return stream_reply(stream)
             if path.endswith("chat/completions"):
                 choice: dict[str, Any] = {
                     "index": 0,
@@ -328,24 +336,6 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
 
 
 # --- refusals and failures ----------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_streaming_is_refused_with_a_clean_400_before_anything_binds(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
-        agent = stack.agent("streamer")
-        with pytest.raises(openai.BadRequestError) as err:
-            await agent.chat.completions.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-        assert err.value.status_code == 400
-        assert err.value.body["code"] == "INVALID_REQUEST"  # type: ignore[index]
-        assert "stream" in err.value.body["message"]  # type: ignore[index]
-        assert err.value.response.headers["x-should-retry"] == "false"
-        assert stack.routes.sent == []
-        status = await stack.gateway.deployment.status()
-        assert [v.session_refs for v in status.versions] == [0]
 
 
 @pytest.mark.asyncio

@@ -5,6 +5,8 @@ A dialect says
 * which routes exist (:attr:`EngineDialect.routes`, :meth:`EngineDialect.check_route`);
 * how a request names its adapter (:meth:`EngineDialect.pin`);
 * how a request is aborted by id (:meth:`EngineDialect.abort_request`; ``can_abort``);
+* how a generation is asked to stream and how its events read (:meth:`EngineDialect.stream_body`,
+  :meth:`EngineDialect.parse_stream_event`; see :mod:`agentic_lora.engines.sse`);
 * how server info and the incarnation are read (:meth:`EngineDialect.read_server_info`,
   :meth:`EngineDialect.fingerprint`), through :class:`~agentic_lora.engines.wire.EngineHttp`, so the
   generation transport and the admin clients share one reader;
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from agentic_lora.discovery import DIALECTS_GROUP, load_plugin, plugin_names
+from agentic_lora.engines.sse import StreamEvent, parse_event
 from agentic_lora.engines.wire import EngineHttp
 from agentic_lora.errors import ConfigurationError, InvalidRequestError
 from agentic_lora.requests import Route
@@ -118,6 +121,14 @@ class EngineDialect(Protocol):
         (``reason="abort_unsupported"``) when the engine cannot abort by id."""
         ...
 
+    def stream_body(self, route: Route, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` (already pinned) asking the engine to stream its answer on ``route``."""
+        ...
+
+    def parse_stream_event(self, payload: str) -> StreamEvent:
+        """One ``data:`` payload of a streamed answer (a chunk, the engine's error, or the end)."""
+        ...
+
     async def read_server_info(self, http: EngineHttp) -> Mapping[str, Any] | None:
         """The engine's server info, or None (without I/O) when the engine publishes none."""
         ...
@@ -154,6 +165,15 @@ class DialectBase:
                 engine_kind=self.name,
                 reason="route_unsupported",
             )
+
+    def stream_body(self, route: Route, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` with ``"stream": true`` (both shipped engines stream every generation route
+        as server-sent events; see :mod:`agentic_lora.engines.sse`)."""
+        return {**body, "stream": True}
+
+    def parse_stream_event(self, payload: str) -> StreamEvent:
+        """:func:`agentic_lora.engines.sse.parse_event`: SGLang and vLLM share the format."""
+        return parse_event(payload)
 
     def abort_request(self, rid: str) -> tuple[str, dict[str, Any]]:
         """InvalidRequestError: this engine has no route to abort a request by id."""

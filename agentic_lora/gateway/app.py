@@ -19,7 +19,8 @@ Every body is bounded and validated before any Session exists (:mod:`agentic_lor
 A generation is exactly one :meth:`~agentic_lora.session.Session.dispatch`: the gateway adds no
 retry, and every failure answers with the error's stable code, an ``X-Agentic-Outcome`` of
 ``refused`` or ``indeterminate``, and ``x-should-retry: false`` unless resending is provably safe.
-Streaming is refused (``INVALID_REQUEST``, 400): a versioned Session does not stream yet.
+``"stream": true`` answers server-sent events, each chunk naming its version (see
+:mod:`agentic_lora.gateway.streaming`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from agentic_lora.gateway.security import (
     install_access_log_redactor,
 )
 from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
 from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
 
@@ -317,11 +319,32 @@ class Gateway(GenerationRoutes):
             200: {"content": {"application/json": {"schema": {"type": "object"}}}}
         }
 
-        def add(path: str, endpoint: Callable[..., Awaitable[Response]], method: str) -> None:
-            app.add_api_route(path, endpoint, methods=[method], responses={**anything, **errors})
+        # A generation with ``"stream": true`` answers server-sent events instead.
+        streamed: dict[int | str, dict[str, Any]] = {
+            200: {
+                "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    SSE_MEDIA_TYPE: {
+                        "schema": {
+                            "type": "object",
+                            "description": "one server-sent event: a chunk object, the final "
+                            "error object, or [DONE]",
+                        }
+                    },
+                }
+            }
+        }
+
+        def add(
+            path: str,
+            endpoint: Callable[..., Awaitable[Response]],
+            method: str,
+            ok: dict[int | str, dict[str, Any]] = anything,
+        ) -> None:
+            app.add_api_route(path, endpoint, methods=[method], responses={**ok, **errors})
 
         for route in Route:
-            add(route.value, self._generation_endpoint(route), "POST")
+            add(route.value, self._generation_endpoint(route), "POST", streamed)
         add("/v1/models", self._list_models, "GET")
         add("/v1/sessions/close", self._close_own, "POST")
         add("/v1/sessions/{session_id}/close", self._close, "POST")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -29,6 +29,7 @@ from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
 from agentic_lora.gateway.security import SESSION_HEADER, SessionTagger, caller_of
 from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.streaming import SSEResponse, sse_events
 from agentic_lora.gateway.wire import (
     OUTCOME_HEADER,
     SHOULD_RETRY_HEADER,
@@ -38,8 +39,11 @@ from agentic_lora.gateway.wire import (
     http_status,
     should_retry,
 )
+from agentic_lora.provenance import TurnProvenance
+from agentic_lora.registry.types import Binding
 from agentic_lora.requests import Route
 from agentic_lora.session import Session
+from agentic_lora.streaming import StreamChunk
 
 if TYPE_CHECKING:
     from agentic_lora.deployment import Deployment
@@ -93,13 +97,20 @@ class GenerationRoutes:
     async def _generate(self, route: Route, request: Request) -> Response:
         session: Session | None = None
         session_id: str | None = None
+        stream: AsyncGenerator[StreamChunk, None] | None = None
         try:
             session_id = self._session_of(request)
             body = await self._checked_body(route, request)
             # Only a request that passed every check reaches this line: no other may open or
             # hold a Session (a refused one leaves nothing behind).
             session = await self.sessions.open(session_id)
-            reply = await session.dispatch(route, body)
+            if body.get("stream") is True:
+                stream = session.stream(route, body)
+                # The first chunk before the answer starts: a failure until then is an ordinary
+                # error answer, classified as for a request that does not stream.
+                first = await anext(stream, None)
+            else:
+                reply = await session.dispatch(route, body)
         except Exception as exc:
             return self._dispatch_failed(route, session_id, session, exc)
         finally:
@@ -107,32 +118,15 @@ class GenerationRoutes:
                 self.sessions.touch(session_id)
         binding = session.binding
         assert binding is not None  # a versioned dispatch that returned was bound
-        logger.info(
-            "dispatch ok",
-            extra={
-                "session": self._tagger.tag(session_id),
-                "version": binding.version_id,
-                "engine": reply.engine,
-                "attempt": 1,
-                "route": route.value,
-            },
-        )
-        headers = {
-            _VERSION_HEADER: binding.version_id,
-            _LORA_HEADER: binding.lora_name,
-            _ENGINE_HEADER: reply.engine,
-            OUTCOME_HEADER: DispatchOutcome.OK.value,
-        }
+        if stream is not None:
+            return self._streamed(route, session_id, session, first, stream)
+        self._log_ok(route, session_id, binding, reply.engine)
+        headers = self._reply_headers(binding, reply.engine, reply.provenance)
         body = reply.body
         turn = reply.provenance
-        if turn is not None:
-            headers[_DIGEST_HEADER] = turn.digest_prefix
-            headers[_REVISION_AT_BIND_HEADER] = str(turn.default_revision_at_bind)
-            if turn.lag is not None:
-                headers[_LAG_HEADER] = str(turn.lag)
-            if isinstance(body, Mapping):
-                # A copy: the reply object stays exactly what the engine answered.
-                body = {**body, PROVENANCE_FIELD: turn.to_dict()}
+        if turn is not None and isinstance(body, Mapping):
+            # A copy: the reply object stays exactly what the engine answered.
+            body = {**body, PROVENANCE_FIELD: turn.to_dict()}
         try:
             return JSONResponse(body, status_code=reply.status_code, headers=headers)
         except (ValueError, TypeError, RecursionError) as exc:
@@ -144,6 +138,59 @@ class GenerationRoutes:
             )
             failure.__cause__ = exc
             return self._dispatch_failed(route, session_id, session, failure)
+
+    def _log_ok(self, route: Route, session_id: str, binding: Binding, engine: str) -> None:
+        logger.info(
+            "dispatch ok",
+            extra={
+                "session": self._tagger.tag(session_id),
+                "version": binding.version_id,
+                "engine": engine,
+                "attempt": 1,
+                "route": route.value,
+            },
+        )
+
+    @staticmethod
+    def _reply_headers(
+        binding: Binding, engine: str, turn: TurnProvenance | None
+    ) -> dict[str, str]:
+        headers = {
+            _VERSION_HEADER: binding.version_id,
+            _LORA_HEADER: binding.lora_name,
+            _ENGINE_HEADER: engine,
+            OUTCOME_HEADER: DispatchOutcome.OK.value,
+        }
+        if turn is not None:
+            headers[_DIGEST_HEADER] = turn.digest_prefix
+            headers[_REVISION_AT_BIND_HEADER] = str(turn.default_revision_at_bind)
+            if turn.lag is not None:
+                headers[_LAG_HEADER] = str(turn.lag)
+        return headers
+
+    def _streamed(
+        self,
+        route: Route,
+        session_id: str,
+        session: Session,
+        first: StreamChunk | None,
+        stream: AsyncGenerator[StreamChunk, None],
+    ) -> Response:
+        binding = session.binding
+        assert binding is not None
+        engine = first.engine if first is not None else ""
+        self._log_ok(route, session_id, binding, engine)
+
+        def on_end(error: BaseException | None) -> None:
+            self.sessions.touch(session_id)
+            if error is not None:
+                # After the first chunk: the partial output went out, the failure is its last
+                # event (the status line was sent long ago).
+                self._log_failure(route, session_id, session, error)
+
+        headers = self._reply_headers(binding, engine, first.provenance if first else None)
+        events = sse_events(route, first, stream, PROVENANCE_FIELD, on_end)
+        return SSEResponse(events, headers={**headers, "cache-control": "no-cache"})
 
     def _session_of(self, request: Request) -> str:
         caller = caller_of(request.headers, self._admin_token)
@@ -189,8 +236,14 @@ class GenerationRoutes:
         return checked
 
     def _dispatch_failed(
-        self, route: Route, session_id: str | None, session: Session | None, exc: Exception
+        self, route: Route, session_id: str | None, session: Session | None, exc: BaseException
     ) -> Response:
+        outcome = self._log_failure(route, session_id, session, exc)
+        return error_response(exc, outcome=outcome)
+
+    def _log_failure(
+        self, route: Route, session_id: str | None, session: Session | None, exc: BaseException
+    ) -> DispatchOutcome:
         # Past session.open the request may have reached an engine; an untyped failure there
         # is therefore indeterminate (typed errors say for themselves).
         outcome = classify_failure(exc, sent=session is not None)
@@ -212,4 +265,4 @@ class GenerationRoutes:
             logger.warning("dispatch %s: %s", outcome.value, exc.code, extra=extra)
         else:
             logger.error("dispatch failed unexpectedly", exc_info=exc, extra=extra)
-        return error_response(exc, outcome=outcome)
+        return outcome

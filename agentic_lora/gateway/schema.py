@@ -161,12 +161,6 @@ def validate_body(models: RequestModels, route: Route, body: Any) -> dict[str, A
         raise InvalidRequestError(
             "the body must be a JSON object", route=route.value, reason="not_object"
         )
-    if body.get("stream") is True:
-        raise InvalidRequestError(
-            "streaming is not supported on a versioned Session; send stream=false",
-            route=route.value,
-            reason="stream",
-        )
     try:
         models[route].model_validate(body)
     except ValidationError as exc:
@@ -180,8 +174,10 @@ def validate_body(models: RequestModels, route: Route, body: Any) -> dict[str, A
             reason="schema",
             problems=problems,
         ) from exc
-    # What the Session will check after the bind must hold now, before a Session is opened.
-    parse_request(route, body)
+    # What the Session will check after the bind must hold now, before a Session is opened
+    # (``stream`` aside: a streamed request goes to Session.stream, which asks for the stream).
+    streamed = body.get("stream") is True
+    parse_request(route, {k: v for k, v in body.items() if k != "stream"} if streamed else body)
     return body
 
 

@@ -219,9 +219,12 @@ class RegistryBinder:
         # serve must not bind the Session.
         self._cfg.dialect.check_route(route)
         if body.get("stream"):
+            # A reply read whole cannot be handed on chunk by chunk: streams go through
+            # Session.stream, which asks the engine for the stream itself.
             raise InvalidRequestError(
-                "streaming is not supported on a versioned Session; send stream=false",
+                "stream=true needs Session.stream (dispatch reads one whole reply)",
                 route=route.value,
+                reason="stream",
             )
         term = self._term
         if term is not None:

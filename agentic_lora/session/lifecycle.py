@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +18,11 @@ from agentic_lora.errors import (
 )
 from agentic_lora.leases import LeaseTerm
 from agentic_lora.middleware import Dispatch, EngineCall, InFlight
+from agentic_lora.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding, ReleaseResult
 from agentic_lora.requests import RequestLike, Route, request_body
 from agentic_lora.session.binder import SessionBinder
+from agentic_lora.streaming import StreamChunk, UpstreamStream
 from agentic_lora.transport import EngineReply, EngineTransport
 
 __all__ = ["TRANSITIONS", "Session", "SessionPhase", "SessionRuntime", "next_phase"]
@@ -67,6 +69,8 @@ class SessionRuntime:
     dialect: EngineDialect
     new_binder: Callable[[str, Callable[[], None]], SessionBinder]
     on_closed: Callable[[Session], Awaitable[None]]
+    #: The same middlewares ended by :class:`~agentic_lora.streaming.StreamEndpoint`.
+    stream_chain: Dispatch | None = None
 
 
 class Session:
@@ -185,10 +189,57 @@ class Session:
                 )
             )
         finally:
-            self._in_flight.discard(flight)
-            if not self._in_flight:
-                self._drained.set()
+            self._flight_ended(flight)
         return binder.after_reply(reply, turn)
+
+    async def stream(self, route: Route, request: RequestLike) -> AsyncGenerator[StreamChunk, None]:
+        """Send one request down the chain as a stream: its chunks, each naming this Session's
+        version (:attr:`StreamChunk.provenance <agentic_lora.streaming.StreamChunk>`).
+
+        The request holds its version (in-flight count, drain, close) until the stream ends or
+        the iterator is closed; closing it early (``aclose``, cancellation) aborts
+        the engine request by id where the engine can, else closes its connection. A failure
+        before the first chunk is refused or indeterminate as in :meth:`dispatch`; after it,
+        RequestIndeterminateError, raised once the chunks before it were read. Never resent.
+        """
+        self._require_dispatchable()
+        chain = self._rt.stream_chain
+        if chain is None:
+            raise SessionStateError("this Session's manager has no streaming chain")
+        binder = self._binder
+        body = request_body(route, request, validate=binder.validate)
+        body.pop("stream", None)  # this call always streams; the dialect asks for it below
+        turn = await binder.before_send(route, body, self._require_dispatchable)
+        body = self._rt.dialect.stream_body(route, body)
+        rid = body.get("rid")
+        flight = InFlight(rid=rid if isinstance(rid, str) else None)
+        self._in_flight.add(flight)
+        self._drained.clear()
+        binding = turn.binding if turn is not None else None
+        upstream = UpstreamStream(
+            chain,
+            EngineCall(route, body, self._key, binding, ticket=flight),
+            self._rt.transport,
+            can_abort=self._rt.dialect.can_abort,
+        )
+        provenance: TurnProvenance | None = None
+        first = True
+        try:
+            async for data in upstream:
+                engine = flight.engine or ""
+                if first:
+                    # The turn's lag is recorded once, at its first chunk (as at a reply).
+                    head = EngineReply(engine, route.value, 200, None, flight.rid)
+                    provenance = binder.after_reply(head, turn).provenance
+                    first = False
+                yield StreamChunk(engine, route.value, data, flight.rid, provenance)
+        finally:
+            await upstream.aclose(lambda: self._flight_ended(flight))
+
+    def _flight_ended(self, flight: InFlight) -> None:
+        self._in_flight.discard(flight)
+        if not self._in_flight:
+            self._drained.set()
 
     def provenance(self) -> dict[str, Any]:
         """This Session's trajectory provenance, JSON-able, for the trainer to store with it.

@@ -45,6 +45,7 @@ from agentic_lora.session.binder import (
 )
 from agentic_lora.session.lifecycle import Session, SessionRuntime
 from agentic_lora.session.pd_guard import pd_guard
+from agentic_lora.streaming import StreamEndpoint
 from agentic_lora.transport import EngineTransport
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ class Versioning:
             dialect=resolved,
             new_binder=self._new_binder,
             on_closed=self._on_closed,
+            stream_chain=build_chain(StreamEndpoint(transport), chain),
         )
         self._live: dict[str, Session] = {}
         self._keys: set[str] = set()  # registry keys of live Sessions (explicit keys stay unique)

@@ -21,7 +21,9 @@ engine answers after a restart). It raises AssertionError naming the broken rule
 5. ``read_server_info`` either reads nothing and answers None, or answers a mapping; an engine
    that answers 404 everywhere is a typed refusal, never a silent None; a transport failure is
    never swallowed;
-6. ``fingerprint`` is stable for one process and changes across a restart.
+6. ``fingerprint`` is stable for one process and changes across a restart;
+7. ``stream_body`` asks for a stream without editing the caller's body or its adapter, and
+   ``parse_stream_event`` reads a chunk, the engine's error object and ``[DONE]`` apart.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentic_lora.engines.dialect import EngineDialect, SlotSettings, load_dialect
+from agentic_lora.engines.sse import StreamEventKind
 from agentic_lora.engines.wire import HttpAnswer, Outcome
 from agentic_lora.errors import AdapterMismatchError, InvalidRequestError
 from agentic_lora.requests import Route
@@ -186,6 +189,21 @@ async def _check_fingerprint(dialect: EngineDialect, answers: EngineAnswers) -> 
         raise AssertionError("fingerprint swallowed a transport failure")
 
 
+def _check_stream(dialect: EngineDialect) -> None:
+    for route in dialect.routes:
+        given = dialect.pin(route, _BODIES[route], LORA, BASE)
+        before = dict(given)
+        streamed = dialect.stream_body(route, given)
+        assert given == before, f"stream_body edited the caller's body on {route.value}"
+        assert streamed.get("stream") is True, f"stream_body does not ask for a stream: {streamed}"
+        assert _names_adapter(streamed, LORA), f"stream_body lost the adapter: {streamed}"
+    kinds = [
+        dialect.parse_stream_event(payload).kind
+        for payload in ('{"choices": []}', '{"error": {"message": "x", "code": 400}}', "[DONE]")
+    ]
+    assert kinds == [StreamEventKind.CHUNK, StreamEventKind.ERROR, StreamEventKind.DONE], kinds
+
+
 async def check_dialect(dialect: EngineDialect, answers: EngineAnswers) -> None:
     """Run every rule of the module docstring against ``dialect``; AssertionError if one fails."""
     assert isinstance(dialect, EngineDialect), f"{dialect!r} is not an EngineDialect"
@@ -196,5 +214,6 @@ async def check_dialect(dialect: EngineDialect, answers: EngineAnswers) -> None:
     _check_routes(dialect)
     _check_pin(dialect)
     _check_abort(dialect)
+    _check_stream(dialect)
     await _check_server_info(dialect, answers)
     await _check_fingerprint(dialect, answers)

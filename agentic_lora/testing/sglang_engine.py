@@ -11,7 +11,10 @@ It models what the publication and reclaim paths depend on, as SGLang 0.5.23 beh
   once and unloaded since is *implicitly reloaded* from its cached path, as SGLang does;
 * ``/server_info`` (or ``/get_server_info`` when ``legacy_server_info``) reports
   ``startup_time`` and ``random_seed``, which change on :meth:`ScriptedSGLangEngine.restart`;
-* ``/v1/models`` lists the base model and one card per registered adapter.
+* ``/v1/models`` lists the base model and one card per registered adapter;
+* ``/generate`` with ``"stream": true`` answers the next :class:`ScriptedStream` queued in
+  ``streams`` (a plain one when none is): the request holds its adapter until the stream ends
+  or its reader leaves, and ``/abort_request {"rid": ...}`` ends it with an ``abort`` chunk.
 
 Faults (:class:`~agentic_lora.testing.scripted_engine.Fault`) are scripted per operation, one
 per future call; a refusal answers ``success: false``. What every scripted engine shares is
@@ -25,13 +28,15 @@ import asyncio
 import enum
 import os
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+from agentic_lora.testing.streams import ScriptedStream, generate_chunks, stream_reply
 
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
 
@@ -47,6 +52,7 @@ class EngineOp(enum.StrEnum):
     GENERATE = "generate"
     SERVER_INFO = "server_info"
     MODELS = "models"
+    ABORT = "abort"
 
 
 @dataclass(slots=True)
@@ -91,6 +97,10 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
     #: Reads a stored adapter directory and returns its content digest (None: do not read).
     read_digest: Callable[[str], str] | None = _digest_of_dir
     implicit_reloads: Counter[str] = field(default_factory=Counter)
+    #: Streamed answers for the next streamed generations, in order.
+    streams: deque[ScriptedStream] = field(default_factory=deque)
+    #: Every streamed answer given, by request id (None: the request carried none).
+    streamed: dict[str | None, ScriptedStream] = field(default_factory=dict)
 
     ops = EngineOp
     models_op = EngineOp.MODELS
@@ -115,6 +125,7 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             ("POST", "/load_lora_adapter", self._load),
             ("POST", "/unload_lora_adapter", self._unload),
             ("POST", "/generate", self._generate),
+            ("POST", "/abort_request", self._abort),
             ("GET", "/server_info", self._server_info_new),
             ("GET", "/get_server_info", self._server_info_legacy),
             ("GET", "/v1/models", self._models),
@@ -133,6 +144,10 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
         self._ref_cache.clear()
         self._unregistered.clear()
         self._inflight.clear()
+
+    def register(self, lora_name: str, lora_path: str, digest: str | None = None) -> None:
+        """Hold ``lora_name`` as if it had been loaded from ``lora_path`` (no directory read)."""
+        self._register(lora_name, lora_path, False, digest)
 
     def acquire(self, lora_name: str) -> int:
         """Start a long request on ``lora_name`` (it holds the native refcount); returns its id."""
@@ -230,6 +245,8 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             digest = self.read_digest(cached[0]) if self.read_digest is not None else None
             self._register(str(name), cached[0], cached[1], digest)
             self.implicit_reloads[str(name)] += 1
+        if body.get("stream"):
+            return self._finish(fault, request, self._stream(body, name))
         reply = httpx.Response(
             200,
             json={
@@ -239,6 +256,31 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             },
         )
         return self._finish(fault, request, reply)
+
+    def _stream(self, body: dict[str, Any], name: Any) -> httpx.Response:
+        stream = self.streams.popleft() if self.streams else ScriptedStream()
+        rid = body.get("rid")
+        if stream.chunks is None:
+            stream.chunks = generate_chunks(3, rid, name)
+        if name is not None:
+            # Like the real engine: the request holds the adapter's refcount while it streams.
+            lora_id = self.acquire(str(name))
+
+            async def release() -> None:
+                await self.release(lora_id)
+
+            stream.on_end = release
+        self.streamed[rid] = stream
+        return stream_reply(stream)
+
+    async def _abort(self, request: httpx.Request) -> httpx.Response:
+        body, fault = await self._enter(EngineOp.ABORT, request)
+        if (early := self._short_circuit(fault)) is not None:
+            return early
+        stream = self.streamed.get(body.get("rid"))
+        if stream is not None:
+            stream.abort()
+        return self._finish(fault, request, httpx.Response(200))
 
     async def _server_info_new(self, request: httpx.Request) -> httpx.Response:
         if self.legacy_server_info:

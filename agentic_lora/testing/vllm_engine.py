@@ -12,7 +12,10 @@ real engine:
   (else 404 "The model ... does not exist.") and echo the name as ``model``;
 * ``/metrics`` has ``process_start_time_seconds`` (new on every :meth:`restart`) and
   ``vllm:lora_requests_info`` samples, one label set per distinct report, newest value last;
-* ``/v1/models`` lists the base model and one card per registered adapter.
+* ``/v1/models`` lists the base model and one card per registered adapter;
+* ``"stream": true`` answers the next :class:`ScriptedStream` queued in ``streams`` (a plain one
+  when none is); there is no abort by id: a reader that leaves closes the connection, which the
+  stream records (``closed_early``), as vLLM aborts a request whose client disconnected.
 
 Faults (:class:`~agentic_lora.testing.scripted_engine.Fault`) are scripted per operation, one
 per future call; a refusal answers vLLM's ``{"error": {...}}`` body. What every scripted engine
@@ -24,14 +27,15 @@ from __future__ import annotations
 
 import enum
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
 __all__ = ["Fault", "FaultKind", "Registered", "ScriptedVllmEngine", "VllmOp"]
 
@@ -77,6 +81,10 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
 
     runtime_lora_updating: bool = True
     read_digest: Callable[[str], str | None] = _digest_of_dir
+    #: Streamed answers for the next streamed generations, in order.
+    streams: deque[ScriptedStream] = field(default_factory=deque)
+    #: Every streamed answer given, in order.
+    streamed: list[ScriptedStream] = field(default_factory=list)
 
     ops = VllmOp
     models_op = VllmOp.MODELS
@@ -209,6 +217,12 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
                 f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.",
                 "NotFoundError",
             )
+        if body.get("stream"):
+            stream = self.streams.popleft() if self.streams else ScriptedStream()
+            if stream.chunks is None:
+                stream.chunks = openai_chunks(3, str(request.url.path), model)
+            self.streamed.append(stream)
+            return self._finish(fault, request, stream_reply(stream))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         if op is VllmOp.CHAT:
             choice["message"] = {"role": "assistant", "content": "x"}

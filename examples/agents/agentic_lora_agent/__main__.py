@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
         default={},
         help="JSON merged into every request, e.g. '{\"skip_special_tokens\": false}'",
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="ask for every turn as a stream (each chunk names its version) and assemble it",
+    )
     parser.add_argument("--json", type=Path, help="also write every episode here as JSON")
     return add_arguments(parser)
 
@@ -85,6 +90,7 @@ async def _run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         extra_body=args.extra_body,
+        stream=args.stream,
     )
     policy: FallbackPolicy | None = ScriptedPolicy() if args.policy == "scripted" else None
     tools = default_toolbox()

@@ -59,6 +59,7 @@ from agentic_lora_agent.records import (
     EpisodeStatus,
     TurnRecord,
 )
+from agentic_lora_agent.streamed import stream_turn
 from agentic_lora_agent.tools import ToolBox
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "AgentConfig", "AgentObserver", "ToolAgent"]
@@ -89,6 +90,8 @@ class AgentConfig:
     compact_observation_chars: int = 1000
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    #: Ask for every turn as a stream (:mod:`agentic_lora_agent.streamed`) and assemble it.
+    stream: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tokens", "compact_observation_chars"):
@@ -395,7 +398,11 @@ class ToolAgent:
         error: str | None = None
         status: int | None = None
         try:
-            answer = await session.chat_completions(body)
+            answer = (
+                await stream_turn(session, body)
+                if self._config.stream
+                else await session.chat_completions(body)
+            )
             engine = answer.engine
             lag = answer.provenance.lag if answer.provenance is not None else None
             reply = _read_reply(answer.body)

@@ -1,0 +1,251 @@
+"""Streaming overhead: a versioned Session's stream vs a direct streamed call to the same engine.
+
+Two ways to stream the same SGLang ``/generate`` body, run in one process, interleaved block by
+block (ABBA order, so a noisy neighbour or a slow drift hits both alike):
+
+* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
+  product uses) streaming ``POST /generate`` with the adapter named by hand, read line by line;
+* ``versioned``: :meth:`Session.stream` of a versioned Session (bind at its first turn, pin,
+  dispatch guard, router, the pump and its bounded buffer), every chunk carrying its version.
+
+Per stream: TTFT (from the call to the first chunk in hand) and every inter-chunk gap. One real
+SGLang engine from the test harness, adapter A published through HTTP push. Prints one table per
+concurrency and the versioned/direct ratios side by side; writes ``bench/out/streaming.json``.
+
+Usage: python bench/streaming.py [--concurrency 1,64] [--blocks 8] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from common import (
+    engine_log_dir,
+    interleaved_order,
+    machine,
+    print_table,
+    summarize,
+    write_result,
+)
+from httpx_aiohttp import AiohttpTransport
+
+from agentic_lora.http_limits import engine_limits
+from agentic_lora.requests import Route
+from agentic_lora.session import Versioning
+
+US = 1e6
+VARIANTS = ("direct", "versioned")
+
+
+@dataclass
+class Target:
+    url: str
+    lora_name: str
+    body: dict[str, Any]
+    versioning: Versioning
+    direct: httpx.AsyncClient
+
+
+@dataclass
+class Samples:
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    chunks: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+async def _direct(t: Target, streams: int, out: Samples, tag: str) -> None:
+    body = {**t.body, "lora_path": t.lora_name, "stream": True}
+    for _ in range(streams):
+        start = last = time.perf_counter()
+        first = True
+        async with t.direct.stream("POST", t.url + "/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                json.loads(line[5:])  # the reader decodes each chunk, as Session.stream does
+                now = time.perf_counter()
+                (out.ttft if first else out.gaps).append(now - (start if first else last))
+                first, last = False, now
+                out.chunks += 1
+
+
+async def _versioned(t: Target, streams: int, out: Samples, tag: str) -> None:
+    session = t.versioning.open_session(f"{tag}-{uuid.uuid4().hex[:8]}")
+    try:
+        for _ in range(streams):
+            start = last = time.perf_counter()
+            first = True
+            async for _chunk in session.stream(Route.GENERATE, t.body):
+                now = time.perf_counter()
+                (out.ttft if first else out.gaps).append(now - (start if first else last))
+                first, last = False, now
+                out.chunks += 1
+    finally:
+        await session.close()
+
+
+WORKERS: dict[str, Callable[[Target, int, Samples, str], Awaitable[None]]] = {
+    "direct": _direct,
+    "versioned": _versioned,
+}
+
+
+async def _block(t: Target, variant: str, concurrency: int, streams: int, out: Samples) -> None:
+    async def guarded(w: int) -> None:
+        try:
+            await WORKERS[variant](t, streams, out, f"{variant}-w{w}")
+        except Exception as exc:  # counted and reported, never hidden
+            out.failures.append(f"{type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(guarded(w) for w in range(concurrency)))
+
+
+async def measure(t: Target, concurrency: int, blocks: int, streams: int) -> dict[str, Samples]:
+    results = {v: Samples() for v in VARIANTS}
+    for v in VARIANTS:
+        await _block(t, v, concurrency, 1, Samples())  # warm-up
+    for v in interleaved_order(VARIANTS, blocks):
+        await _block(t, v, concurrency, streams, results[v])
+    return results
+
+
+def _report(samples: dict[str, Samples]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for v, s in samples.items():
+        out[v] = {
+            "ttft_us": summarize(s.ttft).scaled(US).as_dict(),
+            "gap_us": summarize(s.gaps).scaled(US).as_dict(),
+            "chunks": s.chunks,
+            "failures": s.failures[:5],
+            "failure_count": len(s.failures),
+        }
+    d, v = out["direct"], out["versioned"]
+    out["ratio"] = {
+        "ttft_p50": v["ttft_us"]["p50"] / d["ttft_us"]["p50"],
+        "ttft_p99": v["ttft_us"]["p99"] / d["ttft_us"]["p99"],
+        "gap_p50": v["gap_us"]["p50"] / d["gap_us"]["p50"],
+        "gap_p99": v["gap_us"]["p99"] / d["gap_us"]["p99"],
+    }
+    return out
+
+
+@contextlib.asynccontextmanager
+async def sglang_target(tokens: int) -> AsyncIterator[Target]:
+    """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push)."""
+    from agentic_lora_harness.engine_env import ensure_engine_env
+    from agentic_lora_harness.engines import EngineFleet
+    from agentic_lora_harness.fixture import build_fixture
+
+    from agentic_lora.adapter import AdapterSnapshot
+    from agentic_lora.config import load_settings
+    from agentic_lora.deployment import Deployment
+
+    env = await asyncio.to_thread(ensure_engine_env)
+    fixture = await asyncio.to_thread(build_fixture)
+    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
+        settings = load_settings(
+            enable_versioned_lora_publication=True,
+            engines=[f"{name}={url}" for name, url in fleet.engines],
+            capacity=2,
+            base_model_name=fleet.served_model_name,
+        )
+        direct = httpx.AsyncClient(
+            transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
+            timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
+            trust_env=False,
+        )
+        with tempfile.TemporaryDirectory(prefix="bench-streaming-") as store:
+            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
+            async with deployment, direct:
+                result = await deployment.publish(
+                    f"A-{uuid.uuid4().hex[:8]}",
+                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
+                )
+                if not result.ok or result.lora_name is None:
+                    raise RuntimeError(f"publication failed: {result}")
+                body = {
+                    "text": "Count from one to one hundred:",
+                    "sampling_params": {
+                        "max_new_tokens": tokens,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                }
+                yield Target(
+                    fleet.engines[0][1], result.lora_name, body, deployment.versioning, direct
+                )
+
+
+def _print(conc: int, report: dict[str, Any]) -> None:
+    rows = []
+    for v in VARIANTS:
+        r = report[v]
+        rows.append(
+            [
+                v,
+                r["ttft_us"]["count"],
+                f"{r['ttft_us']['p50']:.0f}",
+                f"{r['ttft_us']['p99']:.0f}",
+                f"{r['gap_us']['p50']:.0f}",
+                f"{r['gap_us']['p99']:.0f}",
+                r["failure_count"],
+            ]
+        )
+    ratio = report["ratio"]
+    rows.append(
+        [
+            "versioned/direct",
+            "",
+            f"{ratio['ttft_p50']:.3f}",
+            f"{ratio['ttft_p99']:.3f}",
+            f"{ratio['gap_p50']:.3f}",
+            f"{ratio['gap_p99']:.3f}",
+            "",
+        ]
+    )
+    print(f"\n{conc} concurrent Sessions")
+    print_table(
+        ["variant", "streams", "TTFT p50 us", "TTFT p99 us", "gap p50 us", "gap p99 us", "fail"],
+        rows,
+    )
+
+
+def _split(values: str) -> list[int]:
+    return [int(v) for v in values.split(",") if v.strip()]
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--streams", type=int, default=4, help="streams per worker per block")
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    reports: dict[int, Any] = {}
+    async with sglang_target(args.tokens) as target:
+        for conc in _split(args.concurrency):
+            t0 = time.perf_counter()
+            streams = args.streams if conc == 1 else 1
+            reports[conc] = _report(await measure(target, conc, args.blocks, streams))
+            reports[conc]["seconds"] = time.perf_counter() - t0
+            _print(conc, reports[conc])
+    path = write_result(
+        "streaming",
+        {"machine": machine(), "args": vars(args), "concurrency": reports},
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
