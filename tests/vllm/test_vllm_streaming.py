@@ -25,7 +25,7 @@ from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import new_request_id
-from tests.session_support import log_signal
+from tests.session_support import Calls
 from tests.streaming_support import served
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
 
@@ -106,18 +106,15 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
                     s for s in session if s.binding and s.binding.version_id == "vs-a"
                 ]
                 assert gateway.versioning.in_flight(names[0]) == 1
-                with log_signal("agentic_lora.middleware", "waiting for requests on") as waits:
-                    await registry.begin_close(
-                        request_id=new_request_id(), session_key=old_session.key
-                    )
-                    await registry.release(request_id=new_request_id(), session_key=old_session.key)
-                    reclaim = asyncio.create_task(
-                        gateway.deployment.reclaimer.reclaim_version("vs-a")
-                    )
-                    waiting = asyncio.create_task(waits.wait())
-                    done, _ = await asyncio.wait(
-                        {reclaim, waiting}, return_when=asyncio.FIRST_COMPLETED
-                    )
+                waits = Calls()
+                gateway.versioning.on_drain_wait.append(waits)
+                await registry.begin_close(request_id=new_request_id(), session_key=old_session.key)
+                await registry.release(request_id=new_request_id(), session_key=old_session.key)
+                reclaim = asyncio.create_task(gateway.deployment.reclaimer.reclaim_version("vs-a"))
+                waiting = asyncio.create_task(waits.wait())
+                done, _ = await asyncio.wait(
+                    {reclaim, waiting}, return_when=asyncio.FIRST_COMPLETED
+                )
                 assert done == {waiting}, "the reclaim did not wait for the open stream"
                 engine_gate.open()
                 chunks += [c async for c in held]
