@@ -79,6 +79,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_MAX_CACHED_URLS = 256
+
 #: The generation retry policy: one attempt, never a second.
 GENERATION_STOP: stop_base = stop_after_attempt(1)
 
@@ -189,6 +191,14 @@ class EngineTransport:
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=connect_timeout)
         limits = engine_limits(max_connections, keepalive_expiry)  # see agentic_lora.http_limits
         self._client, self._kind = make_engine_client(http_transport, timeout, limits)
+        # What the client's build_request would merge into every request, merged once: the
+        # client's default headers (its own, never an environment's: trust_env=False) and its
+        # timeout. The request on the wire is byte for byte the same (test_transport checks).
+        self._plain_headers = httpx.Headers(self._client.headers)
+        self._json_headers = httpx.Headers(self._client.headers)
+        self._json_headers["content-type"] = "application/json"
+        self._timeout = timeout.as_dict()
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._control_attempts = control_attempts
         self._control_wait: wait_base = (
             control_wait if control_wait is not None else wait_exponential(multiplier=0.05, max=1.0)
@@ -224,6 +234,14 @@ class EngineTransport:
             )
         return ref
 
+    def _url(self, engine: str, path: str) -> httpx.URL:
+        url = self._urls.get((engine, path))
+        if url is None:
+            url = httpx.URL(self._ref(engine).base_url.rstrip("/") + path)
+            if len(self._urls) < _MAX_CACHED_URLS:  # paths are a few routes; bounded regardless
+                self._urls[(engine, path)] = url
+        return url
+
     async def _exchange(
         self,
         engine: str,
@@ -236,13 +254,16 @@ class EngineTransport:
     ) -> EngineReply:
         """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
         (``check_status=False``: only for what happened on the wire; any answer is returned)."""
-        ref = self._ref(engine)
-        url = ref.base_url.rstrip("/") + path
-        headers = {"content-type": "application/json"} if content is not None else None
         where = {"engine": engine, "path": path, "rid": rid}
         try:
             # Inside the try: a URL that cannot be requested fails here, before sending.
-            request = self._client.build_request(method, url, content=content, headers=headers)
+            request = httpx.Request(
+                method,
+                self._url(engine, path),
+                content=content,
+                headers=self._plain_headers if content is None else self._json_headers,
+                extensions={"timeout": self._timeout},
+            )
             response = await self._client.send(request, stream=True)
         except WIRE_ERRORS as exc:
             outcome = classify_exception(exc)

@@ -182,6 +182,22 @@ async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> Non
             assert (
                 sent.content == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             )
+            # The request is built without the client's build_request, yet is the one it builds.
+            timeout = httpx.Timeout(30, connect=5, pool=5)
+            async with httpx.AsyncClient(trust_env=False, timeout=timeout) as plain:
+                expected = plain.build_request(
+                    "POST",
+                    URL + "/v1/completions",
+                    content=sent.content,
+                    headers={"content-type": "application/json"},
+                )
+            assert sent.headers.raw == expected.headers.raw
+            assert sent.extensions["timeout"] == expected.extensions["timeout"]
+            info = mock.get(URL + "/server_info").respond(200, json={"x": 1})
+            await t.server_info("e0")
+            got = info.calls.last.request
+            assert "content-type" not in got.headers
+            assert got.headers["user-agent"] == expected.headers["user-agent"]
     finally:
         await t.aclose()
 
