@@ -409,7 +409,8 @@ class RegistryBinder:
         if bind_task is not None:
             # Never cancelled: it either bound before begin_close (release drops that ref) or is
             # refused with SESSION_CLOSED. Its error was already handed to its waiters.
-            await asyncio.wait([bind_task])
+            if not bind_task.done():  # the common case, a bind long done, costs no waiter
+                await asyncio.wait([bind_task])
             if not bind_task.cancelled():
                 bind_task.exception()
 
