@@ -281,19 +281,28 @@ class AdapterInFlight:
     @contextlib.contextmanager
     def track(self, lora_name: str) -> Iterator[None]:
         """Count one request on ``lora_name`` for the duration of the block."""
+        self.enter(lora_name)
+        try:
+            yield
+        finally:
+            self.leave(lora_name)
+
+    def enter(self, lora_name: str) -> None:
+        """Count one request on ``lora_name`` (pair it with :meth:`leave` in a ``finally``;
+        :meth:`track` does both, at the cost of a generator per request)."""
         n = self._counts.get(lora_name, 0)
         if n == 0:
             self._drained[lora_name] = asyncio.Event()
         self._counts[lora_name] = n + 1
-        try:
-            yield
-        finally:
-            left = self._counts[lora_name] - 1
-            if left:
-                self._counts[lora_name] = left
-            else:
-                del self._counts[lora_name]
-                self._drained.pop(lora_name).set()
+
+    def leave(self, lora_name: str) -> None:
+        """The request counted by :meth:`enter` ended."""
+        left = self._counts[lora_name] - 1
+        if left:
+            self._counts[lora_name] = left
+        else:
+            del self._counts[lora_name]
+            self._drained.pop(lora_name).set()
 
     async def wait_drained(self, lora_name: str) -> None:
         """Return at the first moment no request on ``lora_name`` is in flight (now if none is).
@@ -341,8 +350,13 @@ class DispatchGuardMiddleware:
             return await self._next(call)
         # No await between the check and the count: a reclaim claimed after the check finds this
         # request counted and waits for it; one claimed before it is refused by the check.
-        with self._in_flight.track(binding.lora_name):
+        in_flight = self._in_flight
+        lora_name = binding.lora_name
+        in_flight.enter(lora_name)
+        try:
             return await self._next(call)
+        finally:
+            in_flight.leave(lora_name)
 
 
 # --- routing and the endpoint -------------------------------------------------------------------
@@ -391,7 +405,9 @@ class RoutingMiddleware:
             engines = tuple(e for e in healthy if e in holders)
             if not engines:
                 raise self._unavailable(call, healthy, holders)
-        engine = self._router.choose(call.session_key, engines, MappingProxyType(dict(call.body)))
+        # A read-only view, not a copy: the body is the chain's own dict (the Session built it,
+        # the pin copied it), and nothing else writes it before the send.
+        engine = self._router.choose(call.session_key, engines, MappingProxyType(call.body))
         if engine not in engines:
             raise ConfigurationError(
                 f"router {type(self._router).__name__} chose {engine!r}, not one of {list(engines)}",

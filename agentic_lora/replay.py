@@ -7,7 +7,9 @@ get an answer may send the same call again, and that is the only retry the proje
 :func:`is_lost_reply` is the one rule for "may a replay help?": a typed error
 (:class:`~agentic_lora.errors.AgenticLoRAError`) *is* the registry's answer and is final; any
 other exception (a dead Ray actor, a timeout, a dropped connection) may have hidden an answer.
-:class:`RegistryRetry` is the replay loop the publisher, reclaimer and repairer share.
+:class:`RegistryRetry` is the replay loop the publisher, reclaimer, repairer and Sessions share, and
+:func:`after_failure` is how every retried call here runs: one plain call, and the retry policy
+only once that call failed (the policy's machinery costs more CPU than a fast call itself).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError
 
-__all__ = ["RegistryRetry", "is_lost_reply"]
+__all__ = ["RegistryRetry", "after_failure", "is_lost_reply"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,26 @@ def is_lost_reply(exc: BaseException) -> bool:
     replayed: the caller is going away, and a replay would outlive it.
     """
     return isinstance(exc, Exception) and not isinstance(exc, AgenticLoRAError)
+
+
+async def after_failure(fn: Callable[[], Awaitable[T]], policy: Callable[[], AsyncRetrying]) -> T:
+    """``fn()`` once; only if it raises does ``policy`` take over, with that failure as its first
+    attempt, so the policy's stop, wait, retry predicate and hooks see exactly what a loop
+    entered from the start would have seen (attempt numbers included).
+
+    A ``BaseException`` that is not an ``Exception`` (cancellation) is never handed to the policy.
+    """
+    try:
+        return await fn()
+    except Exception as exc:
+        failed: Exception | None = exc
+    async for attempt in policy():
+        with attempt:
+            if failed is not None:
+                first, failed = failed, None
+                raise first
+            return await fn()
+    raise AssertionError("unreachable: the policy either returns or raises")  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -66,17 +88,13 @@ class RegistryRetry:
                 extra={"attempt": state.attempt_number, "verb": verb},
             )
 
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.attempts),
-            wait=self.wait,
-            retry=retry_if_exception(is_lost_reply),
-            before_sleep=_log,
-            reraise=True,
-        )
+        def policy() -> AsyncRetrying:
+            return AsyncRetrying(
+                stop=stop_after_attempt(self.attempts),
+                wait=self.wait,
+                retry=retry_if_exception(is_lost_reply),
+                before_sleep=_log,
+                reraise=True,
+            )
 
-        async def attempt() -> T:
-            # A coroutine function, so tenacity awaits each try (a lambda would not be awaited).
-            return await fn()
-
-        result: T = await retrying(attempt)
-        return result
+        return await after_failure(fn, policy)

@@ -12,6 +12,9 @@ version and one abortable request id.
 from __future__ import annotations
 
 import enum
+import itertools
+import os
+import secrets
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -31,6 +34,8 @@ __all__ = [
     "RequestLike",
     "Route",
     "SamplingParams",
+    "check_shape",
+    "new_rid",
     "parse_request",
     "request_body",
 ]
@@ -184,6 +189,65 @@ def parse_request(route: Route, request: RequestLike) -> EngineRequest:
         ) from exc
 
 
+def _one_prompt_problem(route: Route, body: Mapping[str, Any]) -> str | None:
+    # Only what makes a request one prompt: a batch would run under one version but come back
+    # as several generations behind one request id (one abort, one provenance).
+    if route is Route.GENERATE:
+        given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+        if len(given) != 1:
+            return f"give exactly one of text, input_ids or input_embeds (got {given or 'none'})"
+        text, ids = body.get("text"), body.get("input_ids")
+        if text is not None and not isinstance(text, str):
+            return "text: one prompt is a string"
+        if ids is not None and (not isinstance(ids, list) or (ids and isinstance(ids[0], list))):
+            return "input_ids: one prompt is a list of token ids"
+    elif route is Route.CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "messages: a non-empty list"
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) and not (
+            isinstance(prompt, list) and (not prompt or type(prompt[0]) is int)
+        ):
+            return "prompt: one prompt is a string or a list of token ids"
+    return None
+
+
+def check_shape(route: Route, body: Mapping[str, Any]) -> None:
+    """Check only what a Session reads or relies on in a JSON body, without building a model.
+
+    The request id, ``stream`` and the adapter fields (``lora_path``, ``model``) have their
+    types, and the body is one prompt. Everything else (sampling values, ranges, extra fields)
+    is the engine's to judge: it answers a bad value with a 4xx, a refusal that sends nothing
+    twice. :func:`parse_request` is the full check (about ten times the cost, measured in
+    ``bench/dispatch.py``). Raises InvalidRequestError with the same details.
+    """
+    problems = []
+    for name, kind in _SHAPE_TYPES:
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            problems.append(f"{name}: must be a {kind.__name__}, not {type(value).__name__}")
+    prompt = _one_prompt_problem(route, body)
+    if prompt is not None:
+        problems.append(prompt)
+    if problems:
+        raise InvalidRequestError(
+            f"malformed {route.value} request: {'; '.join(problems)}",
+            route=route.value,
+            problems=problems,
+        )
+
+
+#: The fields a Session reads, with their types (None is always allowed: "not given").
+_SHAPE_TYPES: tuple[tuple[str, type], ...] = (
+    ("rid", str),
+    ("stream", bool),
+    ("lora_path", str),
+    ("model", str),
+)
+
+
 def request_body(route: Route, request: RequestLike, *, validate: bool = True) -> dict[str, Any]:
     """The JSON body to send for ``request`` (a fresh dict the caller may change).
 
@@ -199,6 +263,32 @@ def request_body(route: Route, request: RequestLike, *, validate: bool = True) -
             f"a request body is a JSON object, not {type(request).__name__}", route=route.value
         )
     return dict(request)
+
+
+# --- request ids --------------------------------------------------------------------------------
+
+_rid_prefix = secrets.token_hex(12)
+_rid_counter = itertools.count()
+
+
+def _new_rid_space() -> None:
+    global _rid_prefix, _rid_counter
+    _rid_prefix = secrets.token_hex(12)
+    _rid_counter = itertools.count()
+
+
+# A forked child inherits the prefix and the counter: without a fresh prefix it would mint the
+# very ids its parent mints next, and two requests (or two registry calls) would share one id.
+os.register_at_fork(after_in_child=_new_rid_space)
+
+
+def new_rid() -> str:
+    """A request id unique across processes: a random per-process prefix (96 bits) and a counter.
+
+    Used for engine request ids (what an abort names) and registry idempotency keys. Minting one
+    is a counter step and a format, about a tenth of ``uuid4().hex``.
+    """
+    return f"{_rid_prefix}-{next(_rid_counter):x}"
 
 
 # --- replies ------------------------------------------------------------------------------------

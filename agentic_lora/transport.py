@@ -5,8 +5,9 @@ it runs on ``httpx_aiohttp.AiohttpTransport`` (several times the throughput of h
 transport on loopback); if that package is missing it falls back to the default transport.
 
 Nothing here sends a generation twice. The HTTP layer has no retries, aiohttp never re-sends a
-POST on a reused connection, and generation goes through a tenacity policy that stops after one
-attempt (:data:`GENERATION_STOP`), so the rule is written down in one place and a test can read it.
+POST on a reused connection, and :meth:`EngineTransport.send` calls the exchange exactly once, with
+no retry loop around it. The rule is written down as a stop condition, :data:`GENERATION_STOP`
+(one attempt), so a test can read it; the send implements it by construction.
 Whether to generate again is the caller's decision, made with the classification:
 
 * :class:`~agentic_lora.errors.RequestRefusedError`: the engine provably did not accept the
@@ -17,7 +18,8 @@ Whether to generate again is the caller's decision, made with the classification
 The classification is :mod:`agentic_lora.engines.wire`'s (the admin clients use the same table).
 Control-plane calls (abort by id, server info; their routes are the engine dialect's, see
 :mod:`agentic_lora.engines.dialect`) are idempotent, so they alone are retried, a bounded number of
-times.
+times, and the retry policy is entered only after a first attempt failed
+(:func:`agentic_lora.replay.after_failure`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
 from agentic_lora.provenance import TurnProvenance
+from agentic_lora.replay import after_failure
 
 __all__ = [
     "GENERATION_STOP",
@@ -76,6 +79,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_MAX_CACHED_URLS = 256
 
 #: The generation retry policy: one attempt, never a second.
 GENERATION_STOP: stop_base = stop_after_attempt(1)
@@ -201,6 +206,14 @@ class EngineTransport:
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout, pool=connect_timeout)
         limits = engine_limits(max_connections, keepalive_expiry)  # see agentic_lora.http_limits
         self._client, self._kind = make_engine_client(http_transport, timeout, limits)
+        # What the client's build_request would merge into every request, merged once: the
+        # client's default headers (its own, never an environment's: trust_env=False) and its
+        # timeout. The request on the wire is byte for byte the same (test_transport checks).
+        self._plain_headers = httpx.Headers(self._client.headers)
+        self._json_headers = httpx.Headers(self._client.headers)
+        self._json_headers["content-type"] = "application/json"
+        self._timeout = timeout.as_dict()
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._control_attempts = control_attempts
         self._control_wait: wait_base = (
             control_wait if control_wait is not None else wait_exponential(multiplier=0.05, max=1.0)
@@ -236,6 +249,14 @@ class EngineTransport:
             )
         return ref
 
+    def _url(self, engine: str, path: str) -> httpx.URL:
+        url = self._urls.get((engine, path))
+        if url is None:
+            url = httpx.URL(self._ref(engine).base_url.rstrip("/") + path)
+            if len(self._urls) < _MAX_CACHED_URLS:  # paths are a few routes; bounded regardless
+                self._urls[(engine, path)] = url
+        return url
+
     async def _exchange(
         self,
         engine: str,
@@ -248,13 +269,16 @@ class EngineTransport:
     ) -> EngineReply:
         """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
         (``check_status=False``: only for what happened on the wire; any answer is returned)."""
-        ref = self._ref(engine)
-        url = ref.base_url.rstrip("/") + path
-        headers = {"content-type": "application/json"} if content is not None else None
         where = {"engine": engine, "path": path, "rid": rid}
         try:
             # Inside the try: a URL that cannot be requested fails here, before sending.
-            request = self._client.build_request(method, url, content=content, headers=headers)
+            request = httpx.Request(
+                method,
+                self._url(engine, path),
+                content=content,
+                headers=self._plain_headers if content is None else self._json_headers,
+                extensions={"timeout": self._timeout},
+            )
             response = await self._client.send(request, stream=True)
         except WIRE_ERRORS as exc:
             outcome = classify_exception(exc)
@@ -320,15 +344,11 @@ class EngineTransport:
         """POST one generation to ``engine``: exactly one attempt, failures classified."""
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
-        content = _encode(body)
         given_rid = body.get("rid")
         rid = given_rid if isinstance(given_rid, str) else None
-        reply: EngineReply | None = None
-        async for attempt in AsyncRetrying(stop=GENERATION_STOP, reraise=True):
-            with attempt:
-                reply = await self._exchange(engine, "POST", path, content, rid)
-        assert reply is not None
-        return reply
+        # Exactly one attempt by construction: one call, no loop (GENERATION_STOP is the rule
+        # this implements; a retry policy around it cost more CPU than the exchange itself).
+        return await self._exchange(engine, "POST", path, _encode(body), rid)
 
     @contextlib.asynccontextmanager
     async def open_stream(
@@ -402,9 +422,9 @@ class EngineTransport:
         """
         path, payload = self._dialect.abort_request(rid)
         content = _encode(payload)
-        async for attempt in self._control_policy():
-            with attempt:
-                await self._exchange(engine, "POST", path, content, rid)
+        await after_failure(
+            lambda: self._exchange(engine, "POST", path, content, rid), self._control_policy
+        )
         logger.info("abort sent", extra={"engine": engine, "rid": rid})
 
     async def server_info(self, engine: str) -> Mapping[str, Any] | None:
@@ -419,21 +439,22 @@ class EngineTransport:
     async def _control_get(self, engine: str, path: str) -> HttpAnswer:
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
-        reply: EngineReply | None = None
-        async for attempt in self._control_policy():
-            with attempt:
-                reply = await self._exchange(engine, "GET", path, None, None, check_status=False)
-                if classify_status(reply.status_code) is Outcome.INDETERMINATE:
-                    # A 5xx may be the engine's passing trouble: asked again, like a lost reply.
-                    raise _failure(
-                        Outcome.INDETERMINATE,
-                        f"GET {path} to {engine} failed: HTTP {reply.status_code}",
-                        status=reply.status_code,
-                        body=reply.body,
-                        engine=engine,
-                        path=path,
-                    )
-        assert reply is not None
+
+        async def get() -> EngineReply:
+            reply = await self._exchange(engine, "GET", path, None, None, check_status=False)
+            if classify_status(reply.status_code) is Outcome.INDETERMINATE:
+                # A 5xx may be the engine's passing trouble: asked again, like a lost reply.
+                raise _failure(
+                    Outcome.INDETERMINATE,
+                    f"GET {path} to {engine} failed: HTTP {reply.status_code}",
+                    status=reply.status_code,
+                    body=reply.body,
+                    engine=engine,
+                    path=path,
+                )
+            return reply
+
+        reply = await after_failure(get, self._control_policy)
         body = reply.body
         text = body if isinstance(body, str) else "" if body is None else json.dumps(body)
         return HttpAnswer(reply.status_code, reply.body, text)

@@ -43,12 +43,14 @@ VARIANT_COLOURS = {
 # Steps that are a part of a larger step listed above them in the breakdown.
 STEP_PARTS = frozenset(
     {
-        "request_validation",
-        "rid_uuid4",
+        "shape_check",
+        "full_validation_not_done_pydantic",
+        "rid_counter",
+        "rid_uuid4_not_done",
         "pin_adapter",
         "guard_check",
         "router_choose",
-        "call_replace",
+        "call_copy",
     }
 )
 VERSION_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf")

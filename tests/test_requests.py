@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import pytest
@@ -14,6 +16,8 @@ from agentic_lora.requests import (
     GenerateResponse,
     Route,
     SamplingParams,
+    check_shape,
+    new_rid,
     parse_request,
     request_body,
 )
@@ -110,3 +114,68 @@ def test_generate_response_abort_flag_and_extras() -> None:
     assert aborted.aborted
     assert Route.CHAT_COMPLETIONS.is_openai
     assert not Route.GENERATE.is_openai
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "problem"),
+    [
+        (Route.GENERATE, {}, "exactly one of"),
+        (Route.GENERATE, {"text": "a", "input_ids": [1]}, "exactly one of"),
+        (Route.GENERATE, {"text": ["a", "b"]}, "text"),
+        (Route.GENERATE, {"input_ids": [[1], [2]]}, "input_ids"),
+        (Route.GENERATE, {"input_ids": "1 2"}, "input_ids"),
+        (Route.GENERATE, {"text": "a", "rid": ["r1", "r2"]}, "rid"),
+        (Route.GENERATE, {"text": "a", "stream": [True]}, "stream"),
+        (Route.GENERATE, {"text": "a", "lora_path": ["x"]}, "lora_path"),
+        (Route.CHAT_COMPLETIONS, {"messages": []}, "messages"),
+        (Route.CHAT_COMPLETIONS, {"messages": "hi"}, "messages"),
+        (Route.CHAT_COMPLETIONS, {"messages": [{}], "model": 3}, "model"),
+        (Route.COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (Route.COMPLETIONS, {}, "prompt"),
+    ],
+)
+def test_the_shape_check_refuses_batches_and_mistyped_fields_a_session_reads(
+    route: Route, body: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        check_shape(route, body)
+    assert err.value.code == "INVALID_REQUEST"
+    assert err.value.details["route"] == route.value
+    assert any(p.startswith(problem) or problem in p for p in err.value.details["problems"])
+    # Whatever the shape check refuses, the full model refuses too.
+    with pytest.raises(InvalidRequestError):
+        parse_request(route, body)
+
+
+def test_the_shape_check_leaves_values_to_the_engine() -> None:
+    # Ranges and extra fields are the engine's to judge (it answers 4xx: refused, sent once).
+    for route, body in (
+        (Route.GENERATE, {"text": "a", "sampling_params": {"temperature": -1}, "rid": "r"}),
+        (Route.GENERATE, {"input_ids": [1, 2], "stream": False, "custom": {"x": 1}}),
+        (Route.GENERATE, {"input_embeds": [[0.1, 0.2]], "lora_path": None}),
+        (Route.CHAT_COMPLETIONS, {"messages": [{"role": "user"}], "model": "m", "n": 0}),
+        (Route.COMPLETIONS, {"prompt": [1, 2], "max_tokens": -3}),
+        (Route.COMPLETIONS, {"prompt": "x", "model": None}),
+    ):
+        check_shape(route, body)
+
+
+def test_request_ids_are_unique_and_a_forked_child_mints_its_own() -> None:
+    ids = {new_rid() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    prefix = new_rid().rsplit("-", 1)[0]
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns about forking a process that has threads; the child only writes.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write_end, new_rid().encode())
+        os._exit(0)
+    os.close(write_end)
+    child = os.read(read_end, 200).decode()
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    # Without a fresh prefix the child would mint exactly the ids its parent mints next.
+    assert child.rsplit("-", 1)[0] != prefix
+    assert child != new_rid()

@@ -251,6 +251,25 @@ async def test_malformed_and_streaming_requests_are_refused_without_binding() ->
 
 
 @pytest.mark.asyncio
+async def test_a_session_checks_the_shape_it_relies_on_and_leaves_values_to_the_engine() -> None:
+    async with harness() as h:
+        await publish(h.registry, "A")
+        s = h.versioning.open_session("S")
+        for bad in ({"text": "x", "rid": ["r1", "r2"]}, {"input_ids": [[1], [2]]}, {"rid": "r"}):
+            with pytest.raises(InvalidRequestError) as err:
+                await s.generate(bad)
+            assert err.value.details["problems"]
+        assert h.registry.calls["bind_first"] == 0
+        assert h.engines.sent == []
+        # A sampling value is the engine's to judge: the body goes out exactly as given.
+        body = {"text": "x", "sampling_params": {"temperature": -1}, "engine_flag": [1]}
+        await s.generate(body)
+        (sent,) = h.engines.generations()
+        assert sent.body["sampling_params"] == {"temperature": -1}
+        assert sent.body["engine_flag"] == [1]
+
+
+@pytest.mark.asyncio
 async def test_a_session_injects_a_request_id_and_keeps_the_callers() -> None:
     async with harness() as h:
         await publish(h.registry, "A")

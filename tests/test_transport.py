@@ -87,6 +87,54 @@ def test_the_generation_policy_is_one_attempt() -> None:
     assert transport().generation_stop is GENERATION_STOP
 
 
+def _disconnected() -> BaseException:
+    import aiohttp
+
+    return aiohttp.ServerDisconnectedError()
+
+
+#: One generation failure of every class (rule 4.2-2), scripted at the outer edge, and what the
+#: caller must be told about it.
+FAILURES: dict[str, tuple[Callable[[], object], type[Exception]]] = {
+    "refused: connection refused": (lambda: httpx.ConnectError("refused"), RequestRefusedError),
+    "refused: 4xx answer": (
+        lambda: httpx.Response(400, json={"error": {"message": "bad adapter"}}),
+        RequestRefusedError,
+    ),
+    "indeterminate: 5xx answer": (lambda: httpx.Response(503), RequestIndeterminateError),
+    "timeout: reading the reply": (lambda: httpx.ReadTimeout("slow"), RequestIndeterminateError),
+    "timeout: writing the body": (lambda: httpx.WriteTimeout("slow"), RequestIndeterminateError),
+    "timeout: no pooled connection": (lambda: httpx.PoolTimeout("busy"), RequestRefusedError),
+    "disconnect: httpx": (
+        lambda: httpx.RemoteProtocolError("Server disconnected"),
+        RequestIndeterminateError,
+    ),
+    "disconnect: aiohttp": (_disconnected, RequestIndeterminateError),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+async def test_a_failed_generation_is_attempted_exactly_once_whatever_the_failure(
+    kind: str, failure: str
+) -> None:
+    # The control calls of the same transport do retry (3 attempts): the generation must not.
+    make, expected = FAILURES[failure]
+    t = transport(kind, attempts=3)
+    try:
+        with respx.mock(using="httpx") as mock:
+            route = mock.post(URL + "/generate")
+            # A second attempt, if there were one, would succeed: only a retry could hide the
+            # failure from the caller.
+            route.side_effect = [make(), httpx.Response(200, json={"text": "ok"})]
+            with pytest.raises(expected):
+                await t.send("e0", "/generate", {"text": "x", "rid": "r1"})
+            assert route.call_count == 1
+    finally:
+        await t.aclose()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
@@ -134,6 +182,22 @@ async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> Non
             assert (
                 sent.content == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             )
+            # The request is built without the client's build_request, yet is the one it builds.
+            timeout = httpx.Timeout(30, connect=5, pool=5)
+            async with httpx.AsyncClient(trust_env=False, timeout=timeout) as plain:
+                expected = plain.build_request(
+                    "POST",
+                    URL + "/v1/completions",
+                    content=sent.content,
+                    headers={"content-type": "application/json"},
+                )
+            assert sent.headers.raw == expected.headers.raw
+            assert sent.extensions["timeout"] == expected.extensions["timeout"]
+            info = mock.get(URL + "/server_info").respond(200, json={"x": 1})
+            await t.server_info("e0")
+            got = info.calls.last.request
+            assert "content-type" not in got.headers
+            assert got.headers["user-agent"] == expected.headers["user-agent"]
     finally:
         await t.aclose()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -37,9 +36,9 @@ from agentic_lora.provenance import (
     version_lag,
 )
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import Binding, ReleaseResult, new_request_id
+from agentic_lora.registry.types import Binding, ReleaseResult
 from agentic_lora.replay import RegistryRetry
-from agentic_lora.requests import Route
+from agentic_lora.requests import Route, new_rid
 from agentic_lora.transport import EngineReply
 
 __all__ = ["PASS_THROUGH", "BinderConfig", "PassThroughBinder", "RegistryBinder", "SessionBinder"]
@@ -62,7 +61,8 @@ class SessionBinder(Protocol):
 
     @property
     def validate(self) -> bool:
-        """Whether request bodies are validated before the send."""
+        """Whether request bodies are shape-checked (:func:`~agentic_lora.requests.check_shape`)
+        before the send."""
         ...
 
     @property
@@ -189,9 +189,9 @@ class RegistryBinder:
         # of agentic_lora.session).
         self._term: LeaseTerm | None = None
         # One idempotency key per registry verb for this lifecycle: every replay reuses it.
-        self._bind_request_id = new_request_id()
-        self._begin_close_request_id = new_request_id()
-        self._release_request_id = new_request_id()
+        self._bind_request_id = new_rid()
+        self._begin_close_request_id = new_rid()
+        self._release_request_id = new_rid()
         # The lag of every turn that returned a reply, in the order the replies came back.
         self._lags: list[int | None] = []
         # The lag of the first VERSION_TOO_STALE refusal; once set, every dispatch is refused.
@@ -243,7 +243,7 @@ class RegistryBinder:
         # publication that lands while it runs (its reply still comes back).
         lag = self._check_lag(binding)
         if body.get("rid") is None:
-            body["rid"] = uuid.uuid4().hex
+            body["rid"] = new_rid()
         return Turn(binding, lag)
 
     def after_reply(self, reply: EngineReply, turn: Turn | None) -> EngineReply:
@@ -412,7 +412,8 @@ class RegistryBinder:
         if bind_task is not None:
             # Never cancelled: it either bound before begin_close (release drops that ref) or is
             # refused with SESSION_CLOSED. Its error was already handed to its waiters.
-            await asyncio.wait([bind_task])
+            if not bind_task.done():  # the common case, a bind long done, costs no waiter
+                await asyncio.wait([bind_task])
             if not bind_task.cancelled():
                 bind_task.exception()
 

@@ -20,7 +20,7 @@ from agentic_lora.leases import LeaseTerm
 from agentic_lora.middleware import Dispatch, EngineCall, InFlight
 from agentic_lora.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding, ReleaseResult
-from agentic_lora.requests import RequestLike, Route, request_body
+from agentic_lora.requests import RequestLike, Route, check_shape, request_body
 from agentic_lora.session.binder import SessionBinder
 from agentic_lora.streaming import StreamChunk, UpstreamStream
 from agentic_lora.transport import EngineReply, EngineTransport
@@ -172,7 +172,9 @@ class Session:
         """
         self._require_dispatchable()
         binder = self._binder
-        body = request_body(route, request, validate=binder.validate)
+        body = request_body(route, request, validate=False)
+        if binder.validate:
+            check_shape(route, body)
         turn = await binder.before_send(route, body, self._require_dispatchable)
         rid = body.get("rid")
         flight = InFlight(rid=rid if isinstance(rid, str) else None)

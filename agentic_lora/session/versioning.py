@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,8 @@ from agentic_lora.middleware import (
 )
 from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
 from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
-from agentic_lora.registry.types import ReleaseResult, new_request_id
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.requests import new_rid
 from agentic_lora.routing import EngineHealth, Router, load_router
 from agentic_lora.session.binder import (
     PASS_THROUGH,
@@ -394,11 +394,7 @@ class Versioning:
                 session=existing.key,
                 phase=existing.phase.value,
             )
-        key = (
-            session_key
-            if session_key is not None
-            else f"{session_id}#{self._epoch}-{uuid.uuid4().hex}"
-        )
+        key = session_key if session_key is not None else f"{session_id}#{self._epoch}-{new_rid()}"
         s = Session(session_id, key, self._runtime)
         self._live[session_id] = s
         self._keys.add(key)
@@ -428,7 +424,7 @@ class Versioning:
         self._unforgotten.append(s.key)
         keys = list(self._unforgotten)
         try:
-            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=keys)
+            await self._registry.forget_sessions(request_id=new_rid(), session_keys=keys)
         except Exception as exc:
             # Not a correctness problem (a tombstone only costs memory): retried with the next.
             logger.warning(
