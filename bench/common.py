@@ -291,3 +291,20 @@ async def publish_in_registry(
         registry, version_id, (engine,), digest="cd" * 32, incarnation="bench"
     )
     return r.lora_name
+
+
+def fleet_settings(fleet: Any, **overrides: Any) -> Any:
+    """Versioned settings for a harness :class:`~agentic_lora_harness.engines.EngineFleet`:
+    capacity 2 and the harness's LoRA slot options (3 loaded, 3 per batch), ``overrides`` on top."""
+    from agentic_lora.config import load_settings
+
+    values: dict[str, Any] = {
+        "enable_versioned_lora_publication": True,
+        "engines": [f"{name}={url}" for name, url in fleet.engines],
+        "capacity": 2,
+        "base_model_name": fleet.served_model_name,
+        "engine_max_loaded_loras": 3,
+        "engine_max_loras_per_batch": 3,
+        **overrides,
+    }
+    return load_settings(**values)

@@ -47,6 +47,7 @@ from common import (
     OUT_DIR,
     InstantEngine,
     engine_log_dir,
+    fleet_settings,
     interleaved_order,
     machine,
     print_table,
@@ -516,20 +517,12 @@ async def sglang_target() -> AsyncIterator[Target]:
     from agentic_lora_harness.fixture import build_fixture
 
     from agentic_lora.adapter import AdapterSnapshot
-    from agentic_lora.config import load_settings
     from agentic_lora.deployment import Deployment
 
     env = await asyncio.to_thread(ensure_engine_env)
     fixture = await asyncio.to_thread(build_fixture)
     async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={url}" for name, url in fleet.engines],
-            capacity=2,
-            base_model_name=fleet.served_model_name,
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
-        )
+        settings = fleet_settings(fleet)
         with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as store:
             deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
             async with deployment, _direct_client() as direct:

@@ -49,6 +49,7 @@ from typing import Any
 from common import (
     add_example_agents_to_path,
     engine_log_dir,
+    fleet_settings,
     machine,
     max_gap,
     print_table,
@@ -57,7 +58,6 @@ from common import (
 )
 
 from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.config import load_settings
 from agentic_lora.deployment import Deployment
 from agentic_lora.publisher import PhaseEvent, PublicationResult
 from agentic_lora.registry.types import VersionState
@@ -370,14 +370,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         extra_body={"ignore_eos": True},
     )
     async with EngineFleet(env, fixture, count=2, log_dir=engine_log_dir()) as fleet:
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={url}" for name, url in fleet.engines],
-            capacity=2,
-            base_model_name=fleet.served_model_name,
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
-        )
+        settings = fleet_settings(fleet)
         with tempfile.TemporaryDirectory(prefix="bench-publication-") as store:
             deployment = Deployment.from_settings(
                 settings,

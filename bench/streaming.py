@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 from common import (
     engine_log_dir,
+    fleet_settings,
     interleaved_order,
     machine,
     print_table,
@@ -148,18 +149,12 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
     from agentic_lora_harness.fixture import build_fixture
 
     from agentic_lora.adapter import AdapterSnapshot
-    from agentic_lora.config import load_settings
     from agentic_lora.deployment import Deployment
 
     env = await asyncio.to_thread(ensure_engine_env)
     fixture = await asyncio.to_thread(build_fixture)
     async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={url}" for name, url in fleet.engines],
-            capacity=2,
-            base_model_name=fleet.served_model_name,
-        )
+        settings = fleet_settings(fleet)
         direct = httpx.AsyncClient(
             transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
             timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
