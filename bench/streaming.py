@@ -8,7 +8,9 @@ block (ABBA order, so a noisy neighbour or a slow drift hits both alike):
 * ``versioned``: :meth:`Session.stream` of a versioned Session (bind at its first turn, pin,
   dispatch guard, router, the pump and its bounded buffer), every chunk carrying its version.
 
-Per stream: TTFT (from the call to the first chunk in hand) and every inter-chunk gap. One real
+Per stream: TTFT (from the call to the first chunk in hand) and every inter-chunk gap; TTFT is
+also kept apart for the streams that are not a Session's first ("later"), since a versioned
+Session's first stream carries its registry bind and an agent streams many turns per Session. One real
 SGLang engine from the test harness, adapter A published through HTTP push. Prints one table per
 concurrency and the versioned/direct ratios side by side; writes ``bench/out/streaming.json``.
 
@@ -61,13 +63,15 @@ class Target:
 class Samples:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    #: TTFT of the streams after a worker's first in its block (a Session's later turns).
+    ttft_later: list[float] = field(default_factory=list)
     chunks: int = 0
     failures: list[str] = field(default_factory=list)
 
 
 async def _direct(t: Target, streams: int, out: Samples, tag: str) -> None:
     body = {**t.body, "lora_path": t.lora_name, "stream": True}
-    for _ in range(streams):
+    for turn in range(streams):
         start = last = time.perf_counter()
         first = True
         async with t.direct.stream("POST", t.url + "/generate", json=body) as response:
@@ -76,22 +80,30 @@ async def _direct(t: Target, streams: int, out: Samples, tag: str) -> None:
                     continue
                 json.loads(line[5:])  # the reader decodes each chunk, as Session.stream does
                 now = time.perf_counter()
-                (out.ttft if first else out.gaps).append(now - (start if first else last))
+                _record(out, turn, first, now - (start if first else last))
                 first, last = False, now
-                out.chunks += 1
+
+
+def _record(out: Samples, turn: int, first: bool, seconds: float) -> None:
+    if first:
+        out.ttft.append(seconds)
+        if turn > 0:
+            out.ttft_later.append(seconds)
+    else:
+        out.gaps.append(seconds)
+    out.chunks += 1
 
 
 async def _versioned(t: Target, streams: int, out: Samples, tag: str) -> None:
     session = t.versioning.open_session(f"{tag}-{uuid.uuid4().hex[:8]}")
     try:
-        for _ in range(streams):
+        for turn in range(streams):
             start = last = time.perf_counter()
             first = True
             async for _chunk in session.stream(Route.GENERATE, t.body):
                 now = time.perf_counter()
-                (out.ttft if first else out.gaps).append(now - (start if first else last))
+                _record(out, turn, first, now - (start if first else last))
                 first, last = False, now
-                out.chunks += 1
     finally:
         await session.close()
 
@@ -126,6 +138,7 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
     for v, s in samples.items():
         out[v] = {
             "ttft_us": summarize(s.ttft).scaled(US).as_dict(),
+            "ttft_later_us": summarize(s.ttft_later).scaled(US).as_dict() if s.ttft_later else None,
             "gap_us": summarize(s.gaps).scaled(US).as_dict(),
             "chunks": s.chunks,
             "failures": s.failures[:5],
@@ -135,6 +148,11 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
     out["ratio"] = {
         "ttft_p50": v["ttft_us"]["p50"] / d["ttft_us"]["p50"],
         "ttft_p99": v["ttft_us"]["p99"] / d["ttft_us"]["p99"],
+        "ttft_later_p50": (
+            v["ttft_later_us"]["p50"] / d["ttft_later_us"]["p50"]
+            if v["ttft_later_us"] and d["ttft_later_us"]
+            else None
+        ),
         "gap_p50": v["gap_us"]["p50"] / d["gap_us"]["p50"],
         "gap_p99": v["gap_us"]["p99"] / d["gap_us"]["p99"],
     }
@@ -210,6 +228,12 @@ def _print(conc: int, report: dict[str, Any]) -> None:
         ]
     )
     print(f"\n{conc} concurrent Sessions")
+    if ratio["ttft_later_p50"] is not None:
+        later = [report[v]["ttft_later_us"]["p50"] for v in VARIANTS]
+        print(
+            f"later streams of a Session: TTFT p50 direct {later[0]:.0f} us, versioned "
+            f"{later[1]:.0f} us, ratio {ratio['ttft_later_p50']:.3f}"
+        )
     print_table(
         ["variant", "streams", "TTFT p50 us", "TTFT p99 us", "gap p50 us", "gap p99 us", "fail"],
         rows,
@@ -225,13 +249,19 @@ async def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--streams", type=int, default=4, help="streams per worker per block")
+    parser.add_argument(
+        "--streams-at-scale",
+        type=int,
+        default=2,
+        help="streams per worker per block above 1 Session (>= 2 measures later turns too)",
+    )
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args(argv)
     reports: dict[int, Any] = {}
     async with sglang_target(args.tokens) as target:
         for conc in _split(args.concurrency):
             t0 = time.perf_counter()
-            streams = args.streams if conc == 1 else 1
+            streams = args.streams if conc == 1 else args.streams_at_scale
             reports[conc] = _report(await measure(target, conc, args.blocks, streams))
             reports[conc]["seconds"] = time.perf_counter() - t0
             _print(conc, reports[conc])
