@@ -176,6 +176,7 @@ class StreamEndpoint:
                         assert event.data is not None
                         await sink.put(event.data)
                     elif event.kind is StreamEventKind.DONE:
+                        await _read_to_end(lines)
                         return EngineReply(
                             call.engine, path, 200, None, rid if isinstance(rid, str) else None
                         )
@@ -185,6 +186,24 @@ class StreamEndpoint:
             exc.details.setdefault("chunks", sink.delivered)
             raise
         raise _event_failure(StreamEvent(StreamEventKind.DONE), sink.delivered, where)
+
+
+#: Lines read after ``[DONE]`` at most (the engines send a blank line, then end the body).
+_AFTER_DONE_LINES = 8
+
+
+async def _read_to_end(lines: AsyncIterator[str]) -> None:
+    """Read what follows ``[DONE]`` so the answer ends before it is closed.
+
+    An answer closed before its end closes its connection instead of returning it to the pool,
+    so every stream of the process paid a new TCP connection to the engine before its first
+    chunk (part of the time-to-first-chunk gap at 64 concurrent streams on SGLang). The stream
+    itself is complete: a failure or an engine that keeps talking only costs the connection.
+    """
+    with contextlib.suppress(RequestIndeterminateError):
+        for _ in range(_AFTER_DONE_LINES):
+            if await anext(lines, None) is None:
+                return
 
 
 async def _pump(chain: Dispatch, call: EngineCall, sink: StreamSink) -> None:
