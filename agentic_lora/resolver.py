@@ -220,7 +220,7 @@ class Resolver:
                 finally:
                     # Before the round ends: settled() never sees a finished round's old backoff.
                     self.failures = self.failures + 1 if (blocked or failed) else 0
-                    self.retry_in = self._delay(self.failures) if self.failures else None
+                    self.retry_in = delay_after(self.wait, self.failures) if self.failures else None
             if blocked:
                 logger.warning(
                     "publication(s) %s still blocked; retrying in %.1f s",
@@ -242,9 +242,6 @@ class Resolver:
                 task.cancel()
             # Collected, so a failing sleep never leaves an unretrieved exception behind.
             await asyncio.gather(sleeper, poked, return_exceptions=True)
-
-    def _delay(self, failures: int) -> float:
-        return delay_after(self.wait, failures)
 
     # --- one version --------------------------------------------------------------------------
 
