@@ -5,10 +5,11 @@ The names here are the public API; everything else is reachable from its module.
 package needs only pydantic, httpx and tenacity (no torch, no Ray).
 """
 
-from agentic_lora.adapter import AdapterSnapshot, TensorBlob
-from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, add_arguments, from_args, load_settings
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.engines.routing import Router
 from agentic_lora.errors import (
     AdapterMismatchError,
     AgenticLoRAError,
@@ -50,9 +51,10 @@ from agentic_lora.errors import (
     VersionUnavailableError,
 )
 from agentic_lora.leases import LeaseKeeper
-from agentic_lora.provenance import TurnProvenance
-from agentic_lora.publisher import PublicationOutcome, PublicationResult, Publisher
-from agentic_lora.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult, Publisher
+from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.repair import Repairer
+from agentic_lora.publication.resolver import Resolver
 from agentic_lora.registry import (
     Binding,
     LocalRegistry,
@@ -61,9 +63,7 @@ from agentic_lora.registry import (
     VersionState,
     new_request_id,
 )
-from agentic_lora.repair import Repairer
-from agentic_lora.resolver import Resolver
-from agentic_lora.routing import Router
+from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.session import Session, Versioning
 
 __version__ = "0.1.0"

@@ -346,6 +346,6 @@ def error_from_code(code: str, message: str, **details: Any) -> AgenticLoRAError
 def error_code(exc: BaseException) -> str:
     """``exc``'s stable code, or its type name when it is not a typed error (for logs and reports).
 
-    Metrics do not use it as a label: a type name is an open set (see :mod:`agentic_lora.metrics`).
+    Metrics do not use it as a label: a type name is an open set (see :mod:`agentic_lora.assembly.metrics`).
     """
     return exc.code if isinstance(exc, AgenticLoRAError) else type(exc).__name__

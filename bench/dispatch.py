@@ -57,9 +57,15 @@ from common import (
 )
 from httpx_aiohttp import AiohttpTransport
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.http_limits import engine_limits
-from agentic_lora.middleware import (
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.routing import EngineHealth, load_router
+from agentic_lora.engines.transport import EngineReply, EngineTransport
+from agentic_lora.foundation.http_limits import engine_limits
+from agentic_lora.foundation.requests import Route, check_shape, new_rid, parse_request
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session import Versioning
+from agentic_lora.session.middleware import (
     AdapterPinMiddleware,
     Dispatch,
     DispatchGuardMiddleware,
@@ -70,12 +76,6 @@ from agentic_lora.middleware import (
     build_chain,
     pin_adapter,
 )
-from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import new_request_id
-from agentic_lora.requests import Route, check_shape, new_rid, parse_request
-from agentic_lora.routing import EngineHealth, load_router
-from agentic_lora.session import Versioning
-from agentic_lora.transport import EngineReply, EngineTransport
 
 logger = logging.getLogger(__name__)
 
@@ -516,8 +516,8 @@ async def sglang_target() -> AsyncIterator[Target]:
     from agentic_lora_harness.engines import EngineFleet
     from agentic_lora_harness.fixture import build_fixture
 
-    from agentic_lora.adapter import AdapterSnapshot
-    from agentic_lora.deployment import Deployment
+    from agentic_lora.adapters.snapshot import AdapterSnapshot
+    from agentic_lora.assembly.deployment import Deployment
 
     env = await asyncio.to_thread(ensure_engine_env)
     fixture = await asyncio.to_thread(build_fixture)

@@ -29,10 +29,10 @@ from typing import Any
 import psutil
 from common import InstantEngine, machine, print_table, write_result
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.session import Versioning
 from agentic_lora.testing.publish import publish_by_verbs
-from agentic_lora.transport import EngineTransport
 
 __all__ = ["main"]
 

@@ -61,7 +61,7 @@ def _serve(engine_url: str, port: int) -> None:
         )
         from agentic_lora_http.backend import HttpPushBackend
 
-        from agentic_lora.backends import EngineRef
+        from agentic_lora.engines.backends import EngineRef
 
         class _InstantBackend(HttpPushBackend):
             # The instant engine reports no incarnation; it is the one the version was

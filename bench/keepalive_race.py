@@ -2,7 +2,7 @@
 
 SGLang serves HTTP with uvicorn and closes a connection idle for ``SGLANG_TIMEOUT_KEEP_ALIVE``
 (5 s). A client that keeps idle connections just as long (httpx's default ``keepalive_expiry``,
-which the product's engine clients used until ``agentic_lora.http_limits`` set 2 s) sends a burst
+which the product's engine clients used until ``agentic_lora.foundation.http_limits`` set 2 s) sends a burst
 that starts just before 5 s of idleness onto connections the server is closing at that moment;
 each such request fails with "Server disconnected" or "Can not write request body", which the
 transport rightly classifies as indeterminate (the bytes may have reached the engine), so it
@@ -11,7 +11,7 @@ step, a quiet phase.
 
 The probe: a uvicorn server with ``--timeout-keep-alive 5`` (the engines' server stack), and per
 trial one client that opens ``--burst`` connections with one burst, idles for a given time, then
-sends a second burst. Rows: the product's :class:`~agentic_lora.transport.EngineTransport` as it
+sends a second burst. Rows: the product's :class:`~agentic_lora.engines.transport.EngineTransport` as it
 is now, and a plain httpx client on the same aiohttp transport with ``keepalive_expiry`` 5 s and
 2 s.
 
@@ -33,8 +33,8 @@ import httpx
 from common import BENCH_DIR, free_port, machine, print_table, write_result
 from httpx_aiohttp import AiohttpTransport
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.transport import EngineTransport
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 
 __all__ = ["app", "main", "run"]
 

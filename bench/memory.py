@@ -34,10 +34,10 @@ from typing import Any
 import respx
 from common import machine, print_table, publish_in_registry, rss_mb, write_result
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
-from agentic_lora.transport import EngineTransport
 
 __all__ = ["main", "run"]
 

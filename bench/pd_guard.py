@@ -3,7 +3,7 @@
 Every versioned dispatch asks the dispatch guard which fleet members may get it. With PD groups
 the registry's holders (role servers) are folded into members (groups whose every role server
 holds the version) by :class:`agentic_lora.session.pd_guard.PDGuard`. This measures that fold per dispatch,
-against the plain :class:`agentic_lora.middleware.PeekGuard` it wraps, in one process,
+against the plain :class:`agentic_lora.session.middleware.PeekGuard` it wraps, in one process,
 interleaved block by block (ABBA order) so a noisy neighbour hits both alike:
 
 * ``all hold``: every server holds the version (the steady state: one tuple comparison);
@@ -22,10 +22,10 @@ import time
 
 from common import interleaved_order, machine, print_table, summarize, write_result
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.middleware import DispatchGuard, PeekGuard
-from agentic_lora.pd import PDFleet, PDGroup
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.pd import PDFleet, PDGroup
 from agentic_lora.registry.types import Binding, VersionState, VersionStatus
+from agentic_lora.session.middleware import DispatchGuard, PeekGuard
 from agentic_lora.session.pd_guard import PDGuard
 
 

@@ -57,9 +57,9 @@ from common import (
     write_result,
 )
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.deployment import Deployment
-from agentic_lora.publisher import PhaseEvent, PublicationResult
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
 from agentic_lora.registry.types import VersionState
 
 add_example_agents_to_path()

@@ -42,8 +42,8 @@ from common import (
 )
 from httpx_aiohttp import AiohttpTransport
 
-from agentic_lora.http_limits import engine_limits
-from agentic_lora.requests import Route
+from agentic_lora.foundation.http_limits import engine_limits
+from agentic_lora.foundation.requests import Route
 from agentic_lora.session import Versioning
 
 US = 1e6
@@ -166,8 +166,8 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
     from agentic_lora_harness.engines import EngineFleet
     from agentic_lora_harness.fixture import build_fixture
 
-    from agentic_lora.adapter import AdapterSnapshot
-    from agentic_lora.deployment import Deployment
+    from agentic_lora.adapters.snapshot import AdapterSnapshot
+    from agentic_lora.assembly.deployment import Deployment
 
     env = await asyncio.to_thread(ensure_engine_env)
     fixture = await asyncio.to_thread(build_fixture)

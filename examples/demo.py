@@ -67,17 +67,17 @@ from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_harness.fixture import Fixture, FixtureSpec, build_fixture
 from agentic_lora_http import HttpPushBackend
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import EngineRef
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, load_settings, verify_fleet
-from agentic_lora.deployment import Deployment
-from agentic_lora.engine_admin import AdminTimeouts
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineReply, EngineTransport
 from agentic_lora.errors import AgenticLoRAError
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus, PublicationResult
+from agentic_lora.foundation.requests import Route
+from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus, PublicationResult
 from agentic_lora.registry.types import VersionState
-from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
-from agentic_lora.transport import EngineReply, EngineTransport
 
 # Engine endpoints a publication must never touch: each would stall or disturb live Sessions.
 FORBIDDEN_PATHS = ("/pause_generation", "/flush_cache", "/release_memory_occupation")

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings, verify_fleet
-from agentic_lora.deployment import Deployment
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 
 ROLES = ("g1.prefill", "g1.decode0")

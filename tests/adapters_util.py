@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from agentic_lora.adapter import TensorBlob
+from agentic_lora.adapters.snapshot import TensorBlob
 
 HIDDEN = 8
 KV = 4

@@ -25,14 +25,14 @@ import httpx
 import respx
 from tenacity import wait_none
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Reservation
 from agentic_lora.session import Versioning
 from agentic_lora.testing import publish as verbs
 from agentic_lora.testing.publish import digest_for
-from agentic_lora.transport import EngineTransport
 
 ENGINES = {"e0": "http://127.0.0.1:30000", "e1": "http://127.0.0.1:30001"}
 GEN_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")

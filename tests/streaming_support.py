@@ -18,15 +18,15 @@ import respx
 import uvicorn
 from tenacity import wait_none
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Reservation
 from agentic_lora.session import Session, Versioning
-from agentic_lora.streaming import StreamChunk
+from agentic_lora.session.streaming import StreamChunk
 from agentic_lora.testing import publish as verbs
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
-from agentic_lora.transport import EngineTransport
 
 BASE_MODEL = "base-model"  # what the scripted engines serve
 URL = "http://127.0.0.1:32100"

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import PeftModel, get_peft_model_state_dict
 
-from agentic_lora import safetensors_io
-from agentic_lora.adapter import (
+from agentic_lora.adapters import safetensors_io
+from agentic_lora.adapters.snapshot import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterProblem,
@@ -32,7 +32,7 @@ from agentic_lora.adapter import (
     normalize_config,
 )
 from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError, error_from_code
-from agentic_lora.identity import Manifest, compute_digest, thaw_json
+from agentic_lora.foundation.identity import Manifest, compute_digest, thaw_json
 from tests.adapters_util import (
     TinyDecoder,
     f32,
@@ -233,7 +233,7 @@ def test_reading_and_writing_need_neither_torch_nor_numpy_nor_safetensors(tmp_pa
         "import sys\n"
         "for blocked in ('torch', 'numpy', 'safetensors', 'peft'):\n"
         "    sys.modules[blocked] = None  # any import of these now fails\n"
-        "from agentic_lora.adapter import AdapterSnapshot\n"
+        "from agentic_lora.adapters.snapshot import AdapterSnapshot\n"
         "s = AdapterSnapshot.from_peft_dir(sys.argv[1])\n"
         "s.write_peft_dir(sys.argv[2])\n"
         "print(s.digest)\n"

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from agentic_lora.auth import BearerTokenMiddleware, bearer_matches, read_token
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.auth import BearerTokenMiddleware, bearer_matches, read_token
 
 
 def test_a_file_wins_over_the_environment_and_whitespace_is_not_the_token(

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from agentic_lora.background import Rounds, stop_loop
+from agentic_lora.foundation.background import Rounds, stop_loop
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import respx
 
-from agentic_lora.backends import EngineRef
 from agentic_lora.config import (
     AgenticLoRASettings,
     add_arguments,
@@ -18,6 +17,7 @@ from agentic_lora.config import (
     load_settings,
     verify_fleet,
 )
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning

@@ -16,18 +16,18 @@ import pytest
 import respx
 from agentic_lora_vllm import VllmBackend
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import ConfigurationError, InvalidRequestError, VersionNotDispatchableError
-from agentic_lora.middleware import Dispatch, EngineCall, Middleware
-from agentic_lora.publisher import PublicationOutcome
-from agentic_lora.reclaimer import ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
-from agentic_lora.transport import EngineReply
 from tests.session_support import Calls
 
 pytestmark = pytest.mark.asyncio

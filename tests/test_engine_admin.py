@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 import respx
 
-from agentic_lora.engine_admin import (
+from agentic_lora.engines.admin import (
     EngineAdminClient,
     UnloadOutcome,
     server_fingerprint,

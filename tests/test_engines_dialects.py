@@ -13,12 +13,13 @@ import pytest
 import respx
 from agentic_lora_vllm.dialect import VllmDialect
 
-from agentic_lora.backends import EngineRef
 from agentic_lora.config import AgenticLoRASettings, add_arguments
-from agentic_lora.engine_admin import EngineAdminClient
 from agentic_lora.engines import SGLANG, load_dialect
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import DialectBase, EngineDialect
 from agentic_lora.engines.sglang import SGLangDialect
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.engines.wire import HttpAnswer, Outcome, classify_exception
 from agentic_lora.errors import (
     BackendAmbiguousError,
@@ -28,9 +29,8 @@ from agentic_lora.errors import (
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from agentic_lora.requests import Route
+from agentic_lora.foundation.requests import Route
 from agentic_lora.testing.dialect_contract import EngineAnswers, ScriptedHttp, check_dialect
-from agentic_lora.transport import EngineTransport
 
 URL = "http://127.0.0.1:30000"
 

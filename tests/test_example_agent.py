@@ -23,10 +23,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.deployment import Deployment
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 

@@ -710,7 +710,7 @@ async def test_openai_client_pinned_across_a_publication_on_real_engines(
     import uuid
 
     from agentic_lora.config import verify_fleet
-    from agentic_lora.engine_admin import EngineAdminClient
+    from agentic_lora.engines.admin import EngineAdminClient
 
     tag = uuid.uuid4().hex[:8]
     base = engine_fleet.served_model_name

@@ -41,7 +41,7 @@ from agentic_lora.gateway.wire import (
     jsonable,
     should_retry,
 )
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus
+from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus
 from agentic_lora.session import SessionPhase
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import openai
 import pytest
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import add_arguments, from_args, load_settings
-from agentic_lora.deployment import Deployment
 from agentic_lora.errors import (
     AgenticLoRAError,
     ConfigurationError,

@@ -15,7 +15,7 @@ import pytest_asyncio
 import respx
 from agentic_lora_http import HttpPushBackend
 
-from agentic_lora.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import (
     BackendRefusedError,
 )

@@ -16,13 +16,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentic_lora.adapters.safetensors_io import TensorRecord
 from agentic_lora.errors import (
     AgenticLoRAError,
     InvalidAdapterError,
     InvalidIdentityError,
     error_from_code,
 )
-from agentic_lora.identity import (
+from agentic_lora.foundation.identity import (
     MANIFEST_FORMAT,
     LoraName,
     Manifest,
@@ -39,7 +40,6 @@ from agentic_lora.identity import (
     validate_prefix,
     validate_version_id,
 )
-from agentic_lora.safetensors_io import TensorRecord
 
 TOKEN_CHARS = string.ascii_letters + string.digits + "._-"
 tokens = st.text(alphabet=TOKEN_CHARS, min_size=1, max_size=64)

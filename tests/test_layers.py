@@ -49,8 +49,8 @@ def test_upward_imports_are_found_and_told_apart(layers: ModuleType, tmp_path: P
         {
             "agentic_lora/__init__.py": "from agentic_lora.gateway import app\n",
             "agentic_lora/errors.py": "import agentic_lora.gateway.app\n",
-            "agentic_lora/store.py": "",
-            "agentic_lora/adapter.py": "from . import store\nfrom agentic_lora import errors\n",
+            "agentic_lora/adapters/store.py": "",
+            "agentic_lora/adapters/snapshot.py": "from . import store\nfrom agentic_lora import errors\n",
             "agentic_lora/registry/__init__.py": (
                 "from typing import TYPE_CHECKING\n"
                 "if TYPE_CHECKING:\n    from agentic_lora.config import AgenticLoRASettings\n"
@@ -59,7 +59,7 @@ def test_upward_imports_are_found_and_told_apart(layers: ModuleType, tmp_path: P
             "agentic_lora/gateway/__init__.py": "",
             "agentic_lora/gateway/app.py": "def f() -> None:\n    from agentic_lora import cli\n",
             "agentic_lora/cli.py": "",
-            "agentic_lora/transport.py": "import agentic_lora_http\n",
+            "agentic_lora/engines/transport.py": "import agentic_lora_http\n",
             "agentic_lora/mystery.py": "from agentic_lora import errors\n",
             "plugins/agentic_lora_http/__init__.py": "import agentic_lora.gateway\n",
         },
@@ -69,6 +69,6 @@ def test_upward_imports_are_found_and_told_apart(layers: ModuleType, tmp_path: P
     assert found == {
         ("agentic_lora.errors", "agentic_lora.gateway.app", False),
         ("agentic_lora.registry", "agentic_lora.config", True),
-        ("agentic_lora.transport", "agentic_lora_http", False),  # a plugin: never imported
+        ("agentic_lora.engines.transport", "agentic_lora_http", False),  # a plugin: never imported
     }
     assert unplaced == ["agentic_lora.mystery"]

@@ -21,7 +21,8 @@ import pytest
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
-from agentic_lora.deployment import Deployment
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     RequestRefusedError,
@@ -36,15 +37,14 @@ from agentic_lora.leases import (
     LeaseState,
     default_owner,
 )
-from agentic_lora.publisher import PublicationOutcome, Publisher, RegistryRetry
-from agentic_lora.reclaimer import Reclaimer
+from agentic_lora.publication.publisher import PublicationOutcome, Publisher, RegistryRetry
+from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import LeaseStatus, VersionState, new_request_id
 from agentic_lora.session import SessionPhase, Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
-from agentic_lora.transport import EngineTransport
 from tests.session_support import (
     ENGINES,
     Harness,

@@ -13,6 +13,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentic_lora.assembly.metrics import Metrics
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import (
     AccessDeniedError,
     AdapterMismatchError,
@@ -22,13 +24,11 @@ from agentic_lora.errors import (
     RequestTooLargeError,
     VersionConflictError,
 )
+from agentic_lora.foundation.outcomes import DispatchOutcome
+from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.metrics import Metrics
-from agentic_lora.middleware import EngineCall, InFlight, build_chain
-from agentic_lora.outcomes import DispatchOutcome
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus
-from agentic_lora.requests import Route
-from agentic_lora.transport import EngineReply
+from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus
+from agentic_lora.session.middleware import EngineCall, InFlight, build_chain
 from tests.test_gateway import Stack, chat, gateway_stack
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from agentic_lora_vllm.dialect import VllmDialect
 
+from agentic_lora.engines.routing import EngineHealth, InFlightCounter
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import (
     AdapterMismatchError,
     ConfigurationError,
@@ -19,7 +21,10 @@ from agentic_lora.errors import (
     VersionNotDispatchableError,
     VersionUnavailableError,
 )
-from agentic_lora.middleware import (
+from agentic_lora.foundation.requests import Route
+from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.types import Binding, VersionState, VersionStatus, new_request_id
+from agentic_lora.session.middleware import (
     AdapterInFlight,
     AdapterPinMiddleware,
     Dispatch,
@@ -32,11 +37,6 @@ from agentic_lora.middleware import (
     build_chain,
     pin_adapter,
 )
-from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import Binding, VersionState, VersionStatus, new_request_id
-from agentic_lora.requests import Route
-from agentic_lora.routing import EngineHealth, InFlightCounter
-from agentic_lora.transport import EngineReply
 from tests.session_support import Calls, harness, publish
 
 VLLM = VllmDialect()

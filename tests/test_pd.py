@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 import respx
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import (
     AgenticLoRASettings,
     add_arguments,
@@ -26,21 +27,20 @@ from agentic_lora.config import (
     load_settings,
     verify_fleet,
 )
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.pd import PDFleet, PDGroup, Role, RoleHealth, check_disaggregation_mode
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     RequestRefusedError,
     VersionUnavailableError,
 )
-from agentic_lora.pd import PDFleet, PDGroup, Role, RoleHealth, check_disaggregation_mode
-from agentic_lora.publisher import PublicationOutcome
-from agentic_lora.reclaimer import ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState
-from agentic_lora.routing import EngineHealth
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from agentic_lora.transport import EngineTransport
 
 A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 GROUP = "g1=prefill=http://p:30000,decode=http://d:30001,decode=http://d:30002,router=http://r:8000"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from agentic_lora_http import HttpPushBackend
 from hypothesis import HealthCheck, settings
 
-from agentic_lora.pd import PDGroup
+from agentic_lora.engines.pd import PDGroup
 from agentic_lora.testing.backend_conformance import BackendConformance
 from agentic_lora.testing.scripted_harness import ScriptedHarness
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.deployment import Deployment
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.gateway.app import PROVENANCE_FIELD
-from agentic_lora.provenance import TurnProvenance
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding
 from agentic_lora.session import Versioning
 from agentic_lora.testing.adapters import tiny_snapshot

@@ -19,16 +19,16 @@ import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import (
     BackendAmbiguousError,
     BackendRefusedError,
     PublicationBlockedError,
     VersionConflictError,
 )
-from agentic_lora.identity import make_lora_name
-from agentic_lora.publisher import (
+from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.publication.publisher import (
     Phase,
     PhaseEvent,
     PhaseStatus,
@@ -36,7 +36,7 @@ from agentic_lora.publisher import (
     Publisher,
     RegistryRetry,
 )
-from agentic_lora.reclaimer import Reclaimer
+from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot

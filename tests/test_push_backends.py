@@ -16,9 +16,9 @@ import respx
 from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
-from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
-from agentic_lora.identity import make_lora_name
+from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
 from agentic_lora.testing.scripted_harness import sglang_engines, vllm_engines

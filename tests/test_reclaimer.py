@@ -18,8 +18,8 @@ from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
 from agentic_lora.errors import CapacityError
-from agentic_lora.publisher import PublicationOutcome, Publisher, RegistryRetry
-from agentic_lora.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome, Publisher, RegistryRetry
+from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot

@@ -22,9 +22,11 @@ import pytest
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.adapters.store import AdapterStore
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import add_arguments, from_args, load_settings
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.errors import (
     ConfigurationError,
     JournalError,
@@ -33,8 +35,22 @@ from agentic_lora.errors import (
     VersionUnavailableError,
 )
 from agentic_lora.gateway.app import Gateway
-from agentic_lora.publisher import Phase, PhaseEvent, PhaseStatus, Publisher, RegistryRetry
-from agentic_lora.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.publisher import (
+    Phase,
+    PhaseEvent,
+    PhaseStatus,
+    Publisher,
+    RegistryRetry,
+)
+from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.repair import (
+    SNAPSHOT_UNAVAILABLE,
+    Repairer,
+    RepairOutcome,
+    SnapshotCache,
+    VersionLocks,
+    repairable,
+)
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
 from agentic_lora.registry.types import (
@@ -44,17 +60,7 @@ from agentic_lora.registry.types import (
     VersionStatus,
     new_request_id,
 )
-from agentic_lora.repair import (
-    SNAPSHOT_UNAVAILABLE,
-    Repairer,
-    RepairOutcome,
-    SnapshotCache,
-    VersionLocks,
-    repairable,
-)
-from agentic_lora.routing import EngineHealth
 from agentic_lora.session import Session, Versioning
-from agentic_lora.store import AdapterStore
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.publish import publish_by_verbs
@@ -531,7 +537,7 @@ async def test_a_version_whose_content_is_gone_is_reported_and_its_sessions_use_
             d.snapshots.evict("A")
             shutil.rmtree(tmp_path / "store")  # and no store copy either
             fleet["e1"].restart()
-            caplog.set_level(logging.WARNING, logger="agentic_lora.repair")
+            caplog.set_level(logging.WARNING, logger="agentic_lora.publication.repair")
             for _ in range(2):
                 report = await d.repairer.repair_once()
                 (result,) = report.results

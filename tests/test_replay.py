@@ -8,7 +8,7 @@ import pytest
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_none
 
 from agentic_lora.errors import SessionStateError
-from agentic_lora.replay import RegistryRetry, after_failure
+from agentic_lora.foundation.replay import RegistryRetry, after_failure
 
 
 class LostReply(ConnectionError):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agentic_lora.errors import InvalidRequestError
-from agentic_lora.requests import (
+from agentic_lora.foundation.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,

@@ -19,13 +19,13 @@ import pytest
 import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 
-from agentic_lora.backends import PublicationTarget
-from agentic_lora.deployment import Deployment
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import PublicationBlockedError
-from agentic_lora.publisher import Phase, PhaseStatus, PublicationOutcome, Publisher
+from agentic_lora.publication.publisher import Phase, PhaseStatus, PublicationOutcome, Publisher
+from agentic_lora.publication.resolver import Resolver, backoff
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.resolver import Resolver, backoff
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind

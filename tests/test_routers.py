@@ -10,19 +10,19 @@ from agentic_lora_routers import LeastInFlightRouter, SessionAffinityRouter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentic_lora.discovery import (
+from agentic_lora.engines.backends import load_backend
+from agentic_lora.engines.routing import EngineHealth, Router, available_routers, load_router
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.discovery import (
     BACKENDS_GROUP,
     ROUTERS_GROUP,
-    load_backend,
     load_plugin,
     plugin_names,
 )
-from agentic_lora.errors import ConfigurationError
-from agentic_lora.middleware import EngineCall, Middleware, RoutingMiddleware, build_chain
+from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.types import Binding
-from agentic_lora.requests import Route
-from agentic_lora.routing import EngineHealth, Router, available_routers, load_router
-from agentic_lora.transport import EngineReply
+from agentic_lora.session.middleware import EngineCall, Middleware, RoutingMiddleware, build_chain
 from tests.session_support import harness, publish
 
 FLEET = ("e0", "e1", "e2", "e3")
@@ -53,7 +53,7 @@ def test_unknown_or_broken_plugins_are_configuration_errors(
     class NotARouter:
         pass
 
-    monkeypatch.setattr("agentic_lora.routing.load_plugin", lambda group, name: NotARouter)
+    monkeypatch.setattr("agentic_lora.engines.routing.load_plugin", lambda group, name: NotARouter)
     with pytest.raises(ConfigurationError, match="Router protocol"):
         load_router("anything")
 
@@ -66,7 +66,9 @@ def test_a_plugin_that_fails_to_import_names_itself(monkeypatch: pytest.MonkeyPa
         def load(self) -> Any:
             raise ImportError("No module named 'nowhere'")
 
-    monkeypatch.setattr("agentic_lora.discovery.entry_points", lambda group: [BrokenEntryPoint()])
+    monkeypatch.setattr(
+        "agentic_lora.foundation.discovery.entry_points", lambda group: [BrokenEntryPoint()]
+    )
     with pytest.raises(ConfigurationError, match="failed to load") as err:
         load_plugin(ROUTERS_GROUP, "broken")
     assert err.value.details["name"] == "broken"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentic_lora.requests import GenerateRequest
+from agentic_lora.foundation.requests import GenerateRequest
 from agentic_lora.session import SessionPhase
 from tests.session_support import harness
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from agentic_lora.errors import InvalidRequestError, RequestIndeterminateError, RequestRefusedError
-from agentic_lora.middleware import EngineCall, InFlight
-from agentic_lora.requests import Route
-from agentic_lora.streaming import StreamChunk, StreamEndpoint, UpstreamStream
+from agentic_lora.foundation.requests import Route
+from agentic_lora.session.middleware import EngineCall, InFlight
+from agentic_lora.session.streaming import StreamChunk, StreamEndpoint, UpstreamStream
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from agentic_lora.testing.streams import ScriptedStream, StreamEnding, generate_chunks
 from agentic_lora.testing.vllm_engine import VllmOp

@@ -11,24 +11,24 @@ from typing import Any
 
 import pytest
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     SessionClosedError,
     VersionTooStaleError,
 )
-from agentic_lora.middleware import PeekGuard
-from agentic_lora.provenance import CoreRevision, version_lag
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.registry.provenance import CoreRevision, version_lag
 from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
 from agentic_lora.registry.types import Binding, VersionState
 from agentic_lora.session import Versioning
+from agentic_lora.session.middleware import PeekGuard
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault
-from agentic_lora.transport import EngineTransport
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.store import MARKER_FILE, AdapterStore
 from agentic_lora.errors import InvalidIdentityError, VersionConflictError
-from agentic_lora.identity import make_lora_name
-from agentic_lora.store import MARKER_FILE, AdapterStore
+from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
 
 A = tiny_snapshot(1)

@@ -18,12 +18,12 @@ import pytest_asyncio
 from aiohttp import web
 from tenacity import wait_none
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
 from agentic_lora.testing import publish as verbs
-from agentic_lora.transport import EngineTransport
 
 
 class StreamingEngine:

@@ -18,19 +18,19 @@ import pytest
 import respx
 from tenacity import wait_none
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    UnknownEngineError,
-)
-from agentic_lora.transport import (
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import (
     GENERATION_STOP,
     EngineTransport,
     Outcome,
     classify_exception,
     classify_status,
+)
+from agentic_lora.errors import (
+    ConfigurationError,
+    RequestIndeterminateError,
+    RequestRefusedError,
+    UnknownEngineError,
 )
 
 URL = "http://127.0.0.1:30000"

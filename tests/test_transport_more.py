@@ -18,13 +18,13 @@ import httpx
 import pytest
 import respx
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineReply, EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from agentic_lora.transport import EngineReply, EngineTransport
 from tests.test_transport import KINDS, URL, loopback_server, read_request, transport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -205,7 +205,7 @@ async def test_without_httpx_aiohttp_it_falls_back_to_the_httpx_transport(
 ) -> None:
     # A None entry in sys.modules makes the import fail as if the package were not installed.
     monkeypatch.setitem(sys.modules, "httpx_aiohttp", None)
-    with caplog.at_level(logging.WARNING, logger="agentic_lora.transport"):
+    with caplog.at_level(logging.WARNING, logger="agentic_lora.engines.transport"):
         t = EngineTransport([EngineRef("e0", URL)], http_transport="aiohttp")
     try:
         assert t.http_transport == "httpx"
@@ -227,11 +227,11 @@ async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them
 ) -> None:
     # Equal client and server keep-alive (5 s) loses generations to connections the server is
     # closing (bench/keepalive_race.py); the transport must expire idle connections earlier.
-    import agentic_lora.transport as transport_module
-    from agentic_lora.backends import EngineRef
+    import agentic_lora.engines.transport as transport_module
+    from agentic_lora.engines.backends import EngineRef
+    from agentic_lora.engines.transport import EngineTransport
     from agentic_lora.errors import ConfigurationError
-    from agentic_lora.http_limits import engine_limits
-    from agentic_lora.transport import EngineTransport
+    from agentic_lora.foundation.http_limits import engine_limits
 
     seen: list[httpx.Limits] = []
     real = transport_module.make_engine_client

@@ -26,8 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenacity import wait_none
 from yarl import URL as YURL
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.engine_admin import EngineAdminClient
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.engines.wire import (
     EXCEPTION_TABLE,
     WIRE_ERRORS,
@@ -44,7 +45,6 @@ from agentic_lora.errors import (
     RequestRefusedError,
 )
 from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH, error_payload, jsonable
-from agentic_lora.transport import EngineTransport
 from tests.test_gateway import BASE_MODEL, Stack, gateway_stack
 from tests.test_transport import loopback_server, read_request
 
@@ -378,7 +378,7 @@ async def test_a_close_that_fails_after_a_lost_reply_does_not_replace_its_verdic
         raise ce.ClientOSError(104, "reset while releasing")
 
     monkeypatch.setattr(aiohttp.ClientResponse, "__aexit__", broken_exit)
-    caplog.set_level(logging.DEBUG, logger="agentic_lora.transport")
+    caplog.set_level(logging.DEBUG, logger="agentic_lora.engines.transport")
     async with loopback_server(cut_off) as url:
         t = transport("aiohttp", url)
         try:

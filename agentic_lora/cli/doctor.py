@@ -19,12 +19,12 @@ from typing import IO, Any, Literal
 
 import httpx
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import EngineRef
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.cli.common import EXIT_OK, one_line
 from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
 from agentic_lora.config import AgenticLoRASettings, check_engine_server_info
-from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendError, ConfigurationError
 
 __all__ = ["CheckStatus", "DoctorCheck", "add_parser", "run", "run_doctor"]

@@ -21,7 +21,7 @@ engines (:func:`verify_fleet`), ``engine_lora`` and ``pd_role`` (a server whose
 decides how a Session names its adapter: ``"sglang"`` (the default) or ``"vllm"``. A vLLM fleet needs
 the ``vllm`` backend (and that backend a vLLM fleet): vLLM's unload does not wait for in-flight
 requests, so its backend waits for the Sessions' own count first
-(:meth:`agentic_lora.deployment.Deployment.from_settings` wires that).
+(:meth:`agentic_lora.assembly.deployment.Deployment.from_settings` wires that).
 
 Why the gateway rule is an operator assertion: an SGLang router/gateway in front of the engines
 retries failed requests by default (``--retry-max-retries``, on 408/429/5xx), which could run a

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from agentic_lora.config.settings import AgenticLoRASettings
 from agentic_lora.engines.dialect import SlotSettings, load_dialect
-from agentic_lora.pd import Role, check_disaggregation_mode
+from agentic_lora.engines.pd import Role, check_disaggregation_mode
 
 if TYPE_CHECKING:
-    from agentic_lora.backends import EngineRef
-    from agentic_lora.transport import EngineTransport
+    from agentic_lora.engines.backends import EngineRef
+    from agentic_lora.engines.transport import EngineTransport
 
 __all__ = ["check_engine_server_info", "slot_settings", "verify_fleet"]
 
@@ -68,7 +68,7 @@ async def verify_fleet(settings: AgenticLoRASettings, transport: EngineTransport
     roles = [ref for ref in servers if ref.name not in known]
     if not await _verify_servers(settings, transport, plain) or not roles:
         return
-    from agentic_lora.transport import EngineTransport
+    from agentic_lora.engines.transport import EngineTransport
 
     async with EngineTransport(
         roles,

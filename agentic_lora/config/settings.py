@@ -15,12 +15,12 @@ from typing import Any, Literal
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import check_lora_slots, dialect_names
+from agentic_lora.engines.pd import PDFleet, PDGroup, parse_pd_group
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
 from agentic_lora.leases import check_lease_timing, check_owner
-from agentic_lora.pd import PDFleet, PDGroup, parse_pd_group
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
 
@@ -58,7 +58,7 @@ class AgenticLoRASettings(BaseSettings):
     so ``max_loras_per_batch - 1`` must hold ``capacity`` pinned versions). Leave them unset to
     have :func:`~agentic_lora.config.engine_checks.verify_fleet` read them from the engines at start-up.
 
-    ``probe_interval`` is how often (seconds) the repairer (:mod:`agentic_lora.repair`) reads
+    ``probe_interval`` is how often (seconds) the repairer (:mod:`agentic_lora.publication.repair`) reads
     every engine's incarnation: an engine that restarted is noticed within it (or at once, when
     it refuses a Session's request) and gets every dispatchable version loaded again; an engine
     that does not answer is routed around and counts as not ready.
@@ -77,11 +77,11 @@ class AgenticLoRASettings(BaseSettings):
     :mod:`agentic_lora.session`). 0 refuses any turn after a newer publication.
 
     ``resolve_backoff_initial`` and ``resolve_backoff_max`` pace the background resolver
-    (:mod:`agentic_lora.resolver`): after a round that left a publication blocked it waits the
+    (:mod:`agentic_lora.publication.resolver`): after a round that left a publication blocked it waits the
     initial seconds, then twice as long each time, never more than the max (a poke, e.g. a new
     BLOCKED result, retries at once).
 
-    ``pd_groups`` are prefill.decode-disaggregated engines (:mod:`agentic_lora.pd`), each one
+    ``pd_groups`` are prefill.decode-disaggregated engines (:mod:`agentic_lora.engines.pd`), each one
     fleet member for routing (reached at its SGLang PD router, whose retries must be off:
     ``gateway_retries_disabled``) whose prefill and decode servers are each an engine for
     publication, readiness and reclaim. ``pd_decode_max_loaded_loras`` and

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from agentic_lora.discovery import DIALECTS_GROUP, load_plugin, plugin_names
 from agentic_lora.engines.sse import StreamEvent, parse_event
 from agentic_lora.engines.wire import EngineHttp
 from agentic_lora.errors import ConfigurationError, InvalidRequestError
-from agentic_lora.requests import Route
+from agentic_lora.foundation.discovery import DIALECTS_GROUP, load_plugin, plugin_names
+from agentic_lora.foundation.requests import Route
 
 __all__ = [
     "DIALECTS_GROUP",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: The backend option that takes a drain hook (``await wait_drained(lora_name)``), given by
-#: :meth:`agentic_lora.deployment.Deployment.from_settings` when the dialect's unload does not
+#: :meth:`agentic_lora.assembly.deployment.Deployment.from_settings` when the dialect's unload does not
 #: wait for in-flight requests.
 DRAIN_OPTION = "wait_drained"
 

@@ -24,7 +24,7 @@ from typing import Any
 from agentic_lora.engines.dialect import DialectBase, SlotSettings, check_lora_slots
 from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome, classify_status, error_detail
 from agentic_lora.errors import AdapterMismatchError, ConfigurationError
-from agentic_lora.requests import Route
+from agentic_lora.foundation.requests import Route
 
 __all__ = [
     "FINGERPRINT_FIELDS",

@@ -11,9 +11,9 @@ LoRA load or unload) ends in one of three ways: an answer, or a failure that is 
 :func:`classify_exception` (transport failures, through :data:`EXCEPTION_TABLE`, which lists every
 failure type of httpx and of aiohttp) and :func:`classify_status` (answers) are the only places
 that decide which, and :data:`WIRE_ERRORS` is what a client catches to hand a failure to them.
-The generation transport (:mod:`agentic_lora.transport`, errors
+The generation transport (:mod:`agentic_lora.engines.transport`, errors
 ``REQUEST_REFUSED``/``REQUEST_INDETERMINATE``) and the admin clients
-(:mod:`agentic_lora.engine_admin`, errors ``BACKEND_REFUSED``/``BACKEND_AMBIGUOUS``) both translate
+(:mod:`agentic_lora.engines.admin`, errors ``BACKEND_REFUSED``/``BACKEND_AMBIGUOUS``) both translate
 through them, and both build their ``httpx.AsyncClient`` with :func:`make_engine_client` (no
 retries, no environment proxy, no redirects: one request is one attempt on the wire).
 

@@ -1,6 +1,6 @@
 """The gateway's admin routes: publish, status, reclaim, resolve (all behind the admin token).
 
-The token is compared in constant time (:func:`agentic_lora.auth.bearer_matches`); without a
+The token is compared in constant time (:func:`agentic_lora.foundation.auth.bearer_matches`); without a
 configured token every admin route answers 401 ``ACCESS_DENIED`` (``reason="admin_disabled"``).
 Bodies are bounded like every other body of the gateway (:mod:`agentic_lora.gateway.limits`).
 """
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.auth import bearer_matches
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import AccessDeniedError, AgenticLoRAError, InvalidRequestError
+from agentic_lora.foundation.auth import bearer_matches
 from agentic_lora.gateway.limits import parse_json, read_body
 from agentic_lora.gateway.wire import (
     NDJSON,
@@ -31,7 +31,7 @@ from agentic_lora.gateway.wire import (
     resolve_report_json,
     status_json,
 )
-from agentic_lora.publisher import PhaseEvent, PublicationResult
+from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
 
 if TYPE_CHECKING:
     from agentic_lora.gateway.app import Gateway

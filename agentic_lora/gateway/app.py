@@ -36,14 +36,15 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from agentic_lora.auth import read_token
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings
-from agentic_lora.deployment import Deployment
 from agentic_lora.errors import (
     AccessDeniedError,
     AgenticLoRAError,
     ConfigurationError,
 )
+from agentic_lora.foundation.auth import read_token
+from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.admin import AdminRoutes
 from agentic_lora.gateway.generation import PROVENANCE_FIELD, GenerationRoutes, error_response
 from agentic_lora.gateway.limits import GatewayLimits
@@ -61,12 +62,11 @@ from agentic_lora.gateway.security import (
 )
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
-from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
 
 if TYPE_CHECKING:
-    from agentic_lora.backends import Backend
-    from agentic_lora.metrics import Metrics
+    from agentic_lora.assembly.metrics import Metrics
+    from agentic_lora.engines.backends import Backend
 
 __all__ = ["PROVENANCE_FIELD", "Gateway"]
 
@@ -87,7 +87,7 @@ def _tagger_for(admin_token: str | None) -> SessionTagger:
 
 
 class Gateway(GenerationRoutes):
-    """The HTTP face of one :class:`~agentic_lora.deployment.Deployment`.
+    """The HTTP face of one :class:`~agentic_lora.assembly.deployment.Deployment`.
 
     Build it with :meth:`from_settings` (it wires metrics and progress into the deployment),
     or around an existing deployment. ``app`` is the ASGI application. Use ``async with
@@ -186,7 +186,7 @@ class Gateway(GenerationRoutes):
         metrics: Metrics | None = None
         progress = ProgressHub()
         if with_metrics:
-            from agentic_lora.metrics import Metrics
+            from agentic_lora.assembly.metrics import Metrics
 
             metrics = Metrics()
             progress.subscribe(metrics.observe_phase)

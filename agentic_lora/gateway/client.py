@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import httpx
 
+from agentic_lora.engines.transport import Outcome, classify_exception
 from agentic_lora.errors import (
     AgenticLoRAError,
     RequestIndeterminateError,
@@ -28,7 +29,6 @@ from agentic_lora.errors import (
     error_from_code,
 )
 from agentic_lora.gateway.wire import NDJSON
-from agentic_lora.transport import Outcome, classify_exception
 
 __all__ = ["AdminClient"]
 

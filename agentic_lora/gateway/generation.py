@@ -25,6 +25,7 @@ from agentic_lora.errors import (
     TooManySessionsError,
     error_code,
 )
+from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
 from agentic_lora.gateway.security import SESSION_HEADER, SessionTagger, caller_of
@@ -39,15 +40,14 @@ from agentic_lora.gateway.wire import (
     http_status,
     should_retry,
 )
-from agentic_lora.provenance import TurnProvenance
+from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding
-from agentic_lora.requests import Route
 from agentic_lora.session import Session
-from agentic_lora.streaming import StreamChunk
+from agentic_lora.session.streaming import StreamChunk
 
 if TYPE_CHECKING:
-    from agentic_lora.deployment import Deployment
-    from agentic_lora.metrics import Metrics
+    from agentic_lora.assembly.deployment import Deployment
+    from agentic_lora.assembly.metrics import Metrics
 
 __all__ = ["PROVENANCE_FIELD", "GenerationRoutes", "error_response"]
 

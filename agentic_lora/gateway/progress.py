@@ -1,6 +1,6 @@
 """One progress callback, many listeners.
 
-A :class:`~agentic_lora.deployment.Deployment` takes a single ``on_progress`` callable for its
+A :class:`~agentic_lora.assembly.deployment.Deployment` takes a single ``on_progress`` callable for its
 publisher and reclaimer. :class:`ProgressHub` is that callable: metrics listen for as long as the
 process runs, and a streaming ``POST /admin/publish`` listens for as long as its publication runs.
 """
@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from agentic_lora.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseEvent
 
 __all__ = ["ProgressHub", "ProgressListener"]
 
@@ -22,7 +22,7 @@ ProgressListener = Callable[[PhaseEvent], None]
 
 
 class ProgressHub:
-    """Forwards each :class:`~agentic_lora.publisher.PhaseEvent` to every current listener."""
+    """Forwards each :class:`~agentic_lora.publication.publisher.PhaseEvent` to every current listener."""
 
     def __init__(self) -> None:
         self._listeners: list[ProgressListener] = []

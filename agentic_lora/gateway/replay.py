@@ -16,7 +16,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError, RequestRefusedError
-from agentic_lora.replay import is_lost_reply
+from agentic_lora.foundation.replay import is_lost_reply
 
 __all__ = ["replayed"]
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from agentic_lora.errors import InvalidRequestError
+from agentic_lora.foundation.requests import Route, parse_request
 from agentic_lora.gateway.limits import GatewayLimits
-from agentic_lora.requests import Route, parse_request
 
 __all__ = [
     "ChatMessage",

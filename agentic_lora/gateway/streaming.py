@@ -15,7 +15,7 @@ answer is ``text/event-stream``:
   (:class:`SSEResponse` listens for the disconnect whatever the server's ASGI version, so a
   stream waiting on a slow engine notices it too);
 * one chunk at a time is written, and the Session's stream holds a bounded number more
-  (:data:`~agentic_lora.streaming.DEFAULT_STREAM_BUFFER`): a slow reader slows the engine
+  (:data:`~agentic_lora.session.streaming.DEFAULT_STREAM_BUFFER`): a slow reader slows the engine
   read instead of growing a buffer here.
 """
 
@@ -30,9 +30,9 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.wire import error_payload, jsonable
-from agentic_lora.requests import Route
-from agentic_lora.streaming import StreamChunk
+from agentic_lora.session.streaming import StreamChunk
 
 __all__ = ["SSE_MEDIA_TYPE", "SSEResponse", "sse_events", "tagged_chunk"]
 

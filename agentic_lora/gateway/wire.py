@@ -28,11 +28,11 @@ from agentic_lora.errors import (
     RequestRefusedError,
     TooManySessionsError,
 )
-from agentic_lora.outcomes import DispatchOutcome, classify_failure
-from agentic_lora.publisher import PhaseEvent, PublicationResult
-from agentic_lora.reclaimer import ReclaimReport
+from agentic_lora.foundation.outcomes import DispatchOutcome, classify_failure
+from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
+from agentic_lora.publication.reclaimer import ReclaimReport
+from agentic_lora.publication.resolver import ResolveReport
 from agentic_lora.registry.types import RegistryStatus
-from agentic_lora.resolver import ResolveReport
 
 __all__ = [
     "JSONABLE_MAX_DEPTH",

@@ -10,7 +10,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
-from agentic_lora.replay import is_lost_reply
+from agentic_lora.foundation.replay import is_lost_reply
 
 __all__ = ["StopWhen", "log_replay", "replaying"]
 

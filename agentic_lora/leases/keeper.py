@@ -22,6 +22,7 @@ from agentic_lora.errors import (
     ConfigurationError,
     LeaseExpiredError,
 )
+from agentic_lora.foundation.listeners import notify
 from agentic_lora.leases.call_replay import StopWhen, log_replay, replaying
 from agentic_lora.leases.options import (
     DEFAULT_LEASE_TTL,
@@ -39,7 +40,6 @@ from agentic_lora.leases.term import (
     LeaseState,
     LeaseTerm,
 )
-from agentic_lora.listeners import notify
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
 

@@ -11,7 +11,7 @@ ever talk to this class.
 Every mutating verb takes ``request_id``, a caller-minted idempotency key
 (:func:`~agentic_lora.registry.types.new_request_id`). A lost reply is normal (a Ray actor error
 after the call ran, a timeout): replay the call with the same ``request_id`` and you get the
-original answer, including the original error (see :mod:`agentic_lora.replay`).
+original answer, including the original error (see :mod:`agentic_lora.foundation.replay`).
 
 Optional capabilities are typed Protocols, found only through the functions here, never by
 ``getattr`` or by the implementation's class:

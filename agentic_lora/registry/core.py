@@ -41,7 +41,7 @@ from agentic_lora.errors import (
     StaleAttemptError,
     VersionConflictError,
 )
-from agentic_lora.identity import make_lora_name, validate_version_id
+from agentic_lora.foundation.identity import make_lora_name, validate_version_id
 from agentic_lora.registry import (
     durable_names,
     engine_incarnations,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from agentic_lora.errors import AgenticLoRAError, JournalCorruptError, JournalError
-from agentic_lora.listeners import notify
+from agentic_lora.foundation.listeners import notify
 from agentic_lora.registry.api import RegistryAPI, RegistryListener
 from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.journal import Journal, JournalEntry

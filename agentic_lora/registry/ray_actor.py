@@ -152,7 +152,7 @@ class RayRegistryClient(RegistryAPI):
         Refreshed by every status read (so by :meth:`start_refresh`), every commit and every
         bind made through this client. It can only lag behind the registry's, so a Session lag
         computed from it is never over-estimated (a
-        :class:`~agentic_lora.provenance.DefaultRevisionReader`).
+        :class:`~agentic_lora.registry.provenance.DefaultRevisionReader`).
         """
         return self._default_revision
 

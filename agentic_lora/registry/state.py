@@ -26,7 +26,7 @@ from agentic_lora.errors import (
     UnknownEngineError,
     UnknownVersionError,
 )
-from agentic_lora.identity import make_lora_name
+from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.registry.idempotency import IdempotencyWindow
 from agentic_lora.registry.transitions import VersionEvent, advance
 from agentic_lora.registry.types import (

@@ -55,13 +55,13 @@ lease-free (their refs then live until closed).
 
 Bounded staleness (``Versioning(max_version_lag=K)``, settings ``max_version_lag``; off by
 default): a Session's version never changes, but once its bound version is more than K
-publications behind the current default (the lag, see :mod:`agentic_lora.provenance`), its next
+publications behind the current default (the lag, see :mod:`agentic_lora.registry.provenance`), its next
 dispatch is refused with :class:`~agentic_lora.errors.VersionTooStaleError`
 (``VERSION_TOO_STALE``, details ``lag`` and ``version``) after the bind and before any engine
 call. The check runs only when a dispatch starts, so a generation already running is never cut.
 The refusal is sticky (every later dispatch is refused too); the Session can only be closed,
 which releases its ref so the retired version can be reclaimed and its capacity slot reused.
-Every versioned reply carries :class:`~agentic_lora.provenance.TurnProvenance`
+Every versioned reply carries :class:`~agentic_lora.registry.provenance.TurnProvenance`
 (``reply.provenance``) and :meth:`Session.provenance` returns the whole trajectory's record.
 
 :meth:`Versioning.wait_drained` waits until no request of this manager's Sessions is in flight on

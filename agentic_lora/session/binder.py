@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from tenacity.wait import wait_base
 
 from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import (
     AgenticLoRAError,
     InvalidRequestError,
@@ -28,18 +29,17 @@ from agentic_lora.errors import (
     SessionReleaseError,
     VersionTooStaleError,
 )
+from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.foundation.requests import Route, new_rid
 from agentic_lora.leases import LeaseKeeper, LeaseTerm
-from agentic_lora.provenance import (
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.provenance import (
     DefaultRevisionReader,
     StalenessListener,
     TurnProvenance,
     version_lag,
 )
-from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import Binding, ReleaseResult
-from agentic_lora.replay import RegistryRetry
-from agentic_lora.requests import Route, new_rid
-from agentic_lora.transport import EngineReply
 
 __all__ = ["PASS_THROUGH", "BinderConfig", "PassThroughBinder", "RegistryBinder", "SessionBinder"]
 
@@ -61,7 +61,7 @@ class SessionBinder(Protocol):
 
     @property
     def validate(self) -> bool:
-        """Whether request bodies are shape-checked (:func:`~agentic_lora.requests.check_shape`)
+        """Whether request bodies are shape-checked (:func:`~agentic_lora.foundation.requests.check_shape`)
         before the send."""
         ...
 

@@ -10,20 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.transport import EngineReply, EngineTransport
 from agentic_lora.errors import (
     AgenticLoRAError,
     InvalidRequestError,
     SessionClosedError,
     SessionStateError,
 )
+from agentic_lora.foundation.requests import RequestLike, Route, check_shape, request_body
 from agentic_lora.leases import LeaseTerm
-from agentic_lora.middleware import Dispatch, EngineCall, InFlight
-from agentic_lora.provenance import TurnProvenance
+from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding, ReleaseResult
-from agentic_lora.requests import RequestLike, Route, check_shape, request_body
 from agentic_lora.session.binder import SessionBinder
-from agentic_lora.streaming import StreamChunk, UpstreamStream
-from agentic_lora.transport import EngineReply, EngineTransport
+from agentic_lora.session.middleware import Dispatch, EngineCall, InFlight
+from agentic_lora.session.streaming import StreamChunk, UpstreamStream
 
 __all__ = ["TRANSITIONS", "Session", "SessionPhase", "SessionRuntime", "next_phase"]
 
@@ -69,7 +69,7 @@ class SessionRuntime:
     dialect: EngineDialect
     new_binder: Callable[[str, Callable[[], None]], SessionBinder]
     on_closed: Callable[[Session], Awaitable[None]]
-    #: The same middlewares ended by :class:`~agentic_lora.streaming.StreamEndpoint`.
+    #: The same middlewares ended by :class:`~agentic_lora.session.streaming.StreamEndpoint`.
     stream_chain: Dispatch | None = None
 
 
@@ -196,7 +196,7 @@ class Session:
 
     async def stream(self, route: Route, request: RequestLike) -> AsyncGenerator[StreamChunk, None]:
         """Send one request down the chain as a stream: its chunks, each naming this Session's
-        version (:attr:`StreamChunk.provenance <agentic_lora.streaming.StreamChunk>`).
+        version (:attr:`StreamChunk.provenance <agentic_lora.session.streaming.StreamChunk>`).
 
         The request holds its version (in-flight count, drain, close) until the stream ends or
         the iterator is closed; closing it early (``aclose``, cancellation) aborts

@@ -1,4 +1,4 @@
-"""The dispatch guard of a fleet with PD groups (see :mod:`agentic_lora.pd` for the fleet model).
+"""The dispatch guard of a fleet with PD groups (see :mod:`agentic_lora.engines.pd` for the fleet model).
 
 It sits in the session layer because it wraps the middleware's guard; the fleet model it reads
 sits below, with the engines.
@@ -6,16 +6,16 @@ sits below, with the engines.
 
 from __future__ import annotations
 
-from agentic_lora.middleware import DispatchGuard, PeekGuard
-from agentic_lora.pd import PDFleet, members_holding
+from agentic_lora.engines.pd import PDFleet, members_holding
 from agentic_lora.registry.api import peeker
 from agentic_lora.registry.types import Binding
+from agentic_lora.session.middleware import DispatchGuard, PeekGuard
 
 __all__ = ["PDGuard", "pd_guard"]
 
 
 class PDGuard:
-    """A :class:`~agentic_lora.middleware.DispatchGuard` for a fleet with PD groups.
+    """A :class:`~agentic_lora.session.middleware.DispatchGuard` for a fleet with PD groups.
 
     The inner guard answers which *servers* hold the bound version (the registry's
     ``ready_engines``); this one answers which *members* may get the request: a group only while

@@ -10,16 +10,29 @@ from typing import TYPE_CHECKING
 from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
-from agentic_lora.backends import EngineRef
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect, load_dialect
+from agentic_lora.engines.routing import EngineHealth, Router, load_router
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     InvalidRequestError,
     SessionReleaseError,
     SessionStateError,
 )
+from agentic_lora.foundation.requests import new_rid
 from agentic_lora.leases import LeaseKeeper, OnRestart
-from agentic_lora.middleware import (
+from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
+from agentic_lora.registry.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.session.binder import (
+    PASS_THROUGH,
+    BinderConfig,
+    RegistryBinder,
+    SessionBinder,
+)
+from agentic_lora.session.lifecycle import Session, SessionRuntime
+from agentic_lora.session.middleware import (
     AdapterInFlight,
     AdapterPinMiddleware,
     DispatchGuard,
@@ -32,21 +45,8 @@ from agentic_lora.middleware import (
     TransportEndpoint,
     build_chain,
 )
-from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
-from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
-from agentic_lora.registry.types import ReleaseResult
-from agentic_lora.requests import new_rid
-from agentic_lora.routing import EngineHealth, Router, load_router
-from agentic_lora.session.binder import (
-    PASS_THROUGH,
-    BinderConfig,
-    RegistryBinder,
-    SessionBinder,
-)
-from agentic_lora.session.lifecycle import Session, SessionRuntime
 from agentic_lora.session.pd_guard import pd_guard
-from agentic_lora.streaming import StreamEndpoint
-from agentic_lora.transport import EngineTransport
+from agentic_lora.session.streaming import StreamEndpoint
 
 if TYPE_CHECKING:
     from agentic_lora.config import AgenticLoRASettings
@@ -82,7 +82,7 @@ class Versioning:
     is more than that many publications behind the current default is refused with
     :class:`~agentic_lora.errors.VersionTooStaleError` (see :meth:`Session.provenance`).
     ``revision_reader`` says the current default revision without I/O; by default the registry
-    itself if it is a :class:`~agentic_lora.provenance.DefaultRevisionReader` (the Ray client),
+    itself if it is a :class:`~agentic_lora.registry.provenance.DefaultRevisionReader` (the Ray client),
     or the core of a ``LocalRegistry``. Without one, lags are unknown (None) and a bound is a
     configuration error.
     """
@@ -151,7 +151,7 @@ class Versioning:
                 )
         self._max_version_lag = max_version_lag
         #: Told the lag of every versioned dispatch and every VERSION_TOO_STALE refusal (the
-        #: metrics hook, see :meth:`agentic_lora.metrics.Metrics.watch_staleness`); append any time.
+        #: metrics hook, see :meth:`agentic_lora.assembly.metrics.Metrics.watch_staleness`); append any time.
         self.staleness_listeners: list[StalenessListener] = []
         engines = [e.name for e in transport.engines]
         self._health = EngineHealth(engines)
@@ -188,7 +188,7 @@ class Versioning:
                 staleness=self.staleness_listeners,
             )
         #: Told ``(engine, binding)`` when an engine refused a versioned request (see
-        #: :class:`~agentic_lora.middleware.RoutingMiddleware`); append listeners at any time.
+        #: :class:`~agentic_lora.session.middleware.RoutingMiddleware`); append listeners at any time.
         self.on_refused: list[RefusedListener] = []
         chain.append(
             Middleware(

@@ -1,7 +1,7 @@
 """Test support that ships with the library.
 
 * :mod:`agentic_lora.testing.backend_conformance`: a hypothesis state machine every backend
-  plugin can run to prove it keeps the :class:`~agentic_lora.backends.Backend` contract.
+  plugin can run to prove it keeps the :class:`~agentic_lora.engines.backends.Backend` contract.
 * :mod:`agentic_lora.testing.sglang_engine` and :mod:`agentic_lora.testing.vllm_engine`:
   scripted SGLang and vLLM engines served through ``respx``, on one base
   (:mod:`agentic_lora.testing.scripted_engine`: scripted faults, the call record, model cards).

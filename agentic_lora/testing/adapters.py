@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from agentic_lora.adapter import AdapterSnapshot, TensorBlob
+from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
 
 __all__ = ["tiny_snapshot"]
 

@@ -1,7 +1,7 @@
 """A conformance suite every backend plugin can run: a reference model vs the plugin.
 
 :class:`BackendConformance` is a hypothesis :class:`~hypothesis.stateful.RuleBasedStateMachine`.
-It drives a :class:`~agentic_lora.backends.Backend` against scripted engines with random sequences
+It drives a :class:`~agentic_lora.engines.backends.Backend` against scripted engines with random sequences
 of prepares, cleanups, reclaims, stale and fenced messages, lost replies, refusals and engine
 restarts, keeps a small model of what each engine must hold, and checks after every step that the
 engines agree with it. A plugin proves conformance by subclassing it with a harness::
@@ -14,7 +14,7 @@ engines agree with it. A plugin proves conformance by subclassing it with a harn
 
 The suite drives two engines, the harness's first and second, as slots ``e0`` and ``e1``; their
 real names (a plain engine's, or PD role servers' like ``g1.prefill`` and ``g1.decode0``) are what
-receipts must carry. The contract it checks (from :mod:`agentic_lora.backends`):
+receipts must carry. The contract it checks (from :mod:`agentic_lora.engines.backends`):
 
 * a READY receipt names exactly the target (engine, version, digest, lora name, attempt) and the
   engine's current incarnation, and the engine then holds exactly that content;
@@ -44,10 +44,10 @@ from typing import Any, Protocol, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
-from agentic_lora.identity import make_lora_name
+from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
 
 __all__ = [

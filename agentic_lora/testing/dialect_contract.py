@@ -37,7 +37,7 @@ from agentic_lora.engines.dialect import EngineDialect, SlotSettings, load_diale
 from agentic_lora.engines.sse import StreamEventKind
 from agentic_lora.engines.wire import HttpAnswer, Outcome
 from agentic_lora.errors import AdapterMismatchError, InvalidRequestError
-from agentic_lora.requests import Route
+from agentic_lora.foundation.requests import Route
 
 __all__ = ["EngineAnswers", "Judged", "ScriptedHttp", "WireFailure", "check_dialect"]
 

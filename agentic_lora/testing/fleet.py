@@ -8,8 +8,8 @@ from typing import Any
 
 import respx
 
-from agentic_lora.backends import EngineRef
 from agentic_lora.config import AgenticLoRASettings, load_settings
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
 
 __all__ = ["ScriptedFleet"]

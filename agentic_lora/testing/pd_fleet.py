@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import httpx
 import respx
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.pd import PDGroup
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.pd import PDGroup
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import respx
 
-from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.engines.backends import Backend, EngineRef
 from agentic_lora.testing.backend_conformance import EngineDouble, Failure, Operation
 from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine

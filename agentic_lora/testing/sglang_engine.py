@@ -78,7 +78,7 @@ def _readable_adapter_dir(path: str) -> bool:
 
 
 def _digest_of_dir(path: str) -> str:
-    from agentic_lora.adapter import AdapterSnapshot
+    from agentic_lora.adapters.snapshot import AdapterSnapshot
 
     return AdapterSnapshot.from_peft_dir(path).digest
 

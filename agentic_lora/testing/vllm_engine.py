@@ -70,7 +70,7 @@ def _error(status: int, message: str, err_type: str) -> httpx.Response:
 def _digest_of_dir(path: str) -> str | None:
     if not os.path.isabs(path) or not os.path.isfile(os.path.join(path, "adapter_config.json")):
         return None
-    from agentic_lora.adapter import AdapterSnapshot
+    from agentic_lora.adapters.snapshot import AdapterSnapshot
 
     return AdapterSnapshot.from_peft_dir(path).digest
 

@@ -1,4 +1,4 @@
-"""``DcsBackend``: the publisher side of the staged transfer (a :class:`~agentic_lora.backends.Backend`).
+"""``DcsBackend``: the publisher side of the staged transfer (a :class:`~agentic_lora.engines.backends.Backend`).
 
 Per engine, ``prepare`` runs one *driver* for the attempt: read the sidecar's incarnation, send
 ``begin`` with the fixed bucket plan, join the attempt's process group as rank 0, then for every
@@ -32,12 +32,12 @@ from typing import TypeVar
 
 import httpx
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.auth import read_token
-from agentic_lora.backends import EngineRef, PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
-from agentic_lora.http_limits import engine_limits
-from agentic_lora.identity import thaw_json
+from agentic_lora.foundation.auth import read_token
+from agentic_lora.foundation.http_limits import engine_limits
+from agentic_lora.foundation.identity import thaw_json
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora_dcs.attempts import AttemptState
 from agentic_lora_dcs.client import NOT_SENT, SidecarClient

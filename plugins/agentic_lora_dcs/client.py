@@ -1,6 +1,6 @@
 """The publisher's typed HTTP client for one receiver sidecar (one attempt per call, no retries).
 
-Every reply is classified the way :mod:`agentic_lora.backends` asks:
+Every reply is classified the way :mod:`agentic_lora.engines.backends` asks:
 
 * a 2xx body that parses: the message was acted on (its reply model is returned);
 * a :class:`~agentic_lora_dcs.protocol.RefusalReply` with ``clean=True``:

@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import (
     AgenticLoRAError,
     BackendAmbiguousError,

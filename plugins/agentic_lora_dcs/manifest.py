@@ -1,7 +1,7 @@
 """The receiver's identity checks, on the project's one manifest definition.
 
 ``begin`` carries the adapter config and the plan; the plan's tensor entries are exactly the
-manifest entries of :mod:`agentic_lora.identity`, so the receiver can recompute the content digest
+manifest entries of :mod:`agentic_lora.foundation.identity`, so the receiver can recompute the content digest
 before any byte moves and refuse a plan that does not describe the version it claims to be.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentic_lora.errors import InvalidIdentityError
-from agentic_lora.identity import Manifest, parse_lora_name
+from agentic_lora.foundation.identity import Manifest, parse_lora_name
 from agentic_lora_dcs.plan import BucketPlan
 
 __all__ = ["manifest_digest", "manifest_of", "name_matches"]

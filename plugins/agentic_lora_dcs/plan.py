@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentic_lora.adapter import AdapterSnapshot, TensorBlob
+from agentic_lora.adapters.safetensors_io import DTYPE_SIZES, expected_nbytes
+from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
 from agentic_lora.errors import InvalidAdapterError
-from agentic_lora.identity import ManifestEntry, tensor_sha256
-from agentic_lora.safetensors_io import DTYPE_SIZES, expected_nbytes
+from agentic_lora.foundation.identity import ManifestEntry, tensor_sha256
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -5,8 +5,8 @@ thread that joins the attempt's process group and then receives buckets in plan 
 collectives block; the event loop never does). The decisions (stale, fenced, duplicate) come from
 :class:`~agentic_lora_dcs.attempts.Ledger`; this module executes them: it arms collectives,
 verifies bytes, materialises the immutable adapter directory through
-:class:`~agentic_lora.store.AdapterStore` and loads it (pinned) through
-:class:`~agentic_lora.engine_admin.EngineAdminClient`.
+:class:`~agentic_lora.adapters.store.AdapterStore` and loads it (pinned) through
+:class:`~agentic_lora.engines.admin.EngineAdminClient`.
 
 Incarnation is ``<sidecar boot id>/<engine fingerprint>``: it changes when either process
 restarts, and every attempt message names the incarnation it was meant for, so a message that

@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.engine_admin import LoadResult, ProbeResult, ServerInfo, UnloadOutcome
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.admin import LoadResult, ProbeResult, ServerInfo, UnloadOutcome
 from agentic_lora_dcs.attempts import (
     AttemptRecord,
     AttemptState,

@@ -39,10 +39,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
-from agentic_lora.auth import BearerTokenMiddleware, read_token
-from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.adapters.store import AdapterStore
+from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
-from agentic_lora.store import AdapterStore
+from agentic_lora.foundation.auth import BearerTokenMiddleware, read_token
 from agentic_lora_dcs.attempts import Refused
 from agentic_lora_dcs.collective import RendezvousServer
 from agentic_lora_dcs.protocol import (

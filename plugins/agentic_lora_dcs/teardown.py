@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from agentic_lora.engine_admin import UnloadOutcome
+from agentic_lora.engines.admin import UnloadOutcome
 from agentic_lora.errors import (
     BackendAmbiguousError,
     BackendRefusedError,

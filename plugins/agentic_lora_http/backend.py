@@ -2,13 +2,13 @@
 
 The prepare / cleanup / reclaim skeleton (immutable store, attempt fences, incarnation,
 serialization per name, classification) is
-:class:`~agentic_lora.adapter_backend.AdapterDirectoryBackend`'s. What is SGLang's here:
+:class:`~agentic_lora.engines.adapter_backend.AdapterDirectoryBackend`'s. What is SGLang's here:
 
 * load: ``/load_lora_adapter`` ``{lora_name, lora_path, pinned: true}``; pinned, so the engine's
   LRU never evicts a managed version;
 * probe: ``/generate`` one greedy token with ``lora_path`` naming the exact adapter;
 * restart witness: the fingerprint of ``/server_info``
-  (:func:`agentic_lora.engine_admin.server_fingerprint`);
+  (:func:`agentic_lora.engines.admin.server_fingerprint`);
 * reclaim needs no wait of its own: ``/unload_lora_adapter`` first unregisters the name (no new
   request can acquire it), then waits for the engine's native request refcount to drain, then
   unloads.
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import httpx
 
-from agentic_lora.adapter_backend import AdapterDirectoryBackend
-from agentic_lora.backends import EngineRef, PublicationTarget
-from agentic_lora.engine_admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend
+from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
 
 __all__ = ["HttpPushBackend"]
 
 
 class HttpPushBackend(AdapterDirectoryBackend[EngineAdminClient]):
-    """The HTTP push :class:`~agentic_lora.backends.Backend` for SGLang engines.
+    """The HTTP push :class:`~agentic_lora.engines.backends.Backend` for SGLang engines.
 
     ``store_root`` is an absolute directory the engines can read (each engine gets
     ``<store_root>/<engine name>/<lora name>``). ``client`` may be shared; otherwise one is created

@@ -25,7 +25,7 @@ When runtime LoRA updating is off, the two adapter routes do not exist: FastAPI 
 ``{"detail": "Not Found"}``, which is a refusal, never "adapter absent".
 
 The HTTP plumbing (one attempt per call, transport failures classified) is shared with the SGLang
-client (:class:`agentic_lora.engine_admin.AdminHttpClient`); only the answers read differently.
+client (:class:`agentic_lora.engines.admin.AdminHttpClient`); only the answers read differently.
 Failures are :class:`~agentic_lora.errors.BackendRefusedError` when the engine provably did not
 act (never connected, or it answered with an error) and
 :class:`~agentic_lora.errors.BackendAmbiguousError` when it may have (reply lost, 5xx, an answer
@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.engine_admin import AdminHttpClient, UnloadOutcome
+from agentic_lora.engines.admin import AdminHttpClient, UnloadOutcome
 from agentic_lora_vllm.dialect import read_metrics
 from agentic_lora_vllm.metrics import EngineMetrics
 
@@ -72,7 +72,7 @@ class _Answer:
 class VllmAdminClient(AdminHttpClient):
     """Typed access to one vLLM engine's LoRA control surface (one attempt per call).
 
-    Construction and client sharing as for :class:`~agentic_lora.engine_admin.AdminHttpClient`.
+    Construction and client sharing as for :class:`~agentic_lora.engines.admin.AdminHttpClient`.
     """
 
     # --- adapters --------------------------------------------------------------------------

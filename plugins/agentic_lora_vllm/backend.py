@@ -39,7 +39,7 @@ How vLLM differs from SGLang, and what that costs here:
   adapter went missing" generation counter the HTTP push plugin uses.
 
 The skeleton (store, attempt fences, incarnation generation, serialization per name,
-classification) is :class:`~agentic_lora.adapter_backend.AdapterDirectoryBackend`'s, shared with
+classification) is :class:`~agentic_lora.engines.adapter_backend.AdapterDirectoryBackend`'s, shared with
 the HTTP push plugin; this module holds only what vLLM does differently: the load confirmed by the
 listing, the probe by completion, the restart witness, and the drain before a reclaim's unload.
 """
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import httpx
 
-from agentic_lora.adapter_backend import AdapterDirectoryBackend, DrainHook
-from agentic_lora.backends import EngineRef, PublicationTarget
-from agentic_lora.engine_admin import AdminTimeouts
+from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend, DrainHook
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
 from agentic_lora.errors import (
     BackendAmbiguousError,
     BackendError,
@@ -74,13 +74,13 @@ _DIALECT = VllmDialect()
 
 
 class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
-    """The :class:`~agentic_lora.backends.Backend` for vLLM engines with runtime LoRA updating.
+    """The :class:`~agentic_lora.engines.backends.Backend` for vLLM engines with runtime LoRA updating.
 
     ``store_root`` is an absolute directory the engines can read (each engine gets
     ``<store_root>/<engine name>/<lora name>``). ``wait_drained`` is required: see the module
     docstring for why vLLM needs it and SGLang does not
     (:meth:`agentic_lora.session.Versioning.wait_drained` is the Session middleware's, and
-    :meth:`agentic_lora.deployment.Deployment.from_settings` wires it in). ``client`` may be
+    :meth:`agentic_lora.assembly.deployment.Deployment.from_settings` wires it in). ``client`` may be
     shared; otherwise one is created and closed by :meth:`aclose`.
     """
 

@@ -24,7 +24,7 @@ from typing import Any
 from agentic_lora.engines.dialect import DialectBase, SlotSettings
 from agentic_lora.engines.wire import EngineHttp, Outcome, classify_status
 from agentic_lora.errors import AdapterMismatchError
-from agentic_lora.requests import Route
+from agentic_lora.foundation.requests import Route
 from agentic_lora_vllm.metrics import EngineMetrics, parse_metrics
 
 __all__ = ["VllmDialect", "read_metrics"]

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentic_lora.routing import InFlightCounter
+from agentic_lora.engines.routing import InFlightCounter
 
 __all__ = ["SessionAffinityRouter", "rendezvous_score"]
 

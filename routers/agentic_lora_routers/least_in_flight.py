@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentic_lora.routing import InFlightCounter
+from agentic_lora.engines.routing import InFlightCounter
 
 __all__ = ["LeastInFlightRouter"]
 

@@ -8,7 +8,7 @@ asserts itself, so the benchmark can repeat it and report; the tests assert ``pr
 
 Topologies (see the chaos test modules' docstrings for why):
 
-* in-process (:func:`engine_restart`): a :class:`~agentic_lora.deployment.Deployment` in this
+* in-process (:func:`engine_restart`): a :class:`~agentic_lora.assembly.deployment.Deployment` in this
   process (journaled LocalRegistry, Sessions, publisher, reclaimer, repairer) and the agents on
   its Sessions; the fault is one engine killed -9 and restarted;
 * gateway (:func:`serve_killed`): ``agentic-lora serve`` as a child process (registry with its
@@ -37,9 +37,9 @@ from typing import Any
 from agentic_lora_agent import AttemptOutcome, AttemptRecord
 from agentic_lora_harness.engines import EngineFleet
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.deployment import Deployment
 from agentic_lora.registry.types import RegistryStatus, VersionState
 from tests.chaos.support import (
     AgentLoad,

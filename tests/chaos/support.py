@@ -47,6 +47,7 @@ from typing import Any, Protocol, Self
 
 import httpx
 
+from agentic_lora.engines.transport import EngineReply, Outcome, classify_exception
 from agentic_lora.errors import (
     AgenticLoRAError,
     RequestIndeterminateError,
@@ -63,7 +64,6 @@ from agentic_lora.registry.types import (
     VersionStatus,
 )
 from agentic_lora.session import Versioning
-from agentic_lora.transport import EngineReply, Outcome, classify_exception
 from tests.e2e.recording_proxy import Exchange, RecordingProxy, TrafficLog, Waiters
 
 _AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"

@@ -1,6 +1,6 @@
 """Chaos: one engine of two is killed -9 under agent load and restarted (real SGLang engines).
 
-Topology: in-process. A :class:`~agentic_lora.deployment.Deployment` in the test process (a
+Topology: in-process. A :class:`~agentic_lora.assembly.deployment.Deployment` in the test process (a
 journaled LocalRegistry, the Sessions, the publisher, the reclaimer and the engine repair) drives
 the session's shared two-engine fleet through one :class:`~tests.chaos.support.EngineTap` per
 engine; eight example agents run tool-using episodes on its Sessions and a publication of A, B,

@@ -4,7 +4,7 @@ Topology: a local Ray cluster (started by this module), one named, detached, jou
 actor (:func:`~agentic_lora.registry.ray_actor.connect`), two rollout worker processes
 (``python -m tests.chaos.worker``: each its own OS process with a Versioning, an owner lease kept
 by its LeaseKeeper under a stable owner id, and four example agents), and the test process as
-the one publishing process (a :class:`~agentic_lora.deployment.Deployment` on the actor's
+the one publishing process (a :class:`~agentic_lora.assembly.deployment.Deployment` on the actor's
 client: publisher, reclaimer, resolver; its own Sessions unused). Engines are the session's
 shared fleet behind :class:`~tests.chaos.support.EngineTap` s; the workers' requests go through
 the taps too, so the engine side sees every worker's Sessions.

@@ -6,8 +6,7 @@ import pytest
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
 
-from agentic_lora.backends import Backend, EngineRef
-from agentic_lora.discovery import load_backend
+from agentic_lora.engines.backends import Backend, EngineRef, load_backend
 from agentic_lora.errors import BackendRefusedError, ConfigurationError
 from tests.dcs.util import make_snapshot, target_for
 

@@ -16,7 +16,7 @@ import pytest
 from agentic_lora_dcs import DcsBackend
 from hypothesis import HealthCheck, settings
 
-from agentic_lora.backends import Backend, EngineRef
+from agentic_lora.engines.backends import Backend, EngineRef
 from agentic_lora.testing.backend_conformance import (
     BackendConformance,
     EngineDouble,

@@ -9,7 +9,7 @@ import pytest
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.plan import plan_for_snapshot
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from tests.dcs.util import SIDECAR_TOKEN, SidecarProcess, make_snapshot, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from agentic_lora.errors import InvalidAdapterError
-from agentic_lora.identity import tensor_sha256
+from agentic_lora.foundation.identity import tensor_sha256
 from tests.dcs.util import make_snapshot
 
 Entry = tuple[str, str, tuple[int, ...], str, int]

@@ -15,8 +15,8 @@ import pytest_asyncio
 from agentic_lora_dcs import DcsBackend
 
 from agentic_lora.errors import StaleAttemptError
-from agentic_lora.publisher import PublicationOutcome, Publisher
-from agentic_lora.reclaimer import Reclaimer
+from agentic_lora.publication.publisher import PublicationOutcome, Publisher
+from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt, VersionState, new_request_id
 from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, SidecarProcess, make_snapshot, state_of

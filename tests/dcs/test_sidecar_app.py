@@ -20,10 +20,10 @@ from agentic_lora_dcs.protocol import (
 from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, parse_args
 from pydantic import SecretStr
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.engine_admin import EngineAdminClient
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendRefusedError, ConfigurationError
-from agentic_lora.identity import thaw_json
+from agentic_lora.foundation.identity import thaw_json
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from tests.dcs.util import SIDECAR_TOKEN, make_snapshot, target_for
 

@@ -21,7 +21,7 @@ from agentic_lora_dcs.protocol import (
 )
 
 from agentic_lora.errors import BackendRefusedError
-from agentic_lora.identity import thaw_json
+from agentic_lora.foundation.identity import thaw_json
 from tests.dcs.conftest import Publisher
 from tests.dcs.util import (
     BUCKET_BYTES,

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from agentic_lora.adapter import AdapterSnapshot, TensorBlob
-from agentic_lora.backends import EngineRef, PublicationTarget
-from agentic_lora.identity import make_lora_name
+from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.foundation.identity import make_lora_name
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0

@@ -1,7 +1,7 @@
 """The stack every end-to-end test runs: real engines, recording proxies, the real product.
 
 Per test: one :class:`~tests.e2e.recording_proxy.RecordingProxy` per engine, a
-:class:`~agentic_lora.deployment.Deployment` (LocalRegistry, Sessions, publisher, background
+:class:`~agentic_lora.assembly.deployment.Deployment` (LocalRegistry, Sessions, publisher, background
 reclaimer) whose engines are the proxies, and the real HTTP push backend behind
 :class:`~tests.e2e.support.GatedBackend`. The engines are the session's shared fleet, so each
 test leaves them as it found them: every adapter it caused to be loaded (published, baseline or
@@ -22,10 +22,10 @@ import pytest_asyncio
 from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_http import HttpPushBackend
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.deployment import Deployment
-from agentic_lora.publisher import PublicationResult
+from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session import Session

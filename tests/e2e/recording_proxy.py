@@ -31,7 +31,7 @@ from typing import Any, Generic, Self, TypeVar
 import aiohttp
 from aiohttp import web
 
-from agentic_lora.http_limits import ENGINE_KEEPALIVE_EXPIRY
+from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
 
 __all__ = [
     "FORBIDDEN_DURING_PUBLICATION",
@@ -244,7 +244,7 @@ class RecordingProxy:
     """Forwards ``127.0.0.1:<port>`` to one engine's base URL, recording on ``log``.
 
     Upstream idle connections are dropped at
-    :data:`~agentic_lora.http_limits.ENGINE_KEEPALIVE_EXPIRY`, below the engine's keep-alive, like
+    :data:`~agentic_lora.foundation.http_limits.ENGINE_KEEPALIVE_EXPIRY`, below the engine's keep-alive, like
     every engine client of the product (a longer one would lose requests to the keep-alive race
     and blame the product for it). A request whose upstream was unreachable or lost is answered,
     and recorded, with status 502 (and listed in ``upstream_failures`` with the reason).

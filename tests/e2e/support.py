@@ -20,8 +20,8 @@ import httpx
 from agentic_lora_http import HttpPushBackend
 from tokenizers import Tokenizer
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import EngineRef, PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.session import Session, Versioning

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from agentic_lora.errors import CapacityError
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 from tests.e2e.conftest import Stack
 from tests.e2e.recording_proxy import Exchange

@@ -21,11 +21,11 @@ import time
 
 import pytest
 
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionUnavailableError
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session import Session
-from agentic_lora.transport import EngineReply
 from tests.e2e.conftest import Stack
 from tests.e2e.support import Held
 

@@ -23,7 +23,7 @@ from schemathesis.core.result import Ok
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from agentic_lora.config import load_settings, verify_fleet
-from agentic_lora.engine_admin import EngineAdminClient
+from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 

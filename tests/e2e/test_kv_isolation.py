@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
 from tests.e2e.support import Scored, fresh_id, scored

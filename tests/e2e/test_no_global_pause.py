@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from agentic_lora.publisher import Phase, PublicationOutcome
+from agentic_lora.publication.publisher import Phase, PublicationOutcome
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
 from tests.e2e.recording_proxy import FORBIDDEN_DURING_PUBLICATION, Waiters

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agentic_lora.errors import BackendRefusedError
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack

@@ -36,9 +36,9 @@ import pytest
 import pytest_asyncio
 from agentic_lora_harness.engines import EngineFleet
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.deployment import Deployment
-from agentic_lora.publisher import PublicationOutcome, PublicationResult
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult
 from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.registry.types import RegistryStatus, VersionState
 from tests.chaos.scenarios import taps_on

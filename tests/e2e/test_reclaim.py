@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from agentic_lora.errors import VersionNotDispatchableError
-from agentic_lora.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from agentic_lora.config import load_settings
-from agentic_lora.engine_admin import EngineAdminClient
+from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from tests.e2e.support import EngineLog, fresh_id

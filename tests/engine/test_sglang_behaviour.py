@@ -40,7 +40,7 @@ import httpx
 import pytest
 from agentic_lora_harness.engines import EngineFleet
 
-from agentic_lora.engine_admin import EngineAdminClient
+from agentic_lora.engines.admin import EngineAdminClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -27,9 +27,9 @@ from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.backends import EngineRef, PublicationTarget
-from agentic_lora.identity import make_lora_name
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.foundation.identity import make_lora_name
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]

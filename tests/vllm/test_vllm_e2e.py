@@ -1,6 +1,6 @@
 """Publication, binding and reclaim end to end on two real vLLM engines, through real Sessions.
 
-A :class:`~agentic_lora.deployment.Deployment` built from settings (``engine_kind="vllm"``,
+A :class:`~agentic_lora.assembly.deployment.Deployment` built from settings (``engine_kind="vllm"``,
 backend ``vllm``) runs the real registry, Sessions, publisher, background reclaimer and vLLM
 backend against the engines. Sessions name their adapter as ``model=<lora_name>`` (the adapter
 pin's vLLM form), and the backend's drain hook is the Sessions' own per-adapter in-flight count.
@@ -23,15 +23,15 @@ import pytest
 import pytest_asyncio
 from agentic_lora_harness.vllm_engines import VllmFleet
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.deployment import Deployment
+from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionNotDispatchableError
-from agentic_lora.middleware import Dispatch, EngineCall, Middleware
-from agentic_lora.publisher import PublicationOutcome
-from agentic_lora.reclaimer import ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.transport import EngineReply
+from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
 from tests.session_support import Calls
 from tests.vllm.engine_gate import EngineGate
 

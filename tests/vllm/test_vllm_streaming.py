@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentic_lora.config import load_settings
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
-from agentic_lora.reclaimer import ReclaimOutcome
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import new_request_id
 from tests.session_support import Calls
 from tests.streaming_support import served

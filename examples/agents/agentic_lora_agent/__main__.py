@@ -18,9 +18,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from agentic_lora.adapter import AdapterSnapshot
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import add_arguments, from_args
-from agentic_lora.deployment import Deployment
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora_agent.agent import AgentConfig, ToolAgent
 from agentic_lora_agent.policy import FallbackPolicy, ScriptedPolicy

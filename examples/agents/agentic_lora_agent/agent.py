@@ -10,7 +10,7 @@ turns, retries, resumes and resamples of one episode all run on one policy. The 
             -> run the tools, append the assistant call and one ``tool`` message per observation
 
 What the agent does when a generation does not simply succeed is decided here, above the Session,
-because nothing below it ever resends (see :mod:`agentic_lora.transport`):
+because nothing below it ever resends (see :mod:`agentic_lora.engines.transport`):
 
 * **refused** (:class:`~agentic_lora.errors.RequestRefusedError`, the engine provably did not
   accept it): if the engine answered 4xx the request itself was rejected, typically a prompt that
@@ -47,7 +47,7 @@ from agentic_lora.errors import (
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from agentic_lora.requests import ChatCompletionResponse
+from agentic_lora.foundation.requests import ChatCompletionResponse
 from agentic_lora.session import Session
 from agentic_lora_agent.parsing import ParsedOutput, parse_tool_calls
 from agentic_lora_agent.policy import FallbackPolicy, Task

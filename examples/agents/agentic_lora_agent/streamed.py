@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora.provenance import TurnProvenance
-from agentic_lora.requests import Route
+from agentic_lora.foundation.requests import Route
+from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.session import Session
 
 __all__ = ["StreamedTurn", "stream_turn"]

@@ -2,7 +2,7 @@
 
 The driver (the trainer's process) owns the named registry actor
 (:func:`~agentic_lora.registry.ray_actor.connect`, journaled) and the only publisher and reclaimer
-(a :class:`~agentic_lora.deployment.Deployment` on the actor's client). Rollout workers are Ray
+(a :class:`~agentic_lora.assembly.deployment.Deployment` on the actor's client). Rollout workers are Ray
 actors in their own processes (:func:`spawn_worker`); they find the registry by name.
 
 A reclaim can only start in the driver, but the releases that make a retired version reclaimable
@@ -22,8 +22,8 @@ from typing import Any
 
 import agentic_lora_agent
 
+from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.deployment import Deployment
 from agentic_lora.registry.ray_actor import RayRegistryClient, connect
 from agentic_lora.registry.types import RegistryStatus, VersionState
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.adapter import AdapterSnapshot
-from agentic_lora.deployment import Deployment
-from agentic_lora.publisher import PublicationOutcome, PublicationResult
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult
 from agentic_lora.registry.types import RegistryStatus, VersionState
 
 from .driver import (

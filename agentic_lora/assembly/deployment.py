@@ -1,0 +1,316 @@
+"""One object that wires the whole feature for a process: registry, Sessions, publisher, reclaimer.
+
+::
+
+    settings = load_settings(enable_versioned_lora_publication=True, engines=[...], capacity=2)
+    async with Deployment.from_settings(settings, backend_options={"store_root": "/adapters"}) as d:
+        await d.publish("step-100", AdapterSnapshot.from_peft_dir(path))
+        async with d.session("episode-7") as s:
+            reply = await s.generate({"text": prompt, "sampling_params": {...}})
+
+The reclaimer runs in the background and is poked after every commit (by the publisher) and after
+every Session release (by a registry listener, where the registry offers one), so a retired
+version is unloaded as soon as its last Session is gone and its in-flight requests have drained.
+The resolver (:mod:`agentic_lora.publication.resolver`) runs in the background too: at start it aborts and
+cleans a publication a dead publishing process left LOADING, and it retries an unconfirmed
+cleanup with backoff until the blocked publication's slot is free.
+The repairer (:mod:`agentic_lora.publication.repair`) probes every engine each ``probe_interval`` seconds and
+whenever an engine refuses a Session's request: an engine that restarted gets every dispatchable
+version loaded again (from the snapshots this process published, else from the backend's store),
+and until then the Sessions' requests go to the engines that hold their version.
+
+Frameworks that already have their own registry (a Ray actor shared by many workers) pass it in;
+then only the process that publishes needs a publisher, and every rollout worker only needs
+:attr:`Deployment.versioning`.
+
+With PD groups (:mod:`agentic_lora.engines.pd`) the publisher, reclaimer and repairer drive every role
+server as an engine of its own, the Sessions route to groups, and a group gets a request for a
+version only while every one of its role servers holds it.
+
+When the engine dialect's unload does not wait for requests still running on the version
+(``unload_waits_for_requests`` is False: vLLM), :meth:`Deployment.from_settings` hands the backend
+a drain hook (option :data:`~agentic_lora.engines.dialect.DRAIN_OPTION`) bound to
+:meth:`Versioning.wait_drained`: a reclaim unloads only once this process's Sessions have no
+request in flight on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.engines.adapter_backend import DrainHook
+from agentic_lora.engines.backends import Backend, load_backend
+from agentic_lora.engines.dialect import DRAIN_OPTION, load_dialect
+from agentic_lora.engines.pd import RoleHealth
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.leases import OnRestart
+from agentic_lora.publication.publisher import PhaseEvent, PublicationResult, Publisher
+from agentic_lora.publication.reclaimer import Reclaimer, ReclaimReport
+from agentic_lora.publication.repair import Repairer, SnapshotCache
+from agentic_lora.publication.resolver import Resolver, ResolveReport, backoff
+from agentic_lora.registry.api import RegistryAPI, change_feed, refusal_feed
+from agentic_lora.registry.types import (
+    Binding,
+    LeaseGrant,
+    RegistryStatus,
+    ReleaseResult,
+    SweepResult,
+    VersionState,
+    VersionStatus,
+)
+from agentic_lora.session import Session, Versioning
+from agentic_lora.session.middleware import Middleware
+
+__all__ = ["Deployment"]
+
+logger = logging.getLogger(__name__)
+
+
+class _SessionDrain:
+    """A backend drain hook bound, once it exists, to the Versioning built after the backend.
+
+    The backend is built first (so a backend that cannot be built leaves nothing else open);
+    a reclaim runs only once the Deployment exists, by which time the hook is bound. A hook the
+    caller passed in ``backend_options`` is awaited after the Sessions' own.
+    """
+
+    def __init__(self, extra: DrainHook | None) -> None:
+        self._sessions: DrainHook | None = None
+        self._extra = extra
+
+    def bind(self, sessions: DrainHook) -> None:
+        self._sessions = sessions
+
+    async def __call__(self, lora_name: str) -> None:
+        if self._sessions is None:
+            raise ConfigurationError(
+                "the drain hook is not bound to a Versioning yet", check="vllm_drain_hook"
+            )
+        await self._sessions(lora_name)
+        if self._extra is not None:
+            await self._extra(lora_name)
+
+
+class Deployment:
+    """Registry + :class:`Versioning` + :class:`Publisher` + background :class:`Reclaimer`."""
+
+    def __init__(
+        self,
+        *,
+        settings: AgenticLoRASettings,
+        versioning: Versioning,
+        backend: Backend,
+        registry: RegistryAPI,
+        on_progress: Callable[[PhaseEvent], None] | None = None,
+        owns_backend: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.versioning = versioning
+        self.registry = registry
+        self.backend = backend
+        self._owns_backend = owns_backend
+        # With PD groups, every role server is an engine for publication, readiness, repair and
+        # reclaim, while the Sessions route to groups (see agentic_lora.engines.pd).
+        self.fleet = settings.fleet
+        engines = versioning.engines
+        health: EngineHealth = versioning.health
+        if self.fleet.has_groups:
+            engines = self.fleet.publication_engines
+            health = RoleHealth(versioning.health, self.fleet)
+        self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
+        self.publisher = Publisher(
+            registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
+        )
+        # This Deployment's publisher is the registry's only one (see agentic_lora.publication.resolver).
+        self.resolver = Resolver(
+            self.publisher,
+            wait=backoff(settings.resolve_backoff_initial, settings.resolve_backoff_max),
+        )
+        stored = getattr(backend, "stored_snapshot", None)
+        #: What the repairer loads onto a restarted engine: what this process published, else
+        #: the backend's immutable store (a restarted publisher has nothing cached).
+        self.snapshots = SnapshotCache(stored=stored if callable(stored) else None)
+        self.repairer = Repairer(
+            registry,
+            backend,
+            engines,
+            snapshots=self.snapshots,
+            probe_interval=settings.probe_interval,
+            version_locks=self.reclaimer.version_locks,
+            health=health,
+            on_progress=on_progress,
+        )
+        versioning.on_refused.append(self._on_refused)
+        # A Ray client's version cache must learn about a restart too (see RayRegistryClient).
+        refusals = refusal_feed(registry)
+        if refusals is not None:
+            versioning.on_refused.append(refusals.on_refused)
+        changes = change_feed(registry)
+        if changes is not None:
+            changes.add_listener(self._on_registry_change)
+        self._started = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: AgenticLoRASettings,
+        *,
+        backend: Backend | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        registry: RegistryAPI | None = None,
+        transport: EngineTransport | None = None,
+        middleware: Sequence[Middleware] = (),
+        on_progress: Callable[[PhaseEvent], None] | None = None,
+        lease_owner: str | None = None,
+        lease_on_restart: OnRestart = "release",
+    ) -> Deployment:
+        """Build every part from validated settings (the flag must be on).
+
+        ``middleware`` are framework middlewares for every Session's dispatch chain (see
+        :class:`Versioning`). When the dialect's unload does not wait for in-flight requests and
+        no ``backend`` is given, the loaded backend gets its drain hook (``wait_drained``) bound
+        to :meth:`Versioning.wait_drained`; a ``backend`` passed in must have been given its drain
+        hook by the caller. ``lease_owner`` and
+        ``lease_on_restart`` go to :meth:`Versioning.from_settings` (the Sessions' owner lease).
+        """
+        if not settings.enable_versioned_lora_publication:
+            raise ConfigurationError(
+                "a Deployment publishes versions; enable --enable-versioned-lora-publication "
+                "(with the flag off, use Versioning.from_settings for the legacy pass-through)",
+                check="flag",
+            )
+        owns_backend = backend is None
+        drain: _SessionDrain | None = None
+        if backend is None:
+            options = dict(backend_options or {})
+            if not load_dialect(settings.engine_kind).unload_waits_for_requests:
+                drain = _SessionDrain(options.pop(DRAIN_OPTION, None))
+                options[DRAIN_OPTION] = drain
+            backend = load_backend(settings.backend, **options)
+        versioning = Versioning.from_settings(
+            settings,
+            registry=registry,
+            transport=transport,
+            middleware=middleware,
+            lease_owner=lease_owner,
+            lease_on_restart=lease_on_restart,
+        )
+        if drain is not None:
+            drain.bind(versioning.wait_drained)
+        assert versioning.registry is not None
+        return cls(
+            settings=settings,
+            versioning=versioning,
+            backend=backend,
+            registry=versioning.registry,
+            on_progress=on_progress,
+            owns_backend=owns_backend,
+        )
+
+    def _on_registry_change(self, verb: str, result: Any) -> None:
+        # A released Session may have been the last holder of a retired version; so may the
+        # Sessions of a lease that ended (expired, or its owner restarted or closed it).
+        released = (
+            (isinstance(result, ReleaseResult) and result.released_now)
+            or (isinstance(result, SweepResult) and bool(result.expired_sessions))
+            or (isinstance(result, LeaseGrant) and bool(result.released))
+            or (verb == "close_lease" and bool(result))
+        )
+        if released:
+            self.reclaimer.poke()
+        if (
+            verb == "confirm_reclaim"
+            and isinstance(result, VersionStatus)
+            and result.state is VersionState.RECLAIMED
+        ):
+            self.snapshots.evict(result.version_id)  # no engine may ever load it again
+
+    def _on_refused(self, engine: str, binding: Binding) -> None:
+        # An engine refused a Session's request: it may have restarted and lost the version. For
+        # a PD group, any of its role servers may be the one that did.
+        for server in self.fleet.roles_of(engine):
+            self.repairer.poke(server)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the background reclaimer, resolver and repairer (idempotent)."""
+        if not self._started:
+            self.reclaimer.start()
+            self.resolver.start()
+            self.repairer.start()
+            start_refresh = getattr(self.registry, "start_refresh", None)
+            if callable(start_refresh):
+                start_refresh(self.settings.probe_interval)
+            self._started = True
+
+    async def aclose(self) -> None:
+        """Close live Sessions, stop the repairer, resolver and reclaimer, then close the
+        registry and the backend.
+
+        The background parts stop before the registry closes: the last Sessions' releases poke
+        the reclaimer, and a round it (or a repair) starts must still be able to record what the
+        engines did.
+        """
+        try:
+            for s in self.versioning.live_sessions():
+                await s.close()
+        finally:
+            # First: a repair still loading must record (or clean) while the registry is open.
+            await self.repairer.stop()
+            stop_refresh = getattr(self.registry, "stop_refresh", None)
+            if callable(stop_refresh):
+                await stop_refresh()
+            await self.resolver.stop()
+            await self.reclaimer.stop()
+            try:
+                await self.versioning.aclose()
+            finally:
+                if self._owns_backend:
+                    await self.backend.aclose()
+                self._started = False
+
+    async def __aenter__(self) -> Deployment:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- the verbs users call -----------------------------------------------------------------
+
+    async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationResult:
+        """Publish ``snapshot`` as the immutable version ``version_id`` (two-phase, see Publisher).
+
+        The snapshot is kept for the repairer until the version is reclaimed (or never made it).
+        """
+        with self.snapshots.publishing(version_id, snapshot):
+            return await self.publisher.publish(version_id, snapshot)
+
+    async def reclaim(self) -> ReclaimReport:
+        """One reclaim round now (the background loop does this on its own too)."""
+        return await self.reclaimer.reclaim_once()
+
+    async def resolve(self, version_id: str | None = None) -> ResolveReport:
+        """Resolve a blocked or abandoned publication now (or all of them; see Resolver)."""
+        return await self.resolver.resolve(version_id)
+
+    async def status(self) -> RegistryStatus:
+        return await self.registry.status()
+
+    def session(self, session_id: str) -> contextlib.AbstractAsyncContextManager[Session]:
+        """``async with deployment.session(id) as s``: see :meth:`Versioning.session`."""
+        return self.versioning.session(session_id)

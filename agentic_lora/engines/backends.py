@@ -1,0 +1,87 @@
+"""The backend plugin contract: how a version gets onto, and off, one engine.
+
+A backend does the I/O the registry never does. Per engine it can ``prepare`` a version (begin,
+transfer, end, exact-version probe) and return a READY receipt, ``cleanup`` a failed attempt, and
+``reclaim`` (unregister the exact name, let the engine's own request refcount drain, unload once).
+
+Outcomes are classified, never guessed:
+
+* return normally: done and confirmed;
+* :class:`~agentic_lora.errors.BackendRefusedError`: the engine cleanly refused and holds nothing
+  of this attempt (safe to release the slot after cleanup);
+* :class:`~agentic_lora.errors.BackendAmbiguousError`: the outcome is unknown; the engine may hold
+  resources. Callers keep the capacity slot and never treat unknown as released.
+
+Plugins register under the entry-point group ``agentic_lora.backends``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.discovery import BACKENDS_GROUP, load_plugin
+from agentic_lora.registry.types import ReadyReceipt
+
+__all__ = ["Backend", "EngineRef", "PublicationTarget", "load_backend"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRef:
+    """One engine of the fixed fleet: a stable name and its HTTP base URL."""
+
+    name: str
+    base_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationTarget:
+    """What one publication attempt puts on an engine."""
+
+    version_id: str
+    digest: str
+    lora_name: str
+    attempt: int
+
+
+@runtime_checkable
+class Backend(Protocol):
+    async def incarnation(self, engine: EngineRef) -> str:
+        """An id that changes whenever the engine process restarts."""
+        ...
+
+    async def prepare(
+        self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
+    ) -> ReadyReceipt:
+        """Load ``snapshot`` under ``target.lora_name`` (pinned) and prove it is there."""
+        ...
+
+    async def cleanup(self, engine: EngineRef, target: PublicationTarget) -> None:
+        """Make sure the engine holds nothing of this attempt (idempotent; stale attempts fenced)."""
+        ...
+
+    async def reclaim(self, engine: EngineRef, *, lora_name: str, reclaim_id: str) -> None:
+        """Unload a retired version once in-flight requests using it have finished (idempotent)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release clients and sidecar connections."""
+        ...
+
+
+def load_backend(name: str, **options: Any) -> Any:
+    """Instantiate the backend plugin registered as ``name`` and check it is a Backend."""
+    factory = load_plugin(BACKENDS_GROUP, name)
+    try:
+        backend = factory(**options)
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"backend {name!r} does not take options {sorted(options)}: {exc}", check="backend"
+        ) from exc
+    if not isinstance(backend, Backend):
+        raise ConfigurationError(
+            f"backend plugin {name!r} does not implement the Backend protocol", check="backend"
+        )
+    return backend

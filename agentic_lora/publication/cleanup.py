@@ -1,0 +1,183 @@
+"""The abort-and-clean half of a publication, and the per-engine fan-out both halves use.
+
+A publication that cannot commit is aborted in the registry, then cleaned on every engine whatever
+its prepare did; the slot is freed (FAILED_CLEAN) only when every engine confirmed, and anything
+unconfirmed keeps it (BLOCKED). :class:`~agentic_lora.publication.publisher.Publisher` inherits these steps
+from :class:`CleanupSteps`; see :mod:`agentic_lora.publication.publisher` for the rules they keep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.errors import BackendRefusedError, error_code
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.publication.result import (
+    EngineReport,
+    PublicationOutcome,
+    PublicationResult,
+    PublicationRun,
+)
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import VersionStatus, new_request_id
+
+__all__ = ["CleanupSteps"]
+
+logger = logging.getLogger(__name__)
+
+
+class CleanupSteps:
+    """Observe, fan out over the fleet, abort and clean: the steps a publisher shares.
+
+    The subclass sets the four attributes below (``engines`` is the fixed fleet).
+    """
+
+    registry: RegistryAPI
+    backend: Backend
+    engines: tuple[EngineRef, ...]
+    retry: RegistryRetry
+
+    async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> None:
+        async with run.recorder.phase(engine.name, Phase.OBSERVE):
+            incarnation = await self.backend.incarnation(engine)
+            request_id = new_request_id()
+            await self.retry.call(
+                "observe_incarnation",
+                lambda: self.registry.observe_incarnation(
+                    request_id=request_id, engine=engine.name, incarnation=incarnation
+                ),
+            )
+
+    async def _each_engine(
+        self,
+        work: Callable[[EngineRef], Coroutine[Any, Any, EngineReport]],
+        engines: Sequence[EngineRef] | None = None,
+    ) -> list[EngineReport]:
+        # ``work`` never raises (it returns a report), so no sibling is ever cancelled.
+        async with asyncio.TaskGroup() as group:
+            tasks: list[asyncio.Task[EngineReport]] = [
+                group.create_task(work(e)) for e in (engines or self.engines)
+            ]
+        return [t.result() for t in tasks]
+
+    async def _abort_and_clean(
+        self,
+        run: PublicationRun,
+        target: PublicationTarget,
+        *,
+        reason: str,
+        skip: set[str] | None = None,
+        observe_first: bool = False,
+    ) -> PublicationResult:
+        extra = {"version": target.version_id, "attempt": target.attempt}
+        request_id = new_request_id()
+        try:
+            async with run.recorder.phase(None, Phase.ABORT):
+                await self.retry.call(
+                    "abort",
+                    lambda: self.registry.abort(
+                        request_id=request_id,
+                        version_id=target.version_id,
+                        attempt=target.attempt,
+                        reason=reason,
+                    ),
+                )
+        except Exception as exc:
+            logger.error("abort of %s unconfirmed: %r", target.version_id, exc, extra=extra)
+            return run.result(
+                PublicationOutcome.BLOCKED,
+                reason=f"{reason}; abort unconfirmed ({type(exc).__name__})",
+                attempt=target.attempt,
+                lora_name=target.lora_name,
+            )
+        skipped = skip or set()
+        todo = [e for e in self.engines if e.name not in skipped]
+        cleaned = await self._each_engine(
+            lambda e: self._clean_one(run, e, target, observe_first), todo
+        )
+        for report in cleaned:
+            previous = run.reports.get(report.engine)
+            run.reports[report.engine] = EngineReport(
+                report.engine,
+                ready=previous.ready if previous else False,
+                cleaned=report.cleaned,
+                error_code=report.error_code or (previous.error_code if previous else None),
+                error=report.error or (previous.error if previous else None),
+            )
+        unconfirmed = [r.engine for r in cleaned if not r.cleaned]
+        if unconfirmed:
+            logger.error(
+                "cleanup of %s unconfirmed on %s; its slot stays held",
+                target.version_id,
+                unconfirmed,
+                extra=extra,
+            )
+            return run.result(
+                PublicationOutcome.BLOCKED,
+                reason=f"{reason}; cleanup unconfirmed on {', '.join(unconfirmed)}",
+                attempt=target.attempt,
+                lora_name=target.lora_name,
+            )
+        logger.info("%s failed clean: %s", target.version_id, reason, extra=extra)
+        return run.result(
+            PublicationOutcome.FAILED_CLEAN,
+            reason=reason,
+            attempt=target.attempt,
+            lora_name=target.lora_name,
+        )
+
+    async def _clean_one(
+        self,
+        run: PublicationRun,
+        engine: EngineRef,
+        target: PublicationTarget,
+        observe_first: bool = False,
+    ) -> EngineReport:
+        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        if observe_first and await self._cleaned_by_restart(run, engine, target):
+            logger.info(
+                "%s holds nothing of %s (new incarnation): no cleanup call",
+                engine.name,
+                target.version_id,
+                extra=extra,
+            )
+            return EngineReport(engine.name, cleaned=True)
+        try:
+            async with run.recorder.phase(engine.name, Phase.CLEANUP):
+                # A refusal means, by contract, that the engine holds nothing of this attempt.
+                with contextlib.suppress(BackendRefusedError):
+                    await self.backend.cleanup(engine, target)
+            request_id = new_request_id()
+            async with run.recorder.phase(engine.name, Phase.CONFIRM_CLEANUP):
+                status: VersionStatus = await self.retry.call(
+                    "confirm_cleanup",
+                    lambda: self.registry.confirm_cleanup(
+                        request_id=request_id,
+                        version_id=target.version_id,
+                        attempt=target.attempt,
+                        engine=engine.name,
+                    ),
+                )
+        except Exception as exc:
+            code = error_code(exc)
+            logger.warning("cleanup unconfirmed on %s: %s", engine.name, exc, extra=extra)
+            return EngineReport(engine.name, cleaned=False, error_code=code, error=str(exc))
+        logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)
+        return EngineReport(engine.name, cleaned=True)
+
+    async def _cleaned_by_restart(
+        self, run: PublicationRun, engine: EngineRef, target: PublicationTarget
+    ) -> bool:
+        """Whether the registry counts ``engine`` cleaned once its incarnation is observed."""
+        try:
+            await self._observe_or_raise(run, engine)
+            status = await self.registry.version(target.version_id)
+        except Exception:
+            return False  # unknown: the cleanup call below decides
+        return status.attempt == target.attempt and engine.name in status.cleaned_engines

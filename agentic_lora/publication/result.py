@@ -1,0 +1,97 @@
+"""What a publication reports: its outcome, each engine's part, and the phases it timed.
+
+:class:`PublicationResult` is what :meth:`~agentic_lora.publication.publisher.Publisher.publish` and
+:meth:`~agentic_lora.publication.publisher.Publisher.resolve` return; :class:`PublicationRun` is the mutable
+record one such call fills in as it goes and turns into that result.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from agentic_lora.foundation.phases import Phase, PhaseRecorder, PhaseTiming
+from agentic_lora.registry.types import CommitReceipt, Reservation
+
+__all__ = ["EngineReport", "PublicationOutcome", "PublicationResult", "PublicationRun"]
+
+
+class PublicationOutcome(enum.StrEnum):
+    """How a publication ended."""
+
+    PUBLISHED = "PUBLISHED"  # committed: the version is the default
+    ALREADY_PUBLISHED = "ALREADY_PUBLISHED"  # same id and content was committed before: no-op
+    SKIPPED = "SKIPPED"  # capacity refused after bootstrap; nothing was transferred
+    FAILED_CLEAN = "FAILED_CLEAN"  # aborted; every engine confirmed cleanup; slot freed
+    BLOCKED = "BLOCKED"  # outcome or cleanup unconfirmed: slot held, publications blocked
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """One engine's part in a publication."""
+
+    engine: str
+    ready: bool = False
+    cleaned: bool | None = None  # None: no cleanup was needed
+    error_code: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PublicationResult:
+    """The outcome of :meth:`~agentic_lora.publication.publisher.Publisher.publish` or its ``resolve``."""
+
+    version_id: str
+    digest: str
+    outcome: PublicationOutcome
+    bootstrap: bool
+    lora_name: str | None = None
+    attempt: int | None = None
+    commit: CommitReceipt | None = None
+    reason: str | None = None
+    engines: tuple[EngineReport, ...] = ()
+    timings: tuple[PhaseTiming, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """The version is (now or already) the committed one it names."""
+        return self.outcome in (PublicationOutcome.PUBLISHED, PublicationOutcome.ALREADY_PUBLISHED)
+
+    def seconds(self, phase: Phase, engine: str | None = None) -> float:
+        """Total time spent in ``phase`` on ``engine`` (fleet-wide phases: ``engine=None``)."""
+        return sum(t.seconds for t in self.timings if t.phase is phase and t.engine == engine)
+
+
+@dataclass
+class PublicationRun:
+    """Mutable state of one publish/resolve call."""
+
+    version_id: str
+    digest: str
+    bootstrap: bool
+    recorder: PhaseRecorder
+    reservation: Reservation | None = None
+    reports: dict[str, EngineReport] = field(default_factory=dict)
+
+    def result(
+        self,
+        outcome: PublicationOutcome,
+        *,
+        reason: str | None = None,
+        commit: CommitReceipt | None = None,
+        attempt: int | None = None,
+        lora_name: str | None = None,
+    ) -> PublicationResult:
+        res = self.reservation
+        return PublicationResult(
+            version_id=self.version_id,
+            digest=self.digest,
+            outcome=outcome,
+            bootstrap=self.bootstrap,
+            lora_name=lora_name or (res.lora_name if res else None),
+            attempt=attempt or (res.attempt if res else None),
+            commit=commit,
+            reason=reason,
+            engines=tuple(self.reports[name] for name in sorted(self.reports)),
+            timings=tuple(self.recorder.timings),
+        )
