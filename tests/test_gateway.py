@@ -32,6 +32,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
+from agentic_lora.gateway.sessions import IdleReaped
 from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
@@ -494,7 +495,7 @@ async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path:
         clock.now = 100.0
 
         closed = await stack.gateway.sessions.reap_idle(30.0)
-        assert closed == ("idle",)
+        assert closed == IdleReaped(session_ids=("idle",))
         assert stack.gateway.versioning.get("busy") is not None
 
         gate.set()

@@ -33,7 +33,7 @@ from agentic_lora.errors import (
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH
+from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH, IdleReaped
 from agentic_lora.gateway.wire import (
     NDJSON,
     error_payload,
@@ -372,7 +372,7 @@ async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
         assert result is not None
         assert result.released_now
         clock.now = 1000.0
-        assert await stack.gateway.sessions.reap_idle(1.0) == ()
+        assert await stack.gateway.sessions.reap_idle(1.0) == IdleReaped()
         assert stack.gateway.sessions.live() == 0
 
 
@@ -392,7 +392,7 @@ async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_i
         await registry.aclose()
         clock.now = 1000.0
         with caplog.at_level(logging.WARNING, logger="agentic_lora.gateway.sessions"):
-            assert await stack.gateway.sessions.reap_idle(1.0) == ()
+            assert await stack.gateway.sessions.reap_idle(1.0) == IdleReaped()
         (record,) = [r for r in caplog.records if r.name == "agentic_lora.gateway.sessions"]
         assert record.getMessage() == "idle Session close not confirmed; retried next round"
         assert getattr(record, "error") == "SESSION_RELEASE_FAILED"  # noqa: B009

@@ -31,7 +31,7 @@ from agentic_lora.errors import (
     SessionStateError,
 )
 from agentic_lora.gateway.app import Gateway
-from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.sessions import GatewaySessions, IdleReaped
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import LeaseGrant, NamedSession, RegistryStatus, VersionStatus
@@ -231,9 +231,11 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
             sessions = second.gateway.sessions
             assert (sessions.adopted(), sessions.live()) == (1, 1)
             clock.now += 29.0
-            assert await sessions.reap_idle(30.0) == ()
+            assert await sessions.reap_idle(30.0) == IdleReaped()
             clock.now += 1.0
-            assert await sessions.reap_idle(30.0) == (sessions.tag("gone"),)
+            assert await sessions.reap_idle(30.0) == IdleReaped(
+                adopted_tags=(sessions.tag("gone"),)
+            )
             assert (sessions.adopted(), sessions.live()) == (0, 0)
             # Its ref is released, so the retired A can be reclaimed; its id is a tombstone.
             report = await second.admin().reclaim()
@@ -277,7 +279,7 @@ async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_anot
             # Held under its name again: not an adopted leftover the idle expiry may close.
             assert (sessions.adopted(), sessions.live()) == (0, 1)
             clock.now += 1.0
-            assert await sessions.reap_idle(30.0) == ()
+            assert await sessions.reap_idle(30.0) == IdleReaped()
             turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
                 model=BASE_MODEL, messages=[{"role": "user", "content": "turn 3"}]
             )

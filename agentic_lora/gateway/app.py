@@ -55,10 +55,10 @@ from agentic_lora.gateway.schema import (
     request_models,
 )
 from agentic_lora.gateway.security import (
-    SESSION_HEADER,
     SessionTagger,
     caller_of,
     install_access_log_redactor,
+    required_session,
 )
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
@@ -379,13 +379,7 @@ class Gateway(GenerationRoutes):
         no Session id is in the path, and none in the access log). The admin token closes the
         Session named in ``X-Agentic-Session``."""
         caller = caller_of(request.headers, self._admin_token)
-        if caller.session_id is None:
-            raise AccessDeniedError(
-                "name the Session to close: send `Authorization: Bearer <session id>` or "
-                f"`{SESSION_HEADER}: <session id>`",
-                reason="missing_session",
-            )
-        return await self._close_now(caller.session_id)
+        return await self._close_now(required_session(caller, "name the Session to close"))
 
     async def _close(self, session_id: str, request: Request) -> Response:
         """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin

@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from agentic_lora.errors import (
-    AccessDeniedError,
     AdapterMismatchError,
     AgenticLoRAError,
     RequestIndeterminateError,
@@ -28,7 +27,7 @@ from agentic_lora.errors import (
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
-from agentic_lora.gateway.security import SESSION_HEADER, SessionTagger, caller_of
+from agentic_lora.gateway.security import SessionTagger, caller_of, required_session
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSEResponse, sse_events
 from agentic_lora.gateway.wire import (
@@ -193,14 +192,7 @@ class GenerationRoutes:
         return SSEResponse(events, headers={**headers, "cache-control": "no-cache"})
 
     def _session_of(self, request: Request) -> str:
-        caller = caller_of(request.headers, self._admin_token)
-        if caller.session_id is None:
-            raise AccessDeniedError(
-                "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) "
-                f"or `{SESSION_HEADER}: <session id>`",
-                reason="missing_session",
-            )
-        return caller.session_id
+        return required_session(caller_of(request.headers, self._admin_token))
 
     async def _checked_body(self, route: Route, request: Request) -> dict[str, Any]:
         """The body, once it passed the limits, the route's model and the model-name check."""

@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import AccessDeniedError, InvalidRequestError
 
 __all__ = [
     "MAX_SESSION_ID_LENGTH",
@@ -34,6 +34,7 @@ __all__ = [
     "SessionTagger",
     "caller_of",
     "install_access_log_redactor",
+    "required_session",
 ]
 
 #: The explicit Session header.
@@ -147,3 +148,14 @@ _REDACTOR = AccessLogRedactor()
 def install_access_log_redactor() -> None:
     """Attach the redactor to ``uvicorn.access`` (idempotent: one filter object)."""
     logging.getLogger("uvicorn.access").addFilter(_REDACTOR)
+
+
+def required_session(caller: Caller, problem: str = "no Session id") -> str:
+    """The Session id ``caller`` names; ACCESS_DENIED (``reason="missing_session"``) when none."""
+    if caller.session_id is None:
+        raise AccessDeniedError(
+            f"{problem}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
+            f"`{SESSION_HEADER}: <session id>`",
+            reason="missing_session",
+        )
+    return caller.session_id

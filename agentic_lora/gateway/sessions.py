@@ -47,7 +47,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -55,7 +55,6 @@ from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import (
-    AccessDeniedError,
     AgenticLoRAError,
     LeaseExpiredError,
     RequestRefusedError,
@@ -72,7 +71,6 @@ from agentic_lora.gateway.security import (
     MAX_SESSION_ID_LENGTH,
     SESSION_HEADER,
     SessionTagger,
-    caller_of,
 )
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.api import RegistryAPI, in_process_core
@@ -88,7 +86,7 @@ __all__ = [
     "MAX_SESSION_ID_LENGTH",
     "SESSION_HEADER",
     "GatewaySessions",
-    "session_id_from_headers",
+    "IdleReaped",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,20 +94,13 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def session_id_from_headers(headers: Mapping[str, str], admin_token: str | None = None) -> str:
-    """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
+@dataclass(frozen=True, slots=True)
+class IdleReaped:
+    """What one idle sweep closed: this process's Sessions by id, adopted ones by tag (after a
+    restart the gateway knows an adopted Session only by the keyed hash the registry holds)."""
 
-    See :func:`agentic_lora.gateway.security.caller_of` (two headers naming different Sessions
-    are INVALID_REQUEST). Raises ACCESS_DENIED when the request names no Session.
-    """
-    session_id = caller_of(headers, admin_token).session_id
-    if session_id is None:
-        raise AccessDeniedError(
-            "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
-            f"`{SESSION_HEADER}: <session id>`",
-            reason="missing_session",
-        )
-    return session_id
+    session_ids: tuple[str, ...] = ()
+    adopted_tags: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -464,12 +455,12 @@ class GatewaySessions:
         self._adopted.drop(named.session_key)
         return named.session_key, created
 
-    async def reap_idle(self, idle_for: float) -> tuple[str, ...]:
+    async def reap_idle(self, idle_for: float) -> IdleReaped:
         """Close every Session unused for ``idle_for`` seconds with nothing in flight.
 
         Sessions whose earlier release was not confirmed (still FINALIZING) are closed again, and
-        adopted Sessions count as used when they were adopted. Returns the ids closed by this
-        call; a release that fails again is logged and retried by the next call.
+        adopted Sessions count as used when they were adopted. A release that fails again is
+        logged and retried by the next call.
         """
         now = self._clock()
         closed: list[str] = []
@@ -491,8 +482,8 @@ class GatewaySessions:
                 continue
             closed.append(session_id)
         opening = {self._tag(session_id) for session_id in self._opening}
-        closed.extend(await self._adopted.close_idle(idle_for, now=now, opening=opening))
-        return tuple(closed)
+        adopted = await self._adopted.close_idle(idle_for, now=now, opening=opening)
+        return IdleReaped(tuple(closed), tuple(adopted))
 
 
 def _version_of(session: Session) -> str | None:
