@@ -155,8 +155,8 @@ class Reservation(CarriesRef):
 class CommitReceipt(CarriesRef):
     """What ``commit`` answers: ``ref`` (the attempt that committed) is now the default.
 
-    It carries the full ref, digest included: the registry knows it at commit, and a receipt
-    that names the content it made the default can be checked against any later READY.
+    It carries the full ref, digest included (the registry knows it at commit): the receipt
+    names the content it made the default, not only the name that content is served under.
     """
 
     ref: VersionRef
