@@ -50,6 +50,7 @@ from agentic_lora.errors import (
     VersionTooStaleError,
     VersionUnavailableError,
 )
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
@@ -127,6 +128,7 @@ __all__ = [
     "UnknownVersionError",
     "VersionConflictError",
     "VersionNotDispatchableError",
+    "VersionRef",
     "VersionState",
     "VersionTooStaleError",
     "VersionUnavailableError",

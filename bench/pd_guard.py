@@ -24,6 +24,7 @@ from common import interleaved_order, machine, print_table, summarize, write_res
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.pd import PDFleet, PDGroup
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import Binding, VersionState, VersionStatus
 from agentic_lora.session.middleware import DispatchGuard, PeekGuard
 from agentic_lora.session.pd_guard import PDGuard
@@ -59,7 +60,9 @@ def main() -> None:
     args = parser.parse_args()
     fleet = _fleet(args.groups)
     servers = tuple(e.name for e in fleet.publication_engines)
-    binding = Binding("session", "A", "policy_lora@0-A-0123456789abcdef", "digest", 1)
+    binding = Binding(
+        "session", VersionRef("A", "digest", "policy_lora@0-A-0123456789abcdef", 1), 1
+    )
     rows: list[list[object]] = []
     results: dict[str, dict[str, float]] = {}
     for case, holders in (("all hold", servers), ("one lacks", servers[:-1])):

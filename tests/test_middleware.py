@@ -21,6 +21,7 @@ from agentic_lora.errors import (
     VersionNotDispatchableError,
     VersionUnavailableError,
 )
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding, VersionState, VersionStatus, new_request_id
@@ -42,9 +43,7 @@ from tests.session_support import Calls, harness, publish
 VLLM = VllmDialect()
 LORA = "policy_lora@0-v1-0123456789abcdef"
 BASE = "base-model"
-BINDING = Binding(
-    session_key="s#1", version_id="v1", lora_name=LORA, digest="d", default_revision=1
-)
+BINDING = Binding(session_key="s#1", ref=VersionRef("v1", "d", LORA, 1), default_revision=1)
 
 
 def test_generate_gets_the_bound_lora_path() -> None:
@@ -293,7 +292,7 @@ async def test_guard_over_the_real_registry_refuses_reclaimed_versions_before_th
         record, [Middleware(DispatchGuardMiddleware, guard=PeekGuard(registry.peek_version))]
     )
     a = await publish(registry, "A")
-    bound = Binding("s#1", "A", a.lora_name, a.digest, 1)
+    bound = Binding("s#1", a.ref, 1)
     await chain(EngineCall(Route.GENERATE, {"text": "x"}, "s#1", bound))
     await publish(registry, "B")
     claim = await registry.claim_reclaim(request_id=new_request_id(), version_id="A")
@@ -558,7 +557,7 @@ async def test_the_real_registry_routes_a_version_only_to_engines_that_hold_it()
     registry = LocalRegistry(engines=("e0", "e1"), capacity=2, sweep_interval=None)
     try:
         a = await publish(registry, "A")
-        bound = Binding("s#1", "A", a.lora_name, a.digest, 1)
+        bound = Binding("s#1", a.ref, 1)
         router = ScriptedRouter("e0")
         chain = build_chain(
             endpoint,

@@ -14,6 +14,7 @@ import pytest
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
 from agentic_lora.errors import RequestRefusedError
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.gateway.app import PROVENANCE_FIELD
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.provenance import TurnProvenance
@@ -114,7 +115,8 @@ async def test_a_pass_through_session_has_no_provenance(tmp_path: Path) -> None:
 
 
 async def test_turn_provenance_is_json_for_the_wire() -> None:
-    binding = Binding("s", "v7", "policy_lora@0-v7-" + "ab" * 8, "ab" * 32, default_revision=4)
+    ref = VersionRef("v7", "ab" * 32, "policy_lora@0-v7-" + "ab" * 8, 1)
+    binding = Binding("s", ref, default_revision=4)
     turn = TurnProvenance.of(binding, 2)
     assert turn.to_dict() == {
         "version_id": "v7",

@@ -790,7 +790,7 @@ async def test_the_ray_client_cache_learns_a_restart_from_a_refused_dispatch_and
 
         await other.record_ready(
             request_id=new_request_id(),
-            receipt=ReadyReceipt("e1", "A", A.digest, r.lora_name, 1, "2"),
+            receipt=ReadyReceipt("e1", r.ref, "2"),
         )
         handle: _Handle = client.actor
         handle.reads.clear()

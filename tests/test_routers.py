@@ -20,6 +20,7 @@ from agentic_lora.foundation.discovery import (
     load_plugin,
     plugin_names,
 )
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.types import Binding
 from agentic_lora.session.middleware import EngineCall, Middleware, RoutingMiddleware, build_chain
@@ -177,7 +178,7 @@ async def test_affinity_moves_a_session_off_an_engine_that_lost_its_version_and_
     chain = build_chain(endpoint, [Middleware(RoutingMiddleware, router=router, health=health)])
 
     async def engine_of(key: str, holders: tuple[str, ...]) -> str:
-        binding = Binding(key, "A", "lora-A", "d", 1)
+        binding = Binding(key, VersionRef("A", "d", "lora-A", 1), 1)
         call = EngineCall(Route.GENERATE, {"text": "x"}, key, binding, engines=holders)
         return (await chain(call)).engine
 

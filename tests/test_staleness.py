@@ -19,6 +19,7 @@ from agentic_lora.errors import (
     SessionClosedError,
     VersionTooStaleError,
 )
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.provenance import CoreRevision, version_lag
@@ -261,7 +262,9 @@ class _OpaqueRegistry:
 
 
 async def test_a_lag_is_never_negative_and_unknown_without_a_revision() -> None:
-    b = Binding("s", "A", "policy_lora@0-A-" + "0" * 16, "0" * 64, default_revision=5)
+    b = Binding(
+        "s", VersionRef("A", "0" * 64, "policy_lora@0-A-" + "0" * 16, 1), default_revision=5
+    )
     assert version_lag(b, None) is None
     assert version_lag(b, 4) == 0  # an older cached revision than the bind's reads as 0
     assert version_lag(b, 8) == 3

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.discovery import BACKENDS_GROUP, load_plugin
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import ReadyReceipt
 
 __all__ = ["Backend", "EngineRef", "PublicationTarget", "load_backend"]
@@ -36,14 +37,10 @@ class EngineRef:
     base_url: str
 
 
-@dataclass(frozen=True, slots=True)
-class PublicationTarget:
-    """What one publication attempt puts on an engine."""
-
-    version_id: str
-    digest: str
-    lora_name: str
-    attempt: int
+PublicationTarget = VersionRef
+"""What one publication attempt puts on an engine: that attempt's
+:class:`~agentic_lora.foundation.identity.VersionRef`. A backend's READY receipt carries the very
+target it was asked to prepare (``ReadyReceipt(engine=..., ref=target, incarnation=...)``)."""
 
 
 @runtime_checkable

@@ -49,6 +49,7 @@ __all__ = [
     "Manifest",
     "ManifestEntry",
     "TensorLike",
+    "VersionRef",
     "canonical_json",
     "compute_digest",
     "freeze_json",
@@ -145,6 +146,28 @@ class LoraName:
     def names_digest(self, digest: str) -> bool:
         """Whether this name's digest prefix is the prefix of ``digest``."""
         return digest[:DIGEST_PREFIX_LENGTH] == self.digest_prefix
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRef:
+    """One attempt of one version, as a single value: what every receipt names.
+
+    ``version_id``, its content ``digest``, the ``lora_name`` the engines serve it under and the
+    publication ``attempt`` are only meaningful together. Carried as one immutable value, taken
+    whole from the registry's record of the version (or from the target an engine was asked to
+    prepare), they cannot be assembled from two sources: no receipt can name one attempt's
+    ``lora_name`` with another attempt's number, or one version's id with another's digest, so a
+    READY proven for attempt 1 can never be counted for attempt 2's content.
+
+    It checks nothing itself: the registry validates the parts when it mints them
+    (:func:`make_lora_name`) and compares every part of a receipt it is handed against its own
+    record.
+    """
+
+    version_id: str
+    digest: str
+    lora_name: str
+    attempt: int
 
 
 def make_lora_name(prefix: str, deployment_epoch: int, version_id: str, digest: str) -> str:

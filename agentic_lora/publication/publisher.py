@@ -176,9 +176,7 @@ class Publisher(CleanupSteps):
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
                 # Same id, same content, committed before: nothing to load, nothing to switch.
                 return run.result(PublicationOutcome.ALREADY_PUBLISHED)
-            target = PublicationTarget(
-                version_id, snapshot.digest, reservation.lora_name, reservation.attempt
-            )
+            target = reservation.ref
             try:
                 result = await self._prepare_and_commit(
                     run, target, snapshot, status.default_revision
@@ -221,7 +219,7 @@ class Publisher(CleanupSteps):
                     attempt=status.attempt,
                     lora_name=status.lora_name,
                 )
-            target = PublicationTarget(version_id, status.digest, status.lora_name, status.attempt)
+            target = status.ref
             result = await self._abort_and_clean(
                 run, target, reason=reason, skip=set(status.cleaned_engines), observe_first=True
             )

@@ -26,6 +26,7 @@ one of the core's atomic steps.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ from agentic_lora.errors import (
     StaleAttemptError,
     VersionConflictError,
 )
-from agentic_lora.foundation.identity import make_lora_name, validate_version_id
+from agentic_lora.foundation.identity import VersionRef, make_lora_name, validate_version_id
 from agentic_lora.registry import (
     durable_names,
     engine_incarnations,
@@ -175,7 +176,7 @@ class RegistryCore(RegistryState):
             if v.state is VersionState.FAILED_CLEAN:
                 self._admit(version_id)
                 v.state = advance(version_id, v.state, VersionEvent.RETRY)
-                v.attempt += 1
+                v.ref = dataclasses.replace(v.ref, attempt=v.attempt + 1)
                 v.ready.clear()
                 v.cleaned.clear()
                 self._pending = version_id
@@ -183,11 +184,8 @@ class RegistryCore(RegistryState):
             # Committed once: a late replay is a no-op; it never reloads nor rolls the default back.
             return reservation(self, v, ReserveOutcome.ALREADY_COMPLETED)
         self._admit(version_id)
-        v = VersionRecord(
-            version_id,
-            digest,
-            make_lora_name(self.prefix, self.deployment_epoch, version_id, digest),
-        )
+        lora_name = make_lora_name(self.prefix, self.deployment_epoch, version_id, digest)
+        v = VersionRecord(VersionRef(version_id, digest, lora_name, attempt=1))
         self._versions[version_id] = v
         self._pending = version_id
         return reservation(self, v, ReserveOutcome.STARTED)
@@ -281,11 +279,7 @@ class RegistryCore(RegistryState):
         self._default_revision += 1
         self._pending = None
         v.commit_receipt = CommitReceipt(
-            version_id=version_id,
-            lora_name=v.lora_name,
-            attempt=attempt,
-            default_revision=self._default_revision,
-            previous_default=previous,
+            ref=v.ref, default_revision=self._default_revision, previous_default=previous
         )
         return v.commit_receipt
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from agentic_lora.errors import InvalidStateError
-from agentic_lora.registry.types import from_wire, to_wire
+from agentic_lora.registry.types import RefLookup, from_wire, to_wire
 
 __all__ = ["IdempotencyWindow", "fingerprint"]
 
@@ -62,9 +62,11 @@ class IdempotencyWindow:
             for rid, (verb, fp, res) in self._done.items()
         ]
 
-    def load_state(self, rows: Iterable[Any]) -> None:
+    def load_state(self, rows: Iterable[Any], known: RefLookup | None = None) -> None:
+        """Inverse of :meth:`to_state`; ``known`` completes receipts written without a ref."""
         self._done = OrderedDict(
-            (rid, (verb, _freeze(from_wire(fp)), from_wire(res))) for rid, verb, fp, res in rows
+            (rid, (verb, _freeze(from_wire(fp, known)), from_wire(res, known)))
+            for rid, verb, fp, res in rows
         )
 
 

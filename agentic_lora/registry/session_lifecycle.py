@@ -52,13 +52,8 @@ def bind_first(state: RegistryState, session_key: str, lease: str | None = None)
         raise NoPublishedVersionError("no version has been published yet", session=session_key)
     v = state._versions[state._default]
     v.session_refs += 1
-    binding = Binding(
-        session_key=session_key,
-        version_id=v.version_id,
-        lora_name=v.lora_name,
-        digest=v.digest,
-        default_revision=state._default_revision,
-    )
+    # The default is committed, so its attempt is final: the ref names exactly what serves.
+    binding = Binding(session_key=session_key, ref=v.ref, default_revision=state._default_revision)
     state._sessions[session_key] = SessionRecord(SessionState.BOUND, binding, lease)
     if owner is not None:
         owner.sessions.add(session_key)

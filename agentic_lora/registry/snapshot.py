@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.state import (
     LeaseRecord,
     NameRecord,
@@ -79,10 +80,17 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
     state._pending = image["pending"]
     state._incarnations = dict(image["incarnations"])
     state._versions = {}
+
+    def known(version_id: str) -> VersionRef:
+        # Completes receipts written before they carried a ref (see types.from_wire).
+        return state._versions[version_id].ref
+
     for raw in image["versions"]:
-        v = VersionRecord(raw["version_id"], raw["digest"], raw["lora_name"])
+        v = VersionRecord(
+            VersionRef(raw["version_id"], raw["digest"], raw["lora_name"], int(raw["attempt"]))
+        )
+        state._versions[v.version_id] = v
         v.state = VersionState(raw["state"])
-        v.attempt = int(raw["attempt"])
         for r in raw["ready"]:
             receipt = from_wire(r)
             v.ready[receipt.engine] = receipt
@@ -90,10 +98,9 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
         v.reclaim_id = raw["reclaim_id"]
         v.reclaimed = set(raw["reclaimed"])
         v.session_refs = int(raw["session_refs"])
-        v.commit_receipt = from_wire(raw["commit_receipt"])
-        state._versions[v.version_id] = v
+        v.commit_receipt = from_wire(raw["commit_receipt"], known)
     state._sessions = {
-        k: SessionRecord(SessionState(st), from_wire(b), lease)
+        k: SessionRecord(SessionState(st), from_wire(b, known), lease)
         for k, st, b, lease in image["sessions"]
     }
     state._now = float(image["now"])
@@ -113,4 +120,4 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
         rec.why = why
         state._names[n] = rec
         state._name_of[key] = n
-    state._done.load_state(image["done"])
+    state._done.load_state(image["done"], known)

@@ -26,11 +26,12 @@ from agentic_lora.errors import (
     UnknownEngineError,
     UnknownVersionError,
 )
-from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.foundation.identity import VersionRef, make_lora_name
 from agentic_lora.registry.idempotency import IdempotencyWindow
 from agentic_lora.registry.transitions import VersionEvent, advance
 from agentic_lora.registry.types import (
     Binding,
+    CarriesRef,
     CommitReceipt,
     ReadyReceipt,
     SessionState,
@@ -51,29 +52,29 @@ __all__ = [
 _MAX_NAME = 256
 
 
-class VersionRecord:
-    """Mutable bookkeeping of one version; only the registry's own modules touch it."""
+class VersionRecord(CarriesRef):
+    """Mutable bookkeeping of one version; only the registry's own modules touch it.
+
+    Its identity is one :class:`~agentic_lora.foundation.identity.VersionRef` (``ref``), replaced
+    whole when a retry starts a new attempt; ``version_id``, ``digest``, ``lora_name`` and
+    ``attempt`` read it. Every receipt the registry hands out takes ``ref`` as it is, so none can
+    pair this attempt's number with another attempt's parts.
+    """
 
     __slots__ = (
-        "attempt",
         "cleaned",
         "commit_receipt",
-        "digest",
-        "lora_name",
         "ready",
         "reclaim_id",
         "reclaimed",
+        "ref",
         "session_refs",
         "state",
-        "version_id",
     )
 
-    def __init__(self, version_id: str, digest: str, lora_name: str) -> None:
-        self.version_id = version_id
-        self.digest = digest
-        self.lora_name = lora_name
+    def __init__(self, ref: VersionRef) -> None:
+        self.ref = ref
         self.state = VersionState.LOADING
-        self.attempt = 1
         self.ready: dict[str, ReadyReceipt] = {}
         self.cleaned: set[str] = set()
         self.reclaim_id: str | None = None

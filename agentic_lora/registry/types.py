@@ -2,6 +2,11 @@
 
 All are frozen (immutable) so a result handed to one caller can be handed to a replaying caller
 as-is; ``to_wire``/``from_wire`` give the JSON form used by the journal and the Ray client.
+
+The receipts (:class:`ReadyReceipt`, :class:`Reservation`, :class:`CommitReceipt`,
+:class:`Binding`) carry the version they name as one
+:class:`~agentic_lora.foundation.identity.VersionRef` (``ref``), never as loose fields; their
+``version_id``, ``digest``, ``lora_name`` and ``attempt`` are read-only views of it.
 """
 
 from __future__ import annotations
@@ -9,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from agentic_lora.foundation.identity import VersionRef
+
 __all__ = [
     "Binding",
+    "CarriesRef",
     "CommitReceipt",
     "EngineStatus",
     "LeaseGrant",
@@ -93,44 +101,79 @@ class VersionKey:
     version_id: str
 
 
+class CarriesRef:
+    """Read-only views of a value's :class:`~agentic_lora.foundation.identity.VersionRef`.
+
+    So ``receipt.version_id`` (``digest``, ``lora_name``, ``attempt``) reads as it always did,
+    while the four can only be set together, as ``ref``.
+    """
+
+    __slots__ = ()
+    ref: VersionRef
+
+    @property
+    def version_id(self) -> str:
+        return self.ref.version_id
+
+    @property
+    def digest(self) -> str:
+        return self.ref.digest
+
+    @property
+    def lora_name(self) -> str:
+        return self.ref.lora_name
+
+    @property
+    def attempt(self) -> int:
+        return self.ref.attempt
+
+
 @dataclass(frozen=True, slots=True)
-class ReadyReceipt:
-    """An engine's proof that it holds exactly this version for this attempt."""
+class ReadyReceipt(CarriesRef):
+    """An engine's proof that it holds exactly ``ref`` (this version, this attempt).
+
+    ``incarnation`` is the engine process that holds it, read before the load: a receipt from a
+    process that restarted since does not count.
+    """
 
     engine: str
-    version_id: str
-    digest: str
-    lora_name: str
-    attempt: int
+    ref: VersionRef
     incarnation: str
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
-    version_id: str
-    digest: str
-    lora_name: str
-    attempt: int
+class Reservation(CarriesRef):
+    """What ``reserve`` answers: the attempt to load (``ref``) and on which ``engines``."""
+
+    ref: VersionRef
     outcome: ReserveOutcome
     state: VersionState
     engines: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class CommitReceipt:
-    version_id: str
-    lora_name: str
-    attempt: int
+class CommitReceipt(CarriesRef):
+    """What ``commit`` answers: ``ref`` (the attempt that committed) is now the default.
+
+    It carries the full ref, digest included (the registry knows it at commit): the receipt
+    names the content it made the default, not only the name that content is served under.
+    """
+
+    ref: VersionRef
     default_revision: int
     previous_default: str | None
 
 
 @dataclass(frozen=True, slots=True)
-class Binding:
+class Binding(CarriesRef):
+    """A Session's one binding: the version (``ref``) that serves its whole life.
+
+    It carries the full ref, attempt included: a Session only binds a committed version, whose
+    attempt is final, so the ref names exactly the adapter the Session's requests are sent to.
+    """
+
     session_key: str
-    version_id: str
-    lora_name: str
-    digest: str
+    ref: VersionRef
     default_revision: int
 
 
@@ -235,6 +278,11 @@ class VersionStatus:
     reclaimed_engines: tuple[str, ...] = ()
     published_revision: int | None = None
 
+    @property
+    def ref(self) -> VersionRef:
+        """The version's current attempt as one value (what a READY for it must carry)."""
+        return VersionRef(self.version_id, self.digest, self.lora_name, self.attempt)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStatus:
@@ -287,6 +335,7 @@ def _register(*classes: type[Any]) -> None:
 
 
 _register(
+    VersionRef,
     ReadyReceipt,
     Reservation,
     CommitReceipt,
@@ -310,15 +359,25 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
 }
 
 
-def from_wire(value: Any) -> Any:
-    """Inverse of :func:`to_wire`."""
+#: Looks up the registry's ref of a version by id (see :func:`from_wire`).
+RefLookup = Callable[[str], VersionRef]
+
+_REF_KEYS = ("version_id", "digest", "lora_name", "attempt")
+
+
+def from_wire(value: Any, known: RefLookup | None = None) -> Any:
+    """Inverse of :func:`to_wire`.
+
+    Also reads receipts written before they carried a ``ref`` (their identity fields flat, as
+    journals and snapshots of earlier releases hold them; see :func:`_flat_ref` for ``known``).
+    """
     if isinstance(value, dict) and "__type__" in value:
         cls = _TYPES[value["__type__"]]
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name not in value:
                 continue
-            raw = from_wire(value[f.name])
+            raw = from_wire(value[f.name], known)
             if isinstance(raw, list):
                 raw = tuple(raw)
             if f.name == "state" and raw is not None:
@@ -326,9 +385,31 @@ def from_wire(value: Any) -> Any:
             elif f.name in _ENUM_FIELDS and raw is not None:
                 raw = _ENUM_FIELDS[f.name](raw)
             kwargs[f.name] = raw
+        if issubclass(cls, CarriesRef) and "ref" not in value:
+            kwargs["ref"] = _flat_ref(value, known)
         return cls(**kwargs)
     if isinstance(value, list):
-        return [from_wire(v) for v in value]
+        return [from_wire(v, known) for v in value]
     if isinstance(value, dict):
-        return {k: from_wire(v) for k, v in value.items()}
+        return {k: from_wire(v, known) for k, v in value.items()}
     return value
+
+
+def _flat_ref(value: Mapping[str, Any], known: RefLookup | None) -> VersionRef:
+    """The ref of a receipt written with its identity fields flat (before receipts had a ref).
+
+    A flat ``CommitReceipt`` had no digest and a flat ``Binding`` no attempt; ``known`` (the
+    registry's own record of the version, while a snapshot loads) gives them. That is exact: a
+    version's digest never changes, and a commit or a bind only ever names the attempt that
+    committed, which is final. The parts the receipt does carry must agree with the record.
+    """
+    parts = {k: value[k] for k in _REF_KEYS if k in value}
+    if len(parts) == len(_REF_KEYS):
+        return VersionRef(**parts)
+    if known is None or "version_id" not in parts:
+        missing = sorted(set(_REF_KEYS) - set(parts))
+        raise ValueError(f"{value.get('__type__')} without a ref lacks {missing}")
+    ref = known(parts["version_id"])
+    if any(getattr(ref, k) != v for k, v in parts.items()):
+        raise ValueError(f"{value.get('__type__')} {parts} disagrees with the registry's {ref}")
+    return ref

@@ -50,15 +50,7 @@ def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
 
 
 def reservation(state: RegistryState, v: VersionRecord, outcome: ReserveOutcome) -> Reservation:
-    return Reservation(
-        version_id=v.version_id,
-        digest=v.digest,
-        lora_name=v.lora_name,
-        attempt=v.attempt,
-        outcome=outcome,
-        state=v.state,
-        engines=state.engines,
-    )
+    return Reservation(ref=v.ref, outcome=outcome, state=v.state, engines=state.engines)
 
 
 def reclaim_claim(state: RegistryState, v: VersionRecord) -> ReclaimClaim:

@@ -58,14 +58,7 @@ def digest_for(version_id: str) -> str:
 
 def receipt_for(reservation: Reservation, engine: str, incarnation: str = "inc-1") -> ReadyReceipt:
     """The READY receipt ``engine`` gives for ``reservation``'s attempt."""
-    return ReadyReceipt(
-        engine=engine,
-        version_id=reservation.version_id,
-        digest=reservation.digest,
-        lora_name=reservation.lora_name,
-        attempt=reservation.attempt,
-        incarnation=incarnation,
-    )
+    return ReadyReceipt(engine=engine, ref=reservation.ref, incarnation=incarnation)
 
 
 async def ready_on(

@@ -392,14 +392,7 @@ class DcsBackend:
             self.collectives.of(target.lora_name, target.attempt),
             extra=_extra(engine, target),
         )
-        return ReadyReceipt(
-            engine=engine.name,
-            version_id=target.version_id,
-            digest=target.digest,
-            lora_name=target.lora_name,
-            attempt=target.attempt,
-            incarnation=ready.incarnation,
-        )
+        return ReadyReceipt(engine=engine.name, ref=target, incarnation=ready.incarnation)
 
 
 # Transport failures after the request was sent: the sidecar may have acted, the reply is gone.

@@ -55,6 +55,7 @@ from agentic_lora.errors import (
     SessionReleaseError,
     error_from_code,
 )
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import (
     Binding,
     EngineStatus,
@@ -458,7 +459,8 @@ class HttpSession:
         version = response.headers.get("x-agentic-version")
         if lora and version:
             self.lora_names.add(lora)
-            self.binding = Binding(self.session_id, version, lora, "", 0)
+            # The headers name the version and its lora_name, not its digest nor attempt.
+            self.binding = Binding(self.session_id, VersionRef(version, "", lora, 0), 0)
         return EngineReply(
             engine=response.headers.get("x-agentic-engine", "?"),
             path=path,

@@ -15,6 +15,7 @@ import pytest_asyncio
 from agentic_lora_dcs import DcsBackend
 
 from agentic_lora.errors import StaleAttemptError
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.publication.publisher import PublicationOutcome, Publisher
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
@@ -125,6 +126,6 @@ async def test_publish_retire_refuse_reclaim_fail_clean_and_retry_through_dcs(
     assert (await registry.status()).default_version == "C"
     assert await _loads(fleet, http, failed.lora_name) == {"E0": 2, "E1": 1}
     incarnation = await fleet.backend.incarnation(fleet.sidecars["E0"].engine)
-    stale = ReadyReceipt("E0", "C", c.digest, failed.lora_name, 1, incarnation)
+    stale = ReadyReceipt("E0", VersionRef("C", c.digest, failed.lora_name, 1), incarnation)
     with pytest.raises(StaleAttemptError):
         await registry.record_ready(request_id=new_request_id(), receipt=stale)

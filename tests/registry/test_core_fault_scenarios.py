@@ -3,6 +3,9 @@ plus the registry's own contracts (idempotency, typed errors). All against the r
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
 from agentic_lora.errors import (
@@ -21,7 +24,7 @@ from agentic_lora.errors import (
     UnknownVersionError,
     VersionConflictError,
 )
-from agentic_lora.registry.types import ReserveOutcome, SessionState, VersionState
+from agentic_lora.registry.types import ReadyReceipt, ReserveOutcome, SessionState, VersionState
 
 from .util import E0, E1, bind, call, close, digest_of, new_core, publish, ready, receipt, reclaim
 
@@ -217,23 +220,18 @@ def test_ready_receipt_for_other_content_is_refused() -> None:
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     bad = receipt(core, rb, E0)
     with pytest.raises(ReadyMismatchError):
-        call(
-            core,
-            "record_ready",
-            receipt=bad.__class__(**{**_fields(bad), "digest": digest_of("Z")}),
-        )
+        call(core, "record_ready", receipt=_naming(bad, digest=digest_of("Z")))
     with pytest.raises(ReadyMismatchError):
-        call(
-            core, "record_ready", receipt=bad.__class__(**{**_fields(bad), "lora_name": "x@0-B-0"})
-        )
+        call(core, "record_ready", receipt=_naming(bad, lora_name="x@0-B-0"))
     with pytest.raises(UnknownEngineError):
-        call(core, "record_ready", receipt=bad.__class__(**{**_fields(bad), "engine": "e9"}))
+        call(core, "record_ready", receipt=dataclasses.replace(bad, engine="e9"))
     with pytest.raises(UnknownVersionError):
-        call(core, "record_ready", receipt=bad.__class__(**{**_fields(bad), "version_id": "nope"}))
+        call(core, "record_ready", receipt=_naming(bad, version_id="nope"))
 
 
-def _fields(obj: object) -> dict[str, object]:
-    return {k: getattr(obj, k) for k in obj.__slots__}  # type: ignore[attr-defined]
+def _naming(receipt: ReadyReceipt, **ref_parts: Any) -> ReadyReceipt:
+    """``receipt`` with its ref's ``ref_parts`` changed (a READY that names other content)."""
+    return dataclasses.replace(receipt, ref=dataclasses.replace(receipt.ref, **ref_parts))
 
 
 def test_commit_against_a_moved_default_revision_is_refused() -> None:

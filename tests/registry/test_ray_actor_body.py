@@ -54,7 +54,7 @@ async def test_every_verb_round_trips_through_the_wire_form(tmp_path: Path, coal
             await reg.observe_incarnation(request_id=new_request_id(), engine=e, incarnation="i")
             await reg.record_ready(
                 request_id=new_request_id(),
-                receipt=ReadyReceipt(e, vid, r.digest, r.lora_name, r.attempt, "i"),
+                receipt=ReadyReceipt(e, r.ref, "i"),
             )
         st = await reg.status()
         await reg.commit(
@@ -109,9 +109,7 @@ async def test_a_lost_batch_reply_fails_every_caller_and_a_replay_gets_the_first
     lose = [False, False, False, True]  # reserve, ready, commit go through; the bind batch is lost
     reg = RayRegistryClient(_Handle(actor, lose))
     r = await reg.reserve(request_id="r", version_id="A", digest=digest_of("A"))
-    await reg.record_ready(
-        request_id="rr", receipt=ReadyReceipt(E0, "A", r.digest, r.lora_name, 1, "i")
-    )
+    await reg.record_ready(request_id="rr", receipt=ReadyReceipt(E0, r.ref, "i"))
     await reg.commit(request_id="c", version_id="A", attempt=1, expected_default_revision=0)
     lost = await asyncio.gather(
         *(reg.bind_first(request_id=f"b{i}", session_key=f"s{i}") for i in range(5)),

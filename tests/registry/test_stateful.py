@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 )
 
 from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import (
     Binding,
@@ -377,9 +378,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self, version_id: str, engine: str, attempt: int, incarnation: int
     ) -> ReadyReceipt:
         v = self.reg.core.version(version_id)
-        return ReadyReceipt(
-            engine, version_id, v.digest, v.lora_name, attempt, f"inc-{incarnation}"
-        )
+        ref = VersionRef(version_id, v.digest, v.lora_name, attempt)
+        return ReadyReceipt(engine, ref, f"inc-{incarnation}")
 
     @precondition(lambda self: self.model.pending is not None)
     @rule(engine=st.sampled_from(ENGINES), stale=st.booleans(), delivery=DELIVERY)

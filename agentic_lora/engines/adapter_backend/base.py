@@ -234,14 +234,7 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                     reason="probe_failed",
                 ) from exc
             self._incarnations.hold(engine.name, target.lora_name)
-            return ReadyReceipt(
-                engine=engine.name,
-                version_id=target.version_id,
-                digest=target.digest,
-                lora_name=target.lora_name,
-                attempt=target.attempt,
-                incarnation=incarnation,
-            )
+            return ReadyReceipt(engine=engine.name, ref=target, incarnation=incarnation)
 
     async def cleanup(self, engine: EngineRef, target: PublicationTarget) -> None:
         """Unload this attempt's adapter and drop its directory (idempotent)."""

@@ -316,7 +316,7 @@ class Repairer:
             except Exception as exc:
                 return self._count(self._no_snapshot(v, todo, exc))
             self._unavailable.discard(version_id)
-            target = PublicationTarget(v.version_id, v.digest, v.lora_name, v.attempt)
+            target = v.ref
             results = await asyncio.gather(
                 *(self._repair_on(recorder, e, target, snapshot) for e in todo)
             )
