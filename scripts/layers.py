@@ -8,7 +8,7 @@ they may use the package, and the package never imports them (it finds them by e
 
 Two numbers are kept: upward imports that run (they can make import cycles and drag a surface
 into the core) and upward imports made only for type checking (inside ``if TYPE_CHECKING:``, such
-as a ``from_settings`` constructor naming the settings type). ``tests/test_layers.py`` fails when
+as a ``from_settings`` constructor naming the settings type). ``tests/kit/test_layers.py`` fails when
 either grows above the number recorded here; lower a recorded number when an import goes away.
 
 Run ``python scripts/layers.py`` to print the layers and every upward import (exit status 1 when a

@@ -49,7 +49,7 @@ One incarnation's lease, as this process sees it (a :class:`LeaseTerm`)::
   most ``renew_interval`` later; until then its bound Sessions still dispatch (the dispatch guard
   still refuses any request for a version that is being reclaimed).
 
-Tests step time with an injected ``clock`` and ``sleep`` (see tests/test_leases.py).
+Tests step time with an injected ``clock`` and ``sleep`` (see tests/leases/test_leases.py).
 """
 
 from agentic_lora.leases.keeper import LeaseKeeper

@@ -1,7 +1,7 @@
 """The owner's half of a registry lease: :class:`LeaseKeeper` opens it, renews it in the
 background, replaces a lost incarnation and closes it (see :mod:`agentic_lora.leases`).
 
-Tests step time with an injected ``clock`` and ``sleep`` (see tests/test_leases.py).
+Tests step time with an injected ``clock`` and ``sleep`` (see tests/leases/test_leases.py).
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def test_reading_and_writing_need_neither_torch_nor_numpy_nor_safetensors(tmp_pa
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert result.stdout.strip() == snapshot.digest
     assert AdapterSnapshot.from_peft_dir(out) == snapshot

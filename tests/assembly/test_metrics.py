@@ -29,7 +29,7 @@ from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.progress import ProgressHub
 from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus
 from agentic_lora.session.middleware import EngineCall, InFlight, build_chain
-from tests.test_gateway import Stack, chat, gateway_stack
+from tests.gateway.test_gateway import Stack, chat, gateway_stack
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

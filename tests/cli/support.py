@@ -21,7 +21,7 @@ from agentic_lora import cli
 from agentic_lora.gateway.serve import serve
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from tests.test_gateway import BASE_MODEL, OpenAIRoutes, lora_server_info
+from tests.gateway.test_gateway import BASE_MODEL, OpenAIRoutes, lora_server_info
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "agentic-lora"
 

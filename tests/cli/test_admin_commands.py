@@ -24,7 +24,7 @@ from tests.cli.support import (
     run_script,
     running_server,
 )
-from tests.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import BASE_MODEL
 
 
 def test_client_commands_without_a_server_are_one_line(tmp_path: Path) -> None:

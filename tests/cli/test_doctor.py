@@ -20,7 +20,7 @@ from tests.cli.support import (
     run_script,
     write_config,
 )
-from tests.test_gateway import lora_server_info
+from tests.gateway.test_gateway import lora_server_info
 
 
 def test_doctor_with_an_unreachable_engine_names_it_and_fails(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """A short schemathesis run against the gateway in front of one real SGLang engine.
 
-The same checks as the scripted run (``tests/test_gateway_fuzz.py``): never a 5xx, answers as
+The same checks as the scripted run (``tests/gateway/test_gateway_fuzz.py``): never a 5xx, answers as
 documented, and no Session left by a request the gateway refused; here the requests that pass
 the gateway really run on the engine (small ``max_tokens``: the run stays short on CPU). The
 engine is left as found: the published version is unloaded in teardown.

@@ -20,7 +20,7 @@ from agentic_lora.errors import (
     BackendRefusedError,
 )
 from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
-from tests.test_push_backends import NAME_A, TARGET_A, A
+from tests.engines.test_push_backends import NAME_A, TARGET_A, A
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_pd_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_pd_check.py"
 
 
 def _scenario() -> ModuleType:

@@ -19,7 +19,7 @@ from agentic_lora_vllm.metrics import parse_metrics
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
 from agentic_lora.testing.vllm_engine import Fault, FaultKind, ScriptedVllmEngine, VllmOp
-from tests.test_push_backends import NAME_A, TARGET_A, A, drained_at_once
+from tests.engines.test_push_backends import NAME_A, TARGET_A, A, drained_at_once
 
 
 @dataclass

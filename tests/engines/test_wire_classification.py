@@ -45,8 +45,8 @@ from agentic_lora.errors import (
     RequestRefusedError,
 )
 from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH, error_payload, jsonable
-from tests.test_gateway import BASE_MODEL, Stack, gateway_stack
-from tests.test_transport import loopback_server, read_request
+from tests.engines.test_transport import loopback_server, read_request
+from tests.gateway.test_gateway import BASE_MODEL, Stack, gateway_stack
 
 URL = "http://127.0.0.1:30000"
 REFUSED, MAYBE = Outcome.REFUSED, Outcome.INDETERMINATE

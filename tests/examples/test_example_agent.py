@@ -30,7 +30,7 @@ from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 
-_AGENTS = Path(__file__).resolve().parents[1] / "examples" / "agents"
+_AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 if str(_AGENTS) not in sys.path:
     sys.path.insert(0, str(_AGENTS))
 

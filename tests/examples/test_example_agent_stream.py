@@ -1,7 +1,7 @@
 """The example agent with ``stream=True``: every turn is streamed through Session.stream (each
 chunk naming its version) and assembled into the reply a non-streamed turn would have had.
 
-The scripted chat of ``tests/test_example_agent.py`` answers a streamed request with the same
+The scripted chat of ``tests/examples/test_example_agent.py`` answers a streamed request with the same
 completion, cut into OpenAI chunks (:class:`~agentic_lora.testing.streams.ScriptedStream`).
 """
 
@@ -23,7 +23,7 @@ from agentic_lora_agent import (
 )
 
 from agentic_lora.testing.streams import ScriptedStream, stream_reply
-from tests.test_example_agent import OSLO, SHORT, ScriptedChat, world
+from tests.examples.test_example_agent import OSLO, SHORT, ScriptedChat, world
 
 
 def as_chunks(completion: dict[str, Any]) -> list[dict[str, Any]]:

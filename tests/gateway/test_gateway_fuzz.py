@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.test_gateway import Stack, gateway_stack
+from tests.gateway.test_gateway import Stack, gateway_stack
 
 _T = TypeVar("_T")
 # The generation routes and the close routes: where a Session could be opened or leaked.

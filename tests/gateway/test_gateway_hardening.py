@@ -15,7 +15,7 @@ import pytest
 
 from agentic_lora.gateway.limits import GatewayLimits
 from agentic_lora.gateway.security import AccessLogRedactor, SessionTagger
-from tests.test_gateway import (
+from tests.gateway.test_gateway import (
     ADMIN_TOKEN,
     BASE_MODEL,
     Stack,

@@ -39,7 +39,7 @@ from agentic_lora.registry.verbs import RegistryVerbs
 from agentic_lora.session import SessionPhase, Versioning
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
-from tests.test_gateway import (
+from tests.gateway.test_gateway import (
     ADMIN_TOKEN,
     BASE_MODEL,
     OpenAIRoutes,

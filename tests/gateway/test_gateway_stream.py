@@ -23,8 +23,8 @@ from agentic_lora.testing.streams import (
     StreamEnding,
     generate_chunks,
 )
+from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
 from tests.streaming_support import served
-from tests.test_gateway import BASE_MODEL, gateway_stack, lora_name
 
 CHAT = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 

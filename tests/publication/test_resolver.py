@@ -31,7 +31,7 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from tests.publication_support import RegistryReads
 from tests.session_support import Calls
-from tests.test_publisher import FAST, LossyRegistry, Progress
+from tests.publication.test_publisher import FAST, LossyRegistry, Progress
 
 A = tiny_snapshot(1)
 B = tiny_snapshot(2)

@@ -23,7 +23,7 @@ from agentic_lora.session import Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.test_gateway import BASE_MODEL, gateway_stack, lora_name
+from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
 
 pytestmark = pytest.mark.asyncio
 

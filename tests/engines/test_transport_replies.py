@@ -1,0 +1,113 @@
+"""The engine transport's replies: cut off mid-body, bodies that are not JSON or not SGLang-shaped.
+
+A reply whose head arrived but whose body did not is still classified by its status (a 4xx
+proves refusal, anything else may have run), and nothing is ever resent. Loopback servers and
+the transport come from ``test_transport.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+import respx
+
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.errors import (
+    RequestIndeterminateError,
+    RequestRefusedError,
+)
+from tests.engines.test_transport import KINDS, URL, loopback_server, read_request, transport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def truncated_reply(status: int, requests: list[bytes]) -> Handler:
+    """A handler that reads the request, promises a 100-byte body, sends 10 bytes and hangs up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await read_request(reader))
+        reason = "OK" if status == 200 else "Bad Request"
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n".encode()
+            + b"content-length: 100\r\n\r\n"
+            + b'{"text": "'
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    return handle
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_2xx_reply_cut_off_mid_body_is_indeterminate_and_sent_once(kind: str) -> None:
+    requests: list[bytes] = []
+    async with loopback_server(truncated_reply(200, requests)) as url:
+        t = transport(kind, url)
+        try:
+            with pytest.raises(RequestIndeterminateError) as err:
+                await t.send("e0", "/generate", {"text": "x", "rid": "r-cut"})
+        finally:
+            await t.aclose()
+    assert "reply lost while reading it" in err.value.message
+    assert "the engine may have run the request" in err.value.message
+    assert err.value.details["status"] == 200
+    assert err.value.details["outcome"] == "indeterminate"
+    assert (err.value.details["engine"], err.value.details["rid"]) == ("e0", "r-cut")
+    assert [json.loads(r) for r in requests] == [{"text": "x", "rid": "r-cut"}]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_4xx_reply_cut_off_mid_body_is_still_a_refusal(kind: str) -> None:
+    requests: list[bytes] = []
+    async with loopback_server(truncated_reply(400, requests)) as url:
+        t = transport(kind, url)
+        try:
+            with pytest.raises(RequestRefusedError) as err:
+                await t.send("e0", "/generate", {"text": "x"})
+        finally:
+            await t.aclose()
+    assert err.value.message.startswith("POST /generate to e0 refused with HTTP 400")
+    assert err.value.details["status"] == 400
+    assert err.value.details["outcome"] == "refused"
+    assert len(requests) == 1
+
+
+@pytest.mark.asyncio
+async def test_bodies_that_are_not_json_or_not_sglang_shaped_are_kept_as_they_are() -> None:
+    t = transport()
+    try:
+        with respx.mock(using="httpx") as mock:
+            mock.post(URL + "/generate").mock(
+                side_effect=[
+                    httpx.Response(200, text="plain words"),
+                    httpx.Response(200, json={"text": "x", "meta_info": {"id": "r"}}),
+                    httpx.Response(200, json={"meta_info": {"finish_reason": "stop"}}),
+                    httpx.Response(200, json={"meta_info": {"finish_reason": {"type": "abort"}}}),
+                ]
+            )
+            text = await t.send("e0", "/generate", {"text": "x"})
+            no_reason = await t.send("e0", "/generate", {"text": "x"})
+            odd_reason = await t.send("e0", "/generate", {"text": "x"})
+            aborted = await t.send("e0", "/generate", {"text": "x", "rid": "r-abort"})
+    finally:
+        await t.aclose()
+    assert (text.body, text.finish_reason, text.aborted) == ("plain words", None, False)
+    assert (no_reason.finish_reason, no_reason.aborted) == (None, False)
+    assert (odd_reason.finish_reason, odd_reason.aborted) == (None, False)
+    assert aborted.finish_reason == {"type": "abort"}
+    assert aborted.aborted is True
+    assert aborted.rid == "r-abort"
+
+
+def test_a_reply_without_meta_info_has_no_finish_reason() -> None:
+    for body in (None, [1, 2], {"meta_info": [1]}, {"text": "x"}):
+        reply = EngineReply(engine="e0", path="/generate", status_code=200, body=body)
+        assert reply.finish_reason is None
+        assert reply.aborted is False
