@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.discovery import BACKENDS_GROUP, load_plugin
+from agentic_lora.foundation.discovery import BACKENDS_GROUP, build_plugin
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import ReadyReceipt
 
@@ -70,15 +69,4 @@ class Backend(Protocol):
 
 def load_backend(name: str, **options: Any) -> Any:
     """Instantiate the backend plugin registered as ``name`` and check it is a Backend."""
-    factory = load_plugin(BACKENDS_GROUP, name)
-    try:
-        backend = factory(**options)
-    except TypeError as exc:
-        raise ConfigurationError(
-            f"backend {name!r} does not take options {sorted(options)}: {exc}", check="backend"
-        ) from exc
-    if not isinstance(backend, Backend):
-        raise ConfigurationError(
-            f"backend plugin {name!r} does not implement the Backend protocol", check="backend"
-        )
-    return backend
+    return build_plugin(BACKENDS_GROUP, name, Backend, options)

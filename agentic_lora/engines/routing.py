@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.discovery import ROUTERS_GROUP, load_plugin
+from agentic_lora.foundation.discovery import ROUTERS_GROUP, build_plugin
 
 __all__ = [
     "EngineHealth",
@@ -113,15 +113,5 @@ def available_routers() -> tuple[str, ...]:
 
 def load_router(name: str, **options: Any) -> Router:
     """Instantiate the router plugin registered as ``name`` with ``options``."""
-    factory = load_plugin(ROUTERS_GROUP, name)
-    try:
-        router = factory(**options)
-    except TypeError as exc:
-        raise ConfigurationError(
-            f"router {name!r} does not take options {sorted(options)}: {exc}", check="router"
-        ) from exc
-    if not isinstance(router, Router):
-        raise ConfigurationError(
-            f"router plugin {name!r} does not implement the Router protocol", check="router"
-        )
+    router: Router = build_plugin(ROUTERS_GROUP, name, Router, options)
     return router

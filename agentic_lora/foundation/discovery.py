@@ -8,6 +8,7 @@ available, found at start-up rather than on the first request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -17,6 +18,7 @@ __all__ = [
     "BACKENDS_GROUP",
     "DIALECTS_GROUP",
     "ROUTERS_GROUP",
+    "build_plugin",
     "load_plugin",
     "plugin_names",
 ]
@@ -59,3 +61,23 @@ def load_plugin(group: str, name: str) -> Any:
             group=group,
             name=name,
         ) from exc
+
+
+def build_plugin(group: str, name: str, protocol: type[Any], options: Mapping[str, Any]) -> Any:
+    """Load ``name`` from ``group``, build it with ``options`` and check it implements
+    ``protocol`` (a runtime-checkable Protocol). Every failure is a CONFIG_ERROR naming the plugin,
+    so a typo in a plugin option fails start-up, not the first publication or dispatch."""
+    check = _CHECKS.get(group, "plugin")
+    factory = load_plugin(group, name)
+    try:
+        plugin = factory(**options)
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"{check} {name!r} does not take options {sorted(options)}: {exc}", check=check
+        ) from exc
+    if not isinstance(plugin, protocol):
+        raise ConfigurationError(
+            f"{check} plugin {name!r} does not implement the {protocol.__name__} protocol",
+            check=check,
+        )
+    return plugin

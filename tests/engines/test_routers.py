@@ -54,7 +54,9 @@ def test_unknown_or_broken_plugins_are_configuration_errors(
     class NotARouter:
         pass
 
-    monkeypatch.setattr("agentic_lora.engines.routing.load_plugin", lambda group, name: NotARouter)
+    monkeypatch.setattr(
+        "agentic_lora.foundation.discovery.load_plugin", lambda group, name: NotARouter
+    )
     with pytest.raises(ConfigurationError, match="Router protocol"):
         load_router("anything")
 
