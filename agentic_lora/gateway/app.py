@@ -324,7 +324,7 @@ class Gateway(GenerationRoutes):
             assert isinstance(exc, HTTPException)
             reason, message = {
                 404: ("no_route", "no such route on this gateway (see /openapi.json)"),
-                405: ("method_not_allowed", f"{request.method} is not allowed on this route"),
+                405: ("method_not_allowed", f"{request.method[:16]} is not allowed on this route"),
             }.get(exc.status_code, ("http", "refused by the HTTP layer"))
             refusal = InvalidRequestError(message, reason=reason)
             response = error_response(refusal, status=exc.status_code)
