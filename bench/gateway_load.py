@@ -9,8 +9,10 @@ hostile client sends, in rotation, oversized bodies (64 KiB over the limit), 100
 header, and closes of other clients' Sessions without credentials, each with a fresh Session id.
 
 It stops by itself after ``--seconds`` and prints: requests per kind, 5xx answers to invalid
-input (required: 0), valid generations answered / sent (required: all), and the gateway
-process's RSS every ``--sample`` seconds (flat after warm-up).
+input (required: 0), valid generations answered / sent (required: all), the Sessions still open
+in the gateway and in the registry after the run (required: 0: every valid client closed its
+Sessions, and no refused request opened one), and the gateway process's RSS every ``--sample``
+seconds (flat after warm-up).
 
 Usage: python bench/gateway_load.py [--clients 300] [--hostile 0.5] [--seconds 60]
 """
@@ -70,9 +72,7 @@ def _serve(engine_url: str, port: int) -> None:
                 return "bench"
 
         store = tempfile.mkdtemp(prefix="gateway-load-")
-        gateway = await Gateway.from_settings(
-            settings, backend=_InstantBackend(store_root=store), with_metrics=False
-        )
+        gateway = await Gateway.from_settings(settings, backend=_InstantBackend(store_root=store))
         async with gateway:
             await publish_in_registry(gateway.deployment.registry, "e0")
             config = uvicorn.Config(
@@ -198,12 +198,28 @@ async def _drive(args: argparse.Namespace, base_url: str, pid: int) -> dict[str,
         with contextlib.suppress(httpx.HTTPError, ValueError):
             health = await http.get("/health/live")
             metrics_live = health.status_code
+        open_after = await _open_sessions(http)
     return {
         "elapsed_s": round(elapsed, 1),
         "stats": dict(stats),
         "kinds": dict(kinds),
         "rss_mb": [(t, round(m, 1)) for t, m in rss],
         "health_after": metrics_live,
+        "open_sessions_after": open_after,
+    }
+
+
+async def _open_sessions(http: httpx.AsyncClient) -> dict[str, float]:
+    """The gateway's and the registry's open Sessions, from ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = ("agentic_lora_sessions_live", "agentic_lora_registry_sessions")
+    text = (await http.get("/metrics")).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in wanted
     }
 
 
@@ -261,6 +277,7 @@ def main() -> None:
     print(f"RSS (MiB) over time: {result['rss_mb']}")
     if warm:
         print(f"RSS after warm-up: min {min(warm):.1f}, max {max(warm):.1f} MiB")
+    print(f"Sessions open after the run: {result['open_sessions_after']}")
     print(f"/health/live after the run: {result['health_after']}")
     write_result("gateway_load", {"args": vars(args), "machine": machine(), **result})
 

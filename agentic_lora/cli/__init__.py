@@ -10,8 +10,8 @@
     agentic-lora doctor  --config agentic-lora.toml          check every engine against the settings
 
 The registry lives in the ``serve`` process, so ``publish``, ``status``, ``reclaim`` and
-``resolve`` talk to it over the gateway's admin API (``--server``, ``--admin-token``; or
-``AGENTIC_LORA_SERVER`` and ``AGENTIC_LORA_ADMIN_TOKEN``). ``status --journal PATH`` reads a
+``resolve`` talk to it over the gateway's admin API (``--server``, ``--admin-token-file``; or
+``AGENTIC_LORA_SERVER`` and ``AGENTIC_LORA_ADMIN_TOKEN``: a token never goes on a command line). ``status --journal PATH`` reads a
 journaled registry without a server, from a consistent copy, never writing to the journal.
 
 Settings come from, strongest first: command-line flags, ``AGENTIC_LORA_*`` environment

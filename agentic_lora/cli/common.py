@@ -27,6 +27,7 @@ __all__ = [
     "Parser",
     "UsageError",
     "absolute_path",
+    "add_admin_token_arguments",
     "add_client_arguments",
     "admin_client",
     "admin_token",
@@ -88,9 +89,17 @@ def _read_token_file(path: str) -> str:
 
 
 def admin_token(args: argparse.Namespace, token_file: str | None = None) -> str | None:
-    """``--admin-token``, else the environment, else ``--admin-token-file``, else the file's."""
+    """The environment's token, else ``--admin-token-file``'s, else the config file's.
+
+    A token given on the command line (``--admin-token``, kept only to say so) is refused:
+    every user of the host sees a command line (``ps``).
+    """
     if getattr(args, "admin_token", None):
-        return str(args.admin_token)
+        raise ConfigurationError(
+            "--admin-token puts the token on the command line, where every user of the host "
+            f"sees it: use --admin-token-file PATH or ${ENV_PREFIX}ADMIN_TOKEN",
+            check="admin_token",
+        )
     from_env = CliEnvironment().admin_token
     if from_env:
         return from_env
@@ -111,5 +120,13 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server", help=f"gateway base URL (env {ENV_PREFIX}SERVER; default {DEFAULT_SERVER})"
     )
-    parser.add_argument("--admin-token", help=f"admin token (env {ENV_PREFIX}ADMIN_TOKEN)")
-    parser.add_argument("--admin-token-file", help="file holding the admin token")
+    add_admin_token_arguments(parser)
+
+
+def add_admin_token_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--admin-token-file`` (and the refused ``--admin-token``, hidden from the help)."""
+    parser.add_argument(
+        "--admin-token-file",
+        help=f"file holding the admin token (else ${ENV_PREFIX}ADMIN_TOKEN)",
+    )
+    parser.add_argument("--admin-token", help=argparse.SUPPRESS)

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from agentic_lora.cli.common import ENV_PREFIX, EXIT_OK, admin_token
+from agentic_lora.cli.common import EXIT_OK, add_admin_token_arguments, admin_token
 from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
 from agentic_lora.cli.logs import configure_logging
 from agentic_lora.errors import ConfigurationError
@@ -102,15 +102,18 @@ def add_parser(sub: Any, configured: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", help=f"listen address (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, help=f"listen port (default {DEFAULT_PORT}; 0: any)")
-    p.add_argument("--admin-token", help=f"admin token (env {ENV_PREFIX}ADMIN_TOKEN)")
-    p.add_argument("--admin-token-file", help="file holding the admin token")
+    add_admin_token_arguments(p)
     p.add_argument(
         "--backend-option",
         action="append",
         metavar="KEY=VALUE",
         help="backend plugin option, e.g. store_root=/srv/adapters (repeatable)",
     )
-    p.add_argument("--idle-timeout", type=float, help="close Sessions idle this many seconds")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        help="close Sessions idle this many seconds (default: gateway_idle_timeout, 900)",
+    )
     p.add_argument(
         "--reuse-closed-ids",
         action="store_true",

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings
@@ -42,6 +43,7 @@ from agentic_lora.errors import (
     AccessDeniedError,
     AgenticLoRAError,
     ConfigurationError,
+    InvalidRequestError,
 )
 from agentic_lora.foundation.auth import read_token
 from agentic_lora.foundation.requests import Route
@@ -57,6 +59,7 @@ from agentic_lora.gateway.schema import (
 from agentic_lora.gateway.security import (
     SessionTagger,
     caller_of,
+    check_session_id,
     install_access_log_redactor,
     required_session,
 )
@@ -294,6 +297,11 @@ class Gateway(GenerationRoutes):
             await asyncio.sleep(idle_for / 4)
             try:
                 await self.sessions.reap_idle(idle_for)
+            except AgenticLoRAError as exc:
+                # A typed error's message may quote a Session id (a credential): the code only.
+                logger.warning(
+                    "idle Session expiry failed; retried next round", extra={"error": exc.code}
+                )
             except Exception:
                 logger.exception("idle Session expiry failed; retried next round")
 
@@ -310,7 +318,21 @@ class Gateway(GenerationRoutes):
         async def on_typed_error(request: Request, exc: Exception) -> Response:
             return error_response(exc)
 
+        async def on_routing_error(request: Request, exc: Exception) -> Response:
+            # No route, or not this method: the same error shape as every other refusal, and
+            # never the path in the message (the legacy close path holds a Session id).
+            assert isinstance(exc, HTTPException)
+            reason, message = {
+                404: ("no_route", "no such route on this gateway (see /openapi.json)"),
+                405: ("method_not_allowed", f"{request.method[:16]} is not allowed on this route"),
+            }.get(exc.status_code, ("http", "refused by the HTTP layer"))
+            refusal = InvalidRequestError(message, reason=reason)
+            response = error_response(refusal, status=exc.status_code)
+            response.headers.update(exc.headers or {})  # Allow, for a 405
+            return response
+
         app.add_exception_handler(AgenticLoRAError, on_typed_error)
+        app.add_exception_handler(HTTPException, on_routing_error)
         errors: dict[int | str, dict[str, Any]] = {
             status: {"model": ErrorBody, "description": "a typed error"}
             for status in _ERROR_STATUSES
@@ -384,6 +406,7 @@ class Gateway(GenerationRoutes):
     async def _close(self, session_id: str, request: Request) -> Response:
         """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin
         token."""
+        check_session_id(session_id, "the path")
         caller = caller_of(request.headers, self._admin_token)
         if not caller.admin and caller.session_id != session_id:
             # The id in the path alone proves nothing: ids are guessable (episode-17).

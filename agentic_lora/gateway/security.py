@@ -11,7 +11,8 @@ close it. So it never appears in a log line, a metric, an engine request or the 
   (``X-Agentic-Session`` or ``Authorization: Bearer <id>``) and whether it carries the admin
   token. Two headers that name different Sessions are refused (400), never silently resolved.
 * :class:`AccessLogRedactor` keeps the Session id in the legacy close path
-  (``/v1/sessions/<id>/close``) out of uvicorn's access log.
+  (``/v1/sessions/<id>/close``) out of uvicorn's access log, whatever the id holds (uvicorn logs
+  the decoded path, so an id with ``/`` in it spans several segments).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +33,9 @@ __all__ = [
     "Caller",
     "SessionTagger",
     "caller_of",
+    "check_session_id",
     "install_access_log_redactor",
+    "redacted_path",
     "required_session",
 ]
 
@@ -66,7 +68,10 @@ class SessionTagger:
         return "s-" + digest[:_TAG_HEX]
 
 
-def _checked(session_id: str, source: str) -> str:
+def check_session_id(session_id: str, source: str) -> str:
+    """``session_id`` if it can be a Session id (at most 256 printable characters, no
+    whitespace), else INVALID_REQUEST (``reason="bad_session_id"``) naming ``source``, never the
+    value."""
     if len(session_id) > MAX_SESSION_ID_LENGTH:
         raise InvalidRequestError(
             f"the Session id in {source} is longer than {MAX_SESSION_ID_LENGTH} characters",
@@ -102,7 +107,7 @@ def caller_of(headers: Mapping[str, str], admin_token: str | None = None) -> Cal
     """
     explicit = (headers.get(SESSION_HEADER) or "").strip() or None
     if explicit is not None:
-        explicit = _checked(explicit, SESSION_HEADER)
+        explicit = check_session_id(explicit, SESSION_HEADER)
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
     bearer = token.strip() if scheme.lower() == "bearer" and token.strip() else None
     # compare_digest on bytes: its time does not depend on where the first difference is.
@@ -111,7 +116,7 @@ def caller_of(headers: Mapping[str, str], admin_token: str | None = None) -> Cal
         and bearer is not None
         and hmac.compare_digest(bearer.encode(), admin_token.encode())
     )
-    named = None if admin or bearer is None else _checked(bearer, "Authorization")
+    named = None if admin or bearer is None else check_session_id(bearer, "Authorization")
     if explicit is not None and named is not None and explicit != named:
         # Either choice would act on a Session the caller may not have meant: a proxy that
         # injects one header must not redirect another client's turns or closes.
@@ -123,11 +128,24 @@ def caller_of(headers: Mapping[str, str], admin_token: str | None = None) -> Cal
     return Caller(explicit if explicit is not None else named, admin)
 
 
-_CLOSE_PATH = re.compile(r"^(/v1/sessions/)[^/?\s]+(/close)")
+_SESSIONS_PREFIX = "/v1/sessions/"
+_OWN_CLOSE = "/v1/sessions/close"
+
+
+def redacted_path(path: str) -> str:
+    """``path`` with any Session id in it replaced by ``-``: everything under ``/v1/sessions/``
+    but the own-close route becomes ``/v1/sessions/-/close`` (or ``/v1/sessions/-``), query
+    string dropped. Other paths are returned unchanged."""
+    bare = path.partition("?")[0]
+    if not bare.startswith(_SESSIONS_PREFIX) or bare == _OWN_CLOSE:
+        return path
+    # Not a pattern over segments: the logged path is decoded, so "a%2Fb" arrives as "a/b".
+    return _SESSIONS_PREFIX + ("-/close" if bare.endswith("/close") else "-")
 
 
 class AccessLogRedactor(logging.Filter):
-    """Rewrites ``/v1/sessions/<id>/close`` to ``/v1/sessions/-/close`` in uvicorn access logs.
+    """Rewrites ``/v1/sessions/<id>/close`` to ``/v1/sessions/-/close`` in uvicorn access logs
+    (see :func:`redacted_path`).
 
     uvicorn's access record carries ``(client, method, path, http version, status)`` as args;
     only the path is rewritten, and a record of any other shape passes untouched.
@@ -136,7 +154,7 @@ class AccessLogRedactor(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
-            path = _CLOSE_PATH.sub(r"\1-\2", args[2])
+            path = redacted_path(args[2])
             if path != args[2]:
                 record.args = (*args[:2], path, *args[3:])
         return True

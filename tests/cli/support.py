@@ -105,7 +105,8 @@ class Running:
         return str(path)
 
     async def cli(self, *args: str) -> tuple[int, str, str]:
-        return await run_cli(*args, "--server", self.url, "--admin-token", TOKEN)
+        token_file = str(self.root / "token.txt")
+        return await run_cli(*args, "--server", self.url, "--admin-token-file", token_file)
 
 
 @asynccontextmanager

@@ -122,7 +122,11 @@ async def test_serve_publish_status_reclaim_and_an_openai_agent_over_real_http(
         assert code == 0
         assert json.loads(live_json)["registry"]["versions"] == payload["registry"]["versions"]
 
-        code, _, err = await run_cli("status", "--server", srv.url, "--admin-token", "wrong")
+        wrong = srv.root / "wrong.token"
+        wrong.write_text("wrong")
+        code, _, err = await run_cli(
+            "status", "--server", srv.url, "--admin-token-file", str(wrong)
+        )
         assert code == cli.EXIT_ERROR
         assert err.startswith("error: ACCESS_DENIED: missing or wrong admin token")
         loads = srv.fleet.calls(EngineOp.LOAD)

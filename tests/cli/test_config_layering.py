@@ -13,6 +13,7 @@ import pytest
 
 from agentic_lora import cli
 from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.errors import ConfigurationError
 from tests.cli.support import (
     assert_one_error_line,
     fleet_config,
@@ -69,7 +70,11 @@ def test_flags_beat_environment_beat_the_file(
     assert (options.port, options.idle_timeout, options.admin_token) == (9001, 60.0, "from-file")
     monkeypatch.setenv("AGENTIC_LORA_ADMIN_TOKEN", "from-env")
     assert cli.serve_options(["--config", str(config)]).admin_token == "from-env"
-    assert cli.serve_options(["--config", str(config), "--admin-token", "t"]).admin_token == "t"
+    # A token on the command line is refused: every user of the host sees it (ps).
+    with pytest.raises(ConfigurationError) as refused:
+        cli.serve_options(["--config", str(config), "--admin-token", "t"])
+    assert refused.value.details["check"] == "admin_token"
+    assert "t" not in refused.value.details.values()
 
 
 def test_unknown_gateway_keys_are_refused(tmp_path: Path) -> None:

@@ -165,14 +165,12 @@ def test_serve_as_a_process_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Pat
             "--skip-engine-check",
             "--log-format",
             "json",
-            "--admin-token",
-            TOKEN,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env=clean_env(),
+        env=clean_env(AGENTIC_LORA_ADMIN_TOKEN=TOKEN),
     )
     assert proc.stderr is not None
     try:
@@ -186,10 +184,10 @@ def test_serve_as_a_process_logs_json_and_stops_cleanly_on_sigterm(tmp_path: Pat
             if record["message"].startswith("agentic-lora gateway serving on "):
                 url = record["message"].rsplit(" ", 1)[1]
         status = subprocess.run(
-            [str(CONSOLE_SCRIPT), "status", "--server", url, "--admin-token", TOKEN, "--json"],
+            [str(CONSOLE_SCRIPT), "status", "--server", url, "--json"],
             capture_output=True,
             text=True,
-            env=clean_env(),
+            env=clean_env(AGENTIC_LORA_ADMIN_TOKEN=TOKEN),
             timeout=60,
             check=False,
         )

@@ -16,6 +16,7 @@ from agentic_lora.engines.admin import (
     server_fingerprint,
 )
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from tests.direct_http import direct_only
 
 BASE = "http://127.0.0.1:30000"
 NAME = "policy_lora@0-v1-0123456789abcdef"
@@ -248,39 +249,12 @@ def test_base_url_must_be_http() -> None:
 async def test_an_environment_proxy_is_never_used_to_reach_an_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A real loopback engine stand-in, and a proxy address where nothing listens: a client that
-    # honoured HTTP_PROXY would fail to connect; one that goes direct gets the engine's answer.
-    import asyncio
-
-    seen: list[bytes] = []
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(await reader.readuntil(b"\r\n\r\n"))
-        body = json.dumps({"version": "0.5.23", "model_path": "/m"}).encode()
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    dead = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    dead_port = dead.sockets[0].getsockname()[1]
-    dead.close()
-    await dead.wait_closed()
-    port = server.sockets[0].getsockname()[1]
-    for var in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.setenv(var, f"http://127.0.0.1:{dead_port}")
-    for var in ("NO_PROXY", "no_proxy"):
-        monkeypatch.delenv(var, raising=False)
-    try:
-        async with EngineAdminClient(f"http://127.0.0.1:{port}", engine="e0") as client:
-            info = await client.server_info()
-    finally:
-        server.close()
-        await server.wait_closed()
+    answer = {"version": "0.5.23", "model_path": "/m"}
+    async with (
+        direct_only(monkeypatch, answer) as (url, seen),
+        EngineAdminClient(url, engine="e0") as client,
+    ):
+        info = await client.server_info()
     assert info.version == "0.5.23"
     assert len(seen) == 1
     assert seen[0].startswith(b"GET /server_info ")

@@ -31,8 +31,15 @@ from schemathesis.specs.openapi.checks import (
 from tests.gateway.test_gateway import Stack, gateway_stack
 
 _T = TypeVar("_T")
-# The generation routes and the close routes: where a Session could be opened or leaked.
-FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/sessions/close")
+# The generation routes and the close routes: where a Session could be opened, leaked or closed
+# by someone else (the path form takes any id schemathesis draws, "/" and spaces included).
+FUZZED = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/sessions/close",
+    "/v1/sessions/{session_id}/close",
+)
 
 
 class _GatewayThread:

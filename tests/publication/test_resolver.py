@@ -29,9 +29,9 @@ from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication.test_publisher import FAST, LossyRegistry, Progress
 from tests.publication_support import RegistryReads
 from tests.session_support import Calls
-from tests.publication.test_publisher import FAST, LossyRegistry, Progress
 
 A = tiny_snapshot(1)
 B = tiny_snapshot(2)

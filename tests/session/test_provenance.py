@@ -170,6 +170,14 @@ async def test_gateway_replies_carry_provenance_headers_and_an_extension_field(
         assert _provenance_headers(later.headers) == ("A", digest[:16], "1", "1")
         assert json.loads(later.content)[PROVENANCE_FIELD]["lag"] == 1
 
+        # OpenAI completions: the same headers and field.
+        completed = await agent.completions.with_raw_response.create(
+            model=BASE_MODEL, prompt="turn 2", max_tokens=4
+        )
+        assert _provenance_headers(completed.headers) == ("A", digest[:16], "1", "1")
+        assert json.loads(completed.content)[PROVENANCE_FIELD]["lora_name"] == a_name
+        assert completed.parse().choices
+
         # SGLang /generate: the same headers and field; the engine's own keys are untouched.
         http = stack.http()
         generated = await http.post(

@@ -330,3 +330,30 @@ async def test_a_ray_client_reads_a_cached_revision_that_can_only_under_estimate
                 await workers.aclose()
     await actor.flush()
     json.dumps(s.provenance())
+
+
+async def test_a_rollout_worker_without_a_gateway_exposes_the_lag_metrics(tmp_path: Path) -> None:
+    # The recipe of docs/staleness.md#metrics: a Metrics watching the worker's own Versioning.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agentic_lora.assembly.metrics import Metrics
+
+    with ScriptedFleet() as fleet:
+        async with _deployment(fleet, tmp_path, capacity=3, max_version_lag=0) as d:
+            metrics = Metrics()
+            metrics.watch_staleness(d.versioning)
+            await d.publish("A", A)
+            s = d.versioning.open_session("worker-episode")
+            await s.generate({"text": "lag 0"})
+            await d.publish("B", B)
+            with pytest.raises(VersionTooStaleError):
+                await s.generate({"text": "lag 1"})
+            await s.close()
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for sample in family.samples
+    }
+    assert samples[("agentic_lora_session_version_lag_count", None)] == 2
+    assert samples[("agentic_lora_session_version_lag_bucket", "0.0")] == 1
+    assert samples[("agentic_lora_version_too_stale_refusals_total", None)] == 1
