@@ -36,6 +36,27 @@ def test_every_module_has_a_layer_and_upward_imports_do_not_grow(layers: ModuleT
     assert len(typing_only) <= layers.RECORDED_UPWARD_TYPING, typing_only
 
 
+def test_folders_are_the_layers(layers: ModuleType) -> None:
+    """Only the public names and the error tree sit at the top of the package; every other module
+    lives in the folder of its layer, so the tree alone says where a thing belongs."""
+    top_level = sorted(p.name for p in (ROOT / "agentic_lora").glob("*.py"))
+    assert top_level == ["__init__.py", "errors.py"]
+    folders = {name for name, _, prefixes in layers.LAYERS for name in prefixes}
+    for path in (ROOT / "agentic_lora").glob("*/"):
+        if (path / "__init__.py").exists():
+            assert path.name in folders, f"{path.name}/ is in no layer of scripts/layers.py"
+
+
+def test_no_module_is_over_500_lines() -> None:
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+        for tree in ("agentic_lora", "plugins", "routers")
+        for path in (ROOT / tree).rglob("*.py")
+    }
+    assert len(sizes) > 100
+    assert {path: n for path, n in sizes.items() if n > 500} == {}
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name
