@@ -55,12 +55,11 @@ from agentic_lora.gateway.schema import (
     request_models,
 )
 from agentic_lora.gateway.security import (
-    SESSION_HEADER,
     SessionTagger,
     caller_of,
     install_access_log_redactor,
 )
-from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.sessions import GatewaySessions, session_id_from_headers
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
 from agentic_lora.session import Versioning
 
@@ -378,14 +377,10 @@ class Gateway(GenerationRoutes):
         """``POST /v1/sessions/close``: the caller's own Session, named by its credential (so
         no Session id is in the path, and none in the access log). The admin token closes the
         Session named in ``X-Agentic-Session``."""
-        caller = caller_of(request.headers, self._admin_token)
-        if caller.session_id is None:
-            raise AccessDeniedError(
-                "name the Session to close: send `Authorization: Bearer <session id>` or "
-                f"`{SESSION_HEADER}: <session id>`",
-                reason="missing_session",
-            )
-        return await self._close_now(caller.session_id)
+        session_id = session_id_from_headers(
+            request.headers, self._admin_token, missing="name the Session to close"
+        )
+        return await self._close_now(session_id)
 
     async def _close(self, session_id: str, request: Request) -> Response:
         """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin

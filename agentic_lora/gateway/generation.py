@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from agentic_lora.errors import (
-    AccessDeniedError,
     AdapterMismatchError,
     AgenticLoRAError,
     RequestIndeterminateError,
@@ -28,8 +27,8 @@ from agentic_lora.errors import (
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
-from agentic_lora.gateway.security import SESSION_HEADER, SessionTagger, caller_of
-from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.security import SessionTagger
+from agentic_lora.gateway.sessions import GatewaySessions, session_id_from_headers
 from agentic_lora.gateway.streaming import SSEResponse, sse_events
 from agentic_lora.gateway.wire import (
     OUTCOME_HEADER,
@@ -99,7 +98,7 @@ class GenerationRoutes:
         session_id: str | None = None
         stream: AsyncGenerator[StreamChunk, None] | None = None
         try:
-            session_id = self._session_of(request)
+            session_id = session_id_from_headers(request.headers, self._admin_token)
             body = await self._checked_body(route, request)
             # Only a request that passed every check reaches this line: no other may open or
             # hold a Session (a refused one leaves nothing behind).
@@ -191,16 +190,6 @@ class GenerationRoutes:
         headers = self._reply_headers(binding, engine, first.provenance if first else None)
         events = sse_events(route, first, stream, PROVENANCE_FIELD, on_end)
         return SSEResponse(events, headers={**headers, "cache-control": "no-cache"})
-
-    def _session_of(self, request: Request) -> str:
-        caller = caller_of(request.headers, self._admin_token)
-        if caller.session_id is None:
-            raise AccessDeniedError(
-                "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) "
-                f"or `{SESSION_HEADER}: <session id>`",
-                reason="missing_session",
-            )
-        return caller.session_id
 
     async def _checked_body(self, route: Route, request: Request) -> dict[str, Any]:
         """The body, once it passed the limits, the route's model and the model-name check."""

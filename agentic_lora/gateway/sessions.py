@@ -96,16 +96,19 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def session_id_from_headers(headers: Mapping[str, str], admin_token: str | None = None) -> str:
+def session_id_from_headers(
+    headers: Mapping[str, str], admin_token: str | None = None, *, missing: str = "no Session id"
+) -> str:
     """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
 
     See :func:`agentic_lora.gateway.security.caller_of` (two headers naming different Sessions
-    are INVALID_REQUEST). Raises ACCESS_DENIED when the request names no Session.
+    are INVALID_REQUEST). Raises ACCESS_DENIED (its message starting with ``missing``) when the
+    request names no Session.
     """
     session_id = caller_of(headers, admin_token).session_id
     if session_id is None:
         raise AccessDeniedError(
-            "no Session id: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
+            f"{missing}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
             f"`{SESSION_HEADER}: <session id>`",
             reason="missing_session",
         )
