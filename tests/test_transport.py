@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from tenacity import wait_none
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import (
     GENERATION_STOP,
+    EngineReply,
     EngineTransport,
     Outcome,
     classify_exception,
@@ -46,6 +48,15 @@ def transport(kind: str = "aiohttp", url: str = URL, attempts: int = 3) -> Engin
         request_timeout=30,
         connect_timeout=5,
     )
+
+
+async def send_once(kind: str, url: str, body: dict[str, Any]) -> EngineReply:
+    """One ``POST /generate`` to e0 at ``url`` through a fresh transport, closed after it."""
+    t = transport(kind, url)
+    try:
+        return await t.send("e0", "/generate", body)
+    finally:
+        await t.aclose()
 
 
 def test_status_classes() -> None:
@@ -283,12 +294,8 @@ async def test_connection_refused_is_refused(kind: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestRefusedError):
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestRefusedError):
+            await send_once(kind, url, {"text": "x"})
 
 
 @pytest.mark.asyncio
@@ -302,12 +309,8 @@ async def test_connection_closed_after_the_request_arrived_is_indeterminate(kind
         await writer.wait_closed()
 
     async with loopback_server(accept_then_drop) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError):
-                await t.send("e0", "/generate", {"text": "x", "rid": "r-drop"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError):
+            await send_once(kind, url, {"text": "x", "rid": "r-drop"})
     assert [json.loads(r) for r in received] == [{"text": "x", "rid": "r-drop"}]
 
 
@@ -327,9 +330,5 @@ async def test_a_real_answer_round_trips(kind: str) -> None:
         await writer.wait_closed()
 
     async with loopback_server(answer) as url:
-        t = transport(kind, url)
-        try:
-            reply = await t.send("e0", "/generate", {"text": "x", "rid": "r-ok"})
-        finally:
-            await t.aclose()
+        reply = await send_once(kind, url, {"text": "x", "rid": "r-ok"})
     assert reply.body == {"text": "ok", "meta_info": {"id": "r-ok"}}

@@ -25,7 +25,7 @@ from agentic_lora.errors import (
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from tests.test_transport import KINDS, URL, loopback_server, read_request, transport
+from tests.test_transport import KINDS, URL, loopback_server, read_request, send_once, transport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -53,12 +53,8 @@ def truncated_reply(status: int, requests: list[bytes]) -> Handler:
 async def test_a_2xx_reply_cut_off_mid_body_is_indeterminate_and_sent_once(kind: str) -> None:
     requests: list[bytes] = []
     async with loopback_server(truncated_reply(200, requests)) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError) as err:
-                await t.send("e0", "/generate", {"text": "x", "rid": "r-cut"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError) as err:
+            await send_once(kind, url, {"text": "x", "rid": "r-cut"})
     assert "reply lost while reading it" in err.value.message
     assert "the engine may have run the request" in err.value.message
     assert err.value.details["status"] == 200
@@ -72,12 +68,8 @@ async def test_a_2xx_reply_cut_off_mid_body_is_indeterminate_and_sent_once(kind:
 async def test_a_4xx_reply_cut_off_mid_body_is_still_a_refusal(kind: str) -> None:
     requests: list[bytes] = []
     async with loopback_server(truncated_reply(400, requests)) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestRefusedError) as err:
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestRefusedError) as err:
+            await send_once(kind, url, {"text": "x"})
     assert err.value.message.startswith("POST /generate to e0 refused with HTTP 400")
     assert err.value.details["status"] == 400
     assert err.value.details["outcome"] == "refused"

@@ -46,7 +46,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH, error_payload, jsonable
 from tests.test_gateway import BASE_MODEL, Stack, gateway_stack
-from tests.test_transport import loopback_server, read_request
+from tests.test_transport import loopback_server, read_request, send_once
 
 URL = "http://127.0.0.1:30000"
 REFUSED, MAYBE = Outcome.REFUSED, Outcome.INDETERMINATE
@@ -332,12 +332,8 @@ async def test_a_malformed_status_line_over_a_real_socket_is_indeterminate(kind:
         await writer.wait_closed()
 
     async with loopback_server(garbage) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError):
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError):
+            await send_once(kind, url, {"text": "x"})
     assert len(received) == 1  # the engine had it, once
 
 
