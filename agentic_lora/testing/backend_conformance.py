@@ -52,6 +52,7 @@ from agentic_lora.testing.adapters import tiny_snapshot
 
 __all__ = [
     "BackendConformance",
+    "BackendHarness",
     "ConformanceHarness",
     "EngineDouble",
     "Failure",
@@ -117,6 +118,36 @@ class ConformanceHarness(Protocol):
     def engines(self) -> Sequence[EngineDouble]: ...
 
     async def aclose(self) -> None: ...
+
+
+class BackendHarness:
+    """A :class:`ConformanceHarness` over a built backend and its engine doubles.
+
+    :meth:`aclose` closes the backend first, then :meth:`release` frees what the harness holds
+    besides it (a router, a store directory, an HTTP client), even when the backend's close
+    failed.
+    """
+
+    def __init__(self, backend: Backend, engines: Sequence[EngineDouble]) -> None:
+        self._backend = backend
+        self._doubles = list(engines)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def engines(self) -> Sequence[EngineDouble]:
+        return self._doubles
+
+    async def release(self) -> None:
+        """What the harness holds besides the backend (nothing here)."""
+
+    async def aclose(self) -> None:
+        try:
+            await self._backend.aclose()
+        finally:
+            await self.release()
 
 
 @dataclass
