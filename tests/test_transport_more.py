@@ -78,8 +78,7 @@ async def test_a_4xx_reply_cut_off_mid_body_is_still_a_refusal(kind: str) -> Non
 
 @pytest.mark.asyncio
 async def test_bodies_that_are_not_json_or_not_sglang_shaped_are_kept_as_they_are() -> None:
-    t = transport()
-    try:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             mock.post(URL + "/generate").mock(
                 side_effect=[
@@ -93,8 +92,6 @@ async def test_bodies_that_are_not_json_or_not_sglang_shaped_are_kept_as_they_ar
             no_reason = await t.send("e0", "/generate", {"text": "x"})
             odd_reason = await t.send("e0", "/generate", {"text": "x"})
             aborted = await t.send("e0", "/generate", {"text": "x", "rid": "r-abort"})
-    finally:
-        await t.aclose()
     assert (text.body, text.finish_reason, text.aborted) == ("plain words", None, False)
     assert (no_reason.finish_reason, no_reason.aborted) == (None, False)
     assert (odd_reason.finish_reason, odd_reason.aborted) == (None, False)
@@ -112,16 +109,13 @@ def test_a_reply_without_meta_info_has_no_finish_reason() -> None:
 
 @pytest.mark.asyncio
 async def test_server_info_that_is_not_an_object_is_indeterminate() -> None:
-    t = transport()
-    try:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             route = mock.get(URL + "/server_info").respond(200, json=["not", "an", "object"])
             with pytest.raises(RequestIndeterminateError) as err:
                 await t.server_info("e0")
             # A well-formed 200 is an answer, not a lost reply: asked once.
             assert route.call_count == 1
-    finally:
-        await t.aclose()
     assert err.value.message == (
         "server_info of e0: /server_info is not a JSON object [indeterminate]"
     )
@@ -131,8 +125,7 @@ async def test_server_info_that_is_not_an_object_is_indeterminate() -> None:
 
 @pytest.mark.asyncio
 async def test_server_info_falls_back_to_the_legacy_path_and_retries_a_5xx() -> None:
-    t = transport(attempts=2)
-    try:
+    async with transport(attempts=2) as t:
         with respx.mock(using="httpx") as mock:
             new = mock.get(URL + "/server_info").respond(404, json={"detail": "Not Found"})
             old = mock.get(URL + "/get_server_info")
@@ -151,14 +144,11 @@ async def test_server_info_falls_back_to_the_legacy_path_and_retries_a_5xx() -> 
                 await t.server_info("e0")
             assert failed.value.details["status"] == 500
             assert new.call_count == 4
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
 async def test_server_info_lost_replies_are_asked_again_up_to_the_bound() -> None:
-    t = transport(attempts=2)
-    try:
+    async with transport(attempts=2) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.get(URL + "/server_info")
             route.side_effect = [httpx.ReadError("lost"), httpx.Response(200, json={"ok": 1})]
@@ -168,8 +158,6 @@ async def test_server_info_lost_replies_are_asked_again_up_to_the_bound() -> Non
             with pytest.raises(RequestIndeterminateError, match="may have been accepted"):
                 await t.server_info("e0")
             assert route.call_count == 4
-    finally:
-        await t.aclose()
 
 
 def test_control_attempts_below_one_are_refused() -> None:
