@@ -58,8 +58,9 @@ from agentic_lora.gateway.security import (
     SessionTagger,
     caller_of,
     install_access_log_redactor,
+    session_id_from_headers,
 )
-from agentic_lora.gateway.sessions import GatewaySessions, session_id_from_headers
+from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
 from agentic_lora.session import Versioning
 

@@ -27,8 +27,8 @@ from agentic_lora.errors import (
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
-from agentic_lora.gateway.security import SessionTagger
-from agentic_lora.gateway.sessions import GatewaySessions, session_id_from_headers
+from agentic_lora.gateway.security import SessionTagger, session_id_from_headers
+from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSEResponse, sse_events
 from agentic_lora.gateway.wire import (
     OUTCOME_HEADER,

@@ -10,6 +10,7 @@ close it. So it never appears in a log line, a metric, an engine request or the 
 * :func:`caller_of` reads the credentials of a request: the Session it names
   (``X-Agentic-Session`` or ``Authorization: Bearer <id>``) and whether it carries the admin
   token. Two headers that name different Sessions are refused (400), never silently resolved.
+  :func:`session_id_from_headers` is the same for a route that needs a Session (403 without).
 * :class:`AccessLogRedactor` keeps the Session id in the legacy close path
   (``/v1/sessions/<id>/close``) out of uvicorn's access log.
 """
@@ -24,7 +25,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import AccessDeniedError, InvalidRequestError
 
 __all__ = [
     "MAX_SESSION_ID_LENGTH",
@@ -34,6 +35,7 @@ __all__ = [
     "SessionTagger",
     "caller_of",
     "install_access_log_redactor",
+    "session_id_from_headers",
 ]
 
 #: The explicit Session header.
@@ -120,6 +122,25 @@ def caller_of(headers: Mapping[str, str], admin_token: str | None = None) -> Cal
             reason="conflicting_session_headers",
         )
     return Caller(explicit if explicit is not None else named, admin)
+
+
+def session_id_from_headers(
+    headers: Mapping[str, str], admin_token: str | None = None, *, missing: str = "no Session id"
+) -> str:
+    """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
+
+    See :func:`caller_of` (two headers naming different Sessions
+    are INVALID_REQUEST). Raises ACCESS_DENIED (its message starting with ``missing``) when the
+    request names no Session.
+    """
+    session_id = caller_of(headers, admin_token).session_id
+    if session_id is None:
+        raise AccessDeniedError(
+            f"{missing}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
+            f"`{SESSION_HEADER}: <session id>`",
+            reason="missing_session",
+        )
+    return session_id
 
 
 _CLOSE_PATH = re.compile(r"^(/v1/sessions/)[^/?\s]+(/close)")

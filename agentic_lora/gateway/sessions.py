@@ -47,7 +47,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -55,7 +55,6 @@ from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import (
-    AccessDeniedError,
     AgenticLoRAError,
     LeaseExpiredError,
     RequestRefusedError,
@@ -72,7 +71,7 @@ from agentic_lora.gateway.security import (
     MAX_SESSION_ID_LENGTH,
     SESSION_HEADER,
     SessionTagger,
-    caller_of,
+    session_id_from_headers,
 )
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.api import RegistryAPI, in_process_core
@@ -94,25 +93,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-def session_id_from_headers(
-    headers: Mapping[str, str], admin_token: str | None = None, *, missing: str = "no Session id"
-) -> str:
-    """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
-
-    See :func:`agentic_lora.gateway.security.caller_of` (two headers naming different Sessions
-    are INVALID_REQUEST). Raises ACCESS_DENIED (its message starting with ``missing``) when the
-    request names no Session.
-    """
-    session_id = caller_of(headers, admin_token).session_id
-    if session_id is None:
-        raise AccessDeniedError(
-            f"{missing}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
-            f"`{SESSION_HEADER}: <session id>`",
-            reason="missing_session",
-        )
-    return session_id
 
 
 @dataclass(slots=True)
