@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import httpx
@@ -53,6 +52,7 @@ __all__ = [
     "publish_in_registry",
     "rss_mb",
     "summarize",
+    "terminate",
     "write_result",
 ]
 
@@ -207,6 +207,16 @@ def free_port() -> int:
         return port
 
 
+def terminate(process: subprocess.Popen[Any], *, grace: float) -> None:
+    """Stop ``process``: SIGTERM, then SIGKILL if it has not exited after ``grace`` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def add_example_agents_to_path() -> None:
     """Make ``examples/agents`` importable (``agentic_lora_agent`` is an example, not installed)."""
     agents = str(REPO_ROOT / "examples" / "agents")
@@ -261,25 +271,14 @@ class InstantEngine:
     def stop(self) -> None:
         """Terminate the server (and kill it if it does not exit in a few seconds)."""
         process, self._process = self._process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            terminate(process, grace=5)
 
     def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

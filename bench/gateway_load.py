@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 import psutil
-from common import InstantEngine, free_port, machine, write_result
+from common import InstantEngine, free_port, machine, terminate, write_result
 
 BODY_LIMIT = 1024 * 1024  # the gateway's body limit in this run (1 MiB)
 
@@ -254,12 +254,7 @@ def main() -> None:
                     time.sleep(0.1)
             result = asyncio.run(_drive(args, base_url, child.pid))
         finally:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            terminate(child, grace=30)
     s = result["stats"]
     warm = [m for t, m in result["rss_mb"] if t >= min(10.0, args.seconds / 3)]
     print(f"clients {args.clients} ({args.hostile:.0%} hostile), {result['elapsed_s']} s")

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
@@ -282,12 +281,7 @@ class Deployment:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # --- the verbs users call -----------------------------------------------------------------

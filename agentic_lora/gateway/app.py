@@ -61,7 +61,7 @@ from agentic_lora.gateway.security import (
     caller_of,
     check_session_id,
     install_access_log_redactor,
-    required_session,
+    session_id_from_headers,
 )
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
@@ -400,8 +400,10 @@ class Gateway(GenerationRoutes):
         """``POST /v1/sessions/close``: the caller's own Session, named by its credential (so
         no Session id is in the path, and none in the access log). The admin token closes the
         Session named in ``X-Agentic-Session``."""
-        caller = caller_of(request.headers, self._admin_token)
-        return await self._close_now(required_session(caller, "name the Session to close"))
+        session_id = session_id_from_headers(
+            request.headers, self._admin_token, missing="name the Session to close"
+        )
+        return await self._close_now(session_id)
 
     async def _close(self, session_id: str, request: Request) -> Response:
         """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin

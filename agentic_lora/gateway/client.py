@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from types import TracebackType
 from typing import Any, NoReturn
 
 import httpx
@@ -75,12 +74,7 @@ class AdminClient:
     async def __aenter__(self) -> AdminClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # --- calls ----------------------------------------------------------------------------------

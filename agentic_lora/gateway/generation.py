@@ -27,7 +27,7 @@ from agentic_lora.errors import (
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
 from agentic_lora.gateway.schema import RequestModels, validate_body
-from agentic_lora.gateway.security import SessionTagger, caller_of, required_session
+from agentic_lora.gateway.security import SessionTagger, session_id_from_headers
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSEResponse, sse_events
 from agentic_lora.gateway.wire import (
@@ -98,7 +98,7 @@ class GenerationRoutes:
         session_id: str | None = None
         stream: AsyncGenerator[StreamChunk, None] | None = None
         try:
-            session_id = self._session_of(request)
+            session_id = session_id_from_headers(request.headers, self._admin_token)
             body = await self._checked_body(route, request)
             # Only a request that passed every check reaches this line: no other may open or
             # hold a Session (a refused one leaves nothing behind).
@@ -190,9 +190,6 @@ class GenerationRoutes:
         headers = self._reply_headers(binding, engine, first.provenance if first else None)
         events = sse_events(route, first, stream, PROVENANCE_FIELD, on_end)
         return SSEResponse(events, headers={**headers, "cache-control": "no-cache"})
-
-    def _session_of(self, request: Request) -> str:
-        return required_session(caller_of(request.headers, self._admin_token))
 
     async def _checked_body(self, route: Route, request: Request) -> dict[str, Any]:
         """The body, once it passed the limits, the route's model and the model-name check."""

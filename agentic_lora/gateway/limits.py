@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.errors import InvalidRequestError, RequestTooLargeError
 
-if TYPE_CHECKING:
-    from agentic_lora.config import AgenticLoRASettings
-
 __all__ = ["GatewayLimits", "parse_json", "read_body"]
+
+
+def _setting_default(name: str) -> int:
+    # One source for each default: the setting ``gateway_<name>``.
+    return int(AgenticLoRASettings.model_fields[f"gateway_{name}"].default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +34,12 @@ class GatewayLimits:
     :meth:`with_context_length` lowers it to what the engines can generate at all.
     """
 
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_json_depth: int = 64
-    max_messages: int = 1024
-    max_n: int = 8
-    max_tokens: int = 32768
-    max_sessions: int = 2048
+    max_body_bytes: int = _setting_default("max_body_bytes")
+    max_json_depth: int = _setting_default("max_json_depth")
+    max_messages: int = _setting_default("max_messages")
+    max_n: int = _setting_default("max_n")
+    max_tokens: int = _setting_default("max_tokens")
+    max_sessions: int = _setting_default("max_sessions")
 
     @classmethod
     def from_settings(cls, settings: AgenticLoRASettings) -> GatewayLimits:

@@ -10,6 +10,7 @@ close it. So it never appears in a log line, a metric, an engine request or the 
 * :func:`caller_of` reads the credentials of a request: the Session it names
   (``X-Agentic-Session`` or ``Authorization: Bearer <id>``) and whether it carries the admin
   token. Two headers that name different Sessions are refused (400), never silently resolved.
+  :func:`session_id_from_headers` is the same for a route that needs a Session (403 without).
 * :class:`AccessLogRedactor` keeps the Session id in the legacy close path
   (``/v1/sessions/<id>/close``) out of uvicorn's access log, whatever the id holds (uvicorn logs
   the decoded path, so an id with ``/`` in it spans several segments).
@@ -36,7 +37,7 @@ __all__ = [
     "check_session_id",
     "install_access_log_redactor",
     "redacted_path",
-    "required_session",
+    "session_id_from_headers",
 ]
 
 #: The explicit Session header.
@@ -128,6 +129,25 @@ def caller_of(headers: Mapping[str, str], admin_token: str | None = None) -> Cal
     return Caller(explicit if explicit is not None else named, admin)
 
 
+def session_id_from_headers(
+    headers: Mapping[str, str], admin_token: str | None = None, *, missing: str = "no Session id"
+) -> str:
+    """The Session id of a request: ``X-Agentic-Session`` or the ``Bearer`` token.
+
+    See :func:`caller_of` (two headers naming different Sessions
+    are INVALID_REQUEST). Raises ACCESS_DENIED (its message starting with ``missing``) when the
+    request names no Session.
+    """
+    session_id = caller_of(headers, admin_token).session_id
+    if session_id is None:
+        raise AccessDeniedError(
+            f"{missing}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
+            f"`{SESSION_HEADER}: <session id>`",
+            reason="missing_session",
+        )
+    return session_id
+
+
 _SESSIONS_PREFIX = "/v1/sessions/"
 _OWN_CLOSE = "/v1/sessions/close"
 
@@ -166,14 +186,3 @@ _REDACTOR = AccessLogRedactor()
 def install_access_log_redactor() -> None:
     """Attach the redactor to ``uvicorn.access`` (idempotent: one filter object)."""
     logging.getLogger("uvicorn.access").addFilter(_REDACTOR)
-
-
-def required_session(caller: Caller, problem: str = "no Session id") -> str:
-    """The Session id ``caller`` names; ACCESS_DENIED (``reason="missing_session"``) when none."""
-    if caller.session_id is None:
-        raise AccessDeniedError(
-            f"{problem}: send `Authorization: Bearer <session id>` (the OpenAI api_key) or "
-            f"`{SESSION_HEADER}: <session id>`",
-            reason="missing_session",
-        )
-    return caller.session_id

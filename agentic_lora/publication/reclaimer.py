@@ -54,6 +54,7 @@ from agentic_lora.foundation.background import Rounds, delay_after, stop_loop
 from agentic_lora.foundation.background import backoff as default_backoff
 from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
 from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair import VersionLocks
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
@@ -98,7 +99,7 @@ class ReclaimReport:
         return tuple(r.version_id for r in self.results if r.outcome is ReclaimOutcome.PENDING)
 
 
-class Reclaimer:
+class Reclaimer(BackgroundLoop):
     """Reclaims retired versions through ``backend`` on the fixed fleet ``engines``."""
 
     def __init__(
@@ -197,18 +198,6 @@ class Reclaimer:
         """Return once no poke is pending and no background round is running (a backoff wait in
         progress counts as settled: :attr:`retry_in` says how long it is)."""
         await self._rounds.settled()
-
-    @property
-    def rounds(self) -> int:
-        """Rounds the background loop has finished (for observers and tests)."""
-        return self._rounds.count
-
-    async def __aenter__(self) -> Reclaimer:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def _run(self) -> None:
         failed_rounds = 0

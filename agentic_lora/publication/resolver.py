@@ -62,6 +62,7 @@ from agentic_lora.foundation.background import (
     stop_loop,
 )
 from agentic_lora.foundation.listeners import notify
+from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult, Publisher
 from agentic_lora.registry.types import VersionState
 
@@ -102,7 +103,7 @@ class ResolveReport:
         return tuple(r.version_id for r in self.results if r.outcome is PublicationOutcome.BLOCKED)
 
 
-class Resolver:
+class Resolver(BackgroundLoop):
     """Resolves the publications ``publisher`` could not finish (see module docstring).
 
     It attaches itself to ``publisher`` (``publisher.resolver``), so a BLOCKED result pokes it.
@@ -192,18 +193,6 @@ class Resolver:
         A backoff wait in progress counts as settled (:attr:`retry_in` says how long it is).
         """
         await self._rounds.settled(lambda: self._rounds.count >= rounds)
-
-    @property
-    def rounds(self) -> int:
-        """Rounds the background loop has finished."""
-        return self._rounds.count
-
-    async def __aenter__(self) -> Resolver:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def _run(self) -> None:
         while True:

@@ -52,6 +52,7 @@ from agentic_lora.testing.adapters import tiny_snapshot
 
 __all__ = [
     "BackendConformance",
+    "BackendHarness",
     "ConformanceHarness",
     "EngineDouble",
     "Failure",
@@ -117,6 +118,36 @@ class ConformanceHarness(Protocol):
     def engines(self) -> Sequence[EngineDouble]: ...
 
     async def aclose(self) -> None: ...
+
+
+class BackendHarness:
+    """A :class:`ConformanceHarness` over a built backend and its engine doubles.
+
+    :meth:`aclose` closes the backend first, then :meth:`release` frees what the harness holds
+    besides it (a router, a store directory, an HTTP client), even when the backend's close
+    failed.
+    """
+
+    def __init__(self, backend: Backend, engines: Sequence[EngineDouble]) -> None:
+        self._backend = backend
+        self._doubles = list(engines)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def engines(self) -> Sequence[EngineDouble]:
+        return self._doubles
+
+    async def release(self) -> None:
+        """What the harness holds besides the backend (nothing here)."""
+
+    async def aclose(self) -> None:
+        try:
+            await self._backend.aclose()
+        finally:
+            await self.release()
 
 
 @dataclass
@@ -186,6 +217,19 @@ class BackendConformance(RuleBasedStateMachine):
 
     def _track(self, engine: str, version: _Version) -> _Track:
         return self.tracks[(engine, version.lora_name)]
+
+    def _reclaim(
+        self, double: EngineDouble, version: _Version, reclaim_id: str
+    ) -> Coroutine[Any, Any, None]:
+        return self.backend.reclaim(double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id)
+
+    def _reclaimed(
+        self, t: _Track, double: EngineDouble, version: _Version, reclaim_id: str
+    ) -> None:
+        # A reclaim returned: the engine holds nothing of the name, and for good.
+        assert double.held_digest(version.lora_name) is None
+        t.held, t.reclaimed = False, True
+        t.reclaim_ids.add(reclaim_id)
 
     def _expect(self, kind: type[BaseException], coro: Coroutine[Any, Any, Any]) -> BaseException:
         try:
@@ -331,12 +375,8 @@ class BackendConformance(RuleBasedStateMachine):
         if not t.held or t.needs_cleanup or t.reclaimed:
             return
         reclaim_id = f"reclaim-{version.version_id}-{engine}"
-        self._run(
-            self.backend.reclaim(double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id)
-        )
-        assert double.held_digest(version.lora_name) is None
-        t.held, t.reclaimed = False, True
-        t.reclaim_ids.add(reclaim_id)
+        self._run(self._reclaim(double, version, reclaim_id))
+        self._reclaimed(t, double, version, reclaim_id)
 
     @rule(engine=engines, version=versions)
     def reclaim_with_a_lost_receipt_converges(self, engine: str, version: _Version) -> None:
@@ -349,21 +389,12 @@ class BackendConformance(RuleBasedStateMachine):
         unloads = double.unloads(version.lora_name)
         double.fail_next(Operation.RECLAIM, Failure.LOSE_REPLY)
         try:
-            self._expect(
-                BackendAmbiguousError,
-                self.backend.reclaim(
-                    double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id
-                ),
-            )
+            self._expect(BackendAmbiguousError, self._reclaim(double, version, reclaim_id))
         finally:
             double.clear_failures()
-        self._run(
-            self.backend.reclaim(double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id)
-        )
-        assert double.held_digest(version.lora_name) is None
+        self._run(self._reclaim(double, version, reclaim_id))
         assert double.unloads(version.lora_name) == unloads + 1
-        t.held, t.reclaimed = False, True
-        t.reclaim_ids.add(reclaim_id)
+        self._reclaimed(t, double, version, reclaim_id)
 
     @rule(engine=engines, version=versions)
     def repeated_reclaim_never_unloads_again(self, engine: str, version: _Version) -> None:
@@ -374,9 +405,7 @@ class BackendConformance(RuleBasedStateMachine):
             return
         unloads = double.unloads(version.lora_name)
         for reclaim_id in sorted(t.reclaim_ids):
-            self._run(
-                self.backend.reclaim(double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id)
-            )
+            self._run(self._reclaim(double, version, reclaim_id))
         assert double.unloads(version.lora_name) == unloads
         assert double.held_digest(version.lora_name) is None
 

@@ -74,10 +74,5 @@ class ScriptedFleet:
     async def __aenter__(self) -> ScriptedFleet:
         return self.__enter__()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.__exit__(exc_type, exc, tb)
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.__exit__(*exc_info)

@@ -24,7 +24,11 @@ from typing import Any
 import respx
 
 from agentic_lora.engines.backends import Backend, EngineRef
-from agentic_lora.testing.backend_conformance import EngineDouble, Failure, Operation
+from agentic_lora.testing.backend_conformance import (
+    BackendHarness,
+    Failure,
+    Operation,
+)
 from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
@@ -92,7 +96,7 @@ class ScriptedDouble:
         self.engine.clear_script()
 
 
-class ScriptedHarness:
+class ScriptedHarness(BackendHarness):
     """A backend built on a fresh store directory, over scripted engines routed by respx.
 
     ``make_backend`` gets the (absolute) store root. The router is entered at construction and
@@ -109,20 +113,8 @@ class ScriptedHarness:
         for engine in engines:
             engine.mount(self._router)
         self._router.__enter__()
-        self._backend = make_backend(self._dir / "store")
-        self._doubles = [ScriptedDouble(e) for e in engines]
+        super().__init__(make_backend(self._dir / "store"), [ScriptedDouble(e) for e in engines])
 
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @property
-    def engines(self) -> Sequence[EngineDouble]:
-        return self._doubles
-
-    async def aclose(self) -> None:
-        try:
-            await self._backend.aclose()
-        finally:
-            self._router.__exit__(None, None, None)
-            shutil.rmtree(self._dir, ignore_errors=True)
+    async def release(self) -> None:
+        self._router.__exit__(None, None, None)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from agentic_lora_harness.venv_builder import (
     BuiltVenv,
     EngineEnvError,
+    VenvKind,
     VenvRecipe,
-    ensure_venv,
-    main_for,
-    venv_dir,
 )
 
 __all__ = [
@@ -73,31 +70,16 @@ class EngineEnv(BuiltVenv):
     sglang_version: str
 
 
-def engine_venv_dir(cache_dir: Path | None = None, version: str = SGLANG_VERSION) -> Path:
-    """Where the venv for SGLang ``version`` lives under the cache root."""
-    return venv_dir(_recipe(version), cache_dir)
+_KIND: VenvKind[EngineEnv] = VenvKind(
+    prog="agentic_lora_harness.engine_env",
+    recipe=_recipe,
+    version=SGLANG_VERSION,
+    describe=lambda described, version: EngineEnv(**described, sglang_version=version),
+)
 
-
-def ensure_engine_env(
-    cache_dir: Path | None = None,
-    *,
-    base_python: str | None = None,
-    log_path: Path | None = None,
-) -> EngineEnv:
-    """Return the engine venv, creating it first if it is missing or was never finished.
-
-    ``base_python`` and ``log_path`` are as in :func:`~agentic_lora_harness.venv_builder.ensure_venv`.
-    """
-    described, version = ensure_venv(
-        _recipe(), cache_dir, base_python=base_python, log_path=log_path
-    )
-    return EngineEnv(**described, sglang_version=version)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Ensure the engine venv and print its description as JSON."""
-    return main_for("agentic_lora_harness.engine_env", ensure_engine_env, argv)
-
+engine_venv_dir = _KIND.venv_dir
+ensure_engine_env = _KIND.ensure
+main = _KIND.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

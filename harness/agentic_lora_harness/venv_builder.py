@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Generic, Protocol, TextIO, TypeVar
 
 from agentic_lora_harness.fixture import cache_root
 
@@ -39,6 +39,7 @@ __all__ = [
     "BuiltVenv",
     "EngineEnvError",
     "EngineVenv",
+    "VenvKind",
     "VenvRecipe",
     "ensure_venv",
     "main_for",
@@ -105,6 +106,47 @@ class BuiltVenv:
     def needs_cpu_shim(self) -> bool:
         """True when engines must be launched with the CPU compatibility shim."""
         return not self.cuda_available
+
+
+E = TypeVar("E", bound=BuiltVenv)
+
+
+@dataclass(frozen=True)
+class VenvKind(Generic[E]):
+    """One engine's venv: its recipe per release and the description a ready venv gets.
+
+    ``describe`` turns the :class:`BuiltVenv` fields and the engine version the venv runs into
+    the engine's own description (a :class:`BuiltVenv` subclass naming that version).
+    """
+
+    prog: str
+    recipe: Callable[[str], VenvRecipe]
+    version: str
+    describe: Callable[[dict[str, Any], str], E]
+
+    def venv_dir(self, cache_dir: Path | None = None, version: str | None = None) -> Path:
+        """Where the venv for the engine's ``version`` (default: the pinned one) lives."""
+        return venv_dir(self.recipe(version or self.version), cache_dir)
+
+    def ensure(
+        self,
+        cache_dir: Path | None = None,
+        *,
+        base_python: str | None = None,
+        log_path: Path | None = None,
+    ) -> E:
+        """The engine's venv, created first if it is missing or was never finished.
+
+        ``base_python`` and ``log_path`` are as in :func:`ensure_venv`.
+        """
+        described, version = ensure_venv(
+            self.recipe(self.version), cache_dir, base_python=base_python, log_path=log_path
+        )
+        return self.describe(described, version)
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """Ensure the venv and print its description as JSON."""
+        return main_for(self.prog, self.ensure, argv)
 
 
 def venv_dir(recipe: VenvRecipe, cache_dir: Path | None = None) -> Path:

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from agentic_lora_harness.venv_builder import (
     BuiltVenv,
     EngineEnvError,
+    VenvKind,
     VenvRecipe,
-    ensure_venv,
-    main_for,
-    venv_dir,
 )
 
 __all__ = [
@@ -89,31 +86,16 @@ class VllmEnv(BuiltVenv):
         return False
 
 
-def vllm_venv_dir(cache_dir: Path | None = None, version: str = VLLM_VERSION) -> Path:
-    """Where the venv for vLLM ``version`` lives under the cache root."""
-    return venv_dir(_recipe(version), cache_dir)
+_KIND: VenvKind[VllmEnv] = VenvKind(
+    prog="agentic_lora_harness.vllm_env",
+    recipe=_recipe,
+    version=VLLM_VERSION,
+    describe=lambda described, version: VllmEnv(**described, vllm_version=version),
+)
 
-
-def ensure_vllm_env(
-    cache_dir: Path | None = None,
-    *,
-    base_python: str | None = None,
-    log_path: Path | None = None,
-) -> VllmEnv:
-    """Return the vLLM venv, creating it first if it is missing or was never finished.
-
-    ``base_python`` and ``log_path`` are as in :func:`~agentic_lora_harness.venv_builder.ensure_venv`.
-    """
-    described, version = ensure_venv(
-        _recipe(), cache_dir, base_python=base_python, log_path=log_path
-    )
-    return VllmEnv(**described, vllm_version=version)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Ensure the vLLM venv and print its description as JSON."""
-    return main_for("agentic_lora_harness.vllm_env", ensure_vllm_env, argv)
-
+vllm_venv_dir = _KIND.venv_dir
+ensure_vllm_env = _KIND.ensure
+main = _KIND.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

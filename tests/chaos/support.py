@@ -46,6 +46,17 @@ from pathlib import Path
 from typing import Any, Protocol, Self
 
 import httpx
+from agentic_lora_agent import (
+    TASKS,
+    AgentConfig,
+    AgentObserver,
+    AttemptOutcome,
+    AttemptRecord,
+    Episode,
+    ScriptedPolicy,
+    ToolAgent,
+    default_toolbox,
+)
 
 from agentic_lora.engines.transport import EngineReply, Outcome, classify_exception
 from agentic_lora.errors import (
@@ -67,21 +78,9 @@ from agentic_lora.registry.types import (
 from agentic_lora.session import Versioning
 from tests.e2e.recording_proxy import Exchange, RecordingProxy, TrafficLog, Waiters
 
+# Importable here through pytest's pythonpath (or bench's add_example_agents_to_path); a worker
+# subprocess gets it on its PYTHONPATH.
 _AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-if str(_AGENTS) not in sys.path:
-    sys.path.insert(0, str(_AGENTS))
-
-from agentic_lora_agent import (  # noqa: E402
-    TASKS,
-    AgentConfig,
-    AgentObserver,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    ScriptedPolicy,
-    ToolAgent,
-    default_toolbox,
-)
 
 __all__ = [
     "GENERATION_PATHS",

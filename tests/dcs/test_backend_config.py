@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import pytest
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
@@ -11,17 +13,22 @@ from agentic_lora.errors import BackendRefusedError, ConfigurationError
 from tests.dcs.util import make_snapshot, target_for
 
 
+def _backend(collective_backend: str) -> DcsBackend:
+    # One engine whose sidecar address is port 1 on loopback: nothing listens there.
+    return DcsBackend(
+        {"E0": "http://127.0.0.1:1"}, collective_backend=collective_backend, sidecar_token="t"
+    )
+
+
 @pytest.mark.asyncio
 async def test_the_dcs_entry_point_builds_a_backend() -> None:
     backend = load_backend(
         "dcs", sidecars={"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t"
     )
-    try:
+    async with aclosing(backend):
         assert isinstance(backend, DcsBackend)
         assert isinstance(backend, Backend)
         assert backend.collective_backend == "gloo"
-    finally:
-        await backend.aclose()
 
 
 @pytest.mark.parametrize(
@@ -44,36 +51,27 @@ def test_settings_that_cannot_work_are_configuration_errors(
 async def test_nccl_is_accepted_only_where_cuda_and_nccl_exist() -> None:
     if "nccl" not in SUPPORTED_BACKENDS:
         with pytest.raises(ConfigurationError, match="nccl"):
-            DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl", sidecar_token="t")
+            _backend("nccl")
         return
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="nccl", sidecar_token="t")
-    try:
+    async with aclosing(_backend("nccl")) as backend:
         assert backend.collective_backend == "nccl"
-    finally:
-        await backend.aclose()
 
 
 @pytest.mark.asyncio
 async def test_an_engine_without_a_sidecar_is_a_configuration_error() -> None:
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t")
     snapshot = make_snapshot(seed=91)
-    try:
+    async with aclosing(_backend("gloo")) as backend:
         with pytest.raises(ConfigurationError, match="E7"):
             await backend.prepare(
                 EngineRef("E7", "http://127.0.0.1:1"), target_for(snapshot, "x"), snapshot
             )
-    finally:
-        await backend.aclose()
 
 
 @pytest.mark.asyncio
 async def test_an_unreachable_sidecar_is_a_clean_refusal_before_anything_is_sent() -> None:
     # Port 1 on loopback: nothing listens, the connection is refused before any byte is sent.
-    backend = DcsBackend({"E0": "http://127.0.0.1:1"}, collective_backend="gloo", sidecar_token="t")
     snapshot = make_snapshot(seed=92)
-    try:
+    async with aclosing(_backend("gloo")) as backend:
         with pytest.raises(BackendRefusedError) as refused:
             await backend.prepare(EngineRef("E0", "x"), target_for(snapshot, "y"), snapshot)
-    finally:
-        await backend.aclose()
     assert refused.value.details["reason"] == "NOT_SENT"

@@ -8,7 +8,7 @@ a real two-rank gloo group. Each example starts from a fresh sidecar and engine 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import ClassVar
 
 import httpx
@@ -16,10 +16,10 @@ import pytest
 from agentic_lora_dcs import DcsBackend
 from hypothesis import HealthCheck, settings
 
-from agentic_lora.engines.backends import Backend, EngineRef
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.testing.backend_conformance import (
     BackendConformance,
-    EngineDouble,
+    BackendHarness,
     Failure,
     Operation,
 )
@@ -79,7 +79,7 @@ class SidecarEngineDouble:
         self._http.post(f"{self._host.url}/_test/engine/clear").raise_for_status()
 
 
-class DcsHarness:
+class DcsHarness(BackendHarness):
     """A DcsBackend over two freshly reset sidecar hosts."""
 
     def __init__(self, hosts: dict[str, SidecarProcess]) -> None:
@@ -88,29 +88,18 @@ class DcsHarness:
         )
         for host in hosts.values():
             host.reset(self._http)
-        self._doubles = [
-            SidecarEngineDouble(name, host, self._http) for name, host in hosts.items()
-        ]
-        self._backend = DcsBackend(
+        backend = DcsBackend(
             {name: host.url for name, host in hosts.items()},
             bucket_bytes=32,  # the suite's tiny adapters still move in two buckets
             collective_backend="gloo",
             sidecar_token=SIDECAR_TOKEN,
         )
+        super().__init__(
+            backend, [SidecarEngineDouble(name, host, self._http) for name, host in hosts.items()]
+        )
 
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @property
-    def engines(self) -> Sequence[EngineDouble]:
-        return self._doubles
-
-    async def aclose(self) -> None:
-        try:
-            await self._backend.aclose()
-        finally:
-            self._http.close()
+    async def release(self) -> None:
+        self._http.close()
 
 
 class DcsConformance(BackendConformance):

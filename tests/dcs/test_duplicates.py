@@ -10,7 +10,15 @@ from agentic_lora_dcs.plan import plan_for_snapshot
 
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, state_of, target_for
+from tests.dcs.util import (
+    BUCKET_BYTES,
+    SidecarProcess,
+    calls_naming,
+    make_snapshot,
+    resend,
+    state_of,
+    target_for,
+)
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -42,11 +50,7 @@ async def test_duplicate_bucket_messages_drive_exactly_one_collective_per_bucket
     assert (await e0.engine_state(http))["adapters"][target.lora_name] == snapshot.digest
 
     # A duplicate that arrives after the attempt is READY is answered from the record.
-    late = await http.post(
-        f"{e0.url}/bucket",
-        content=publisher.edge.bodies("/bucket")[0],
-        headers={"content-type": "application/json"},
-    )
+    late = await resend(http, f"{e0.url}/bucket", publisher.edge.bodies("/bucket")[0])
     assert late.status_code == 200
     assert late.json()["state"] == "RECEIVED"
     assert late.json()["duplicate"] is True
@@ -88,8 +92,7 @@ async def test_lost_end_reply_returns_the_same_ready_without_a_second_load(
     assert len(publisher.edge.bodies("/end")) == 2
     engine = await e0.engine_state(http)
     assert engine["physical_loads"][target.lora_name] == 1
-    loads = [body for op, body in engine["calls"] if op == "load"]
-    assert [b["lora_name"] for b in loads].count(target.lora_name) == 1
+    assert calls_naming(engine, "load", target.lora_name) == 1
 
 
 @pytest.mark.asyncio
@@ -154,11 +157,7 @@ async def test_a_new_driver_restarts_an_attempt_that_failed_cleanly(
     with pytest.raises(BackendRefusedError):
         await publisher.backend.prepare(e1.engine, target, snapshot)
     # The refused driver's own Begin, repeated, still gets the root cause...
-    repeat = await http.post(
-        e1.url + "/begin",
-        content=publisher.edge.bodies("/begin")[0],
-        headers={"content-type": "application/json"},
-    )
+    repeat = await resend(http, e1.url + "/begin", publisher.edge.bodies("/begin")[0])
     assert repeat.json()["reason"] == "ENGINE_REFUSED"
     # ...while a new driver starts the attempt over: nothing of it was held.
     receipt = await publisher.backend.prepare(e1.engine, target, snapshot)

@@ -17,13 +17,16 @@ from agentic_lora_dcs.protocol import (
 
 from agentic_lora.errors import BackendRefusedError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import (
+    BUCKET_BYTES,
+    SIDECAR_TOKEN,
+    SidecarProcess,
+    make_snapshot,
+    resend,
+    target_for,
+)
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
-
-
-async def _post(http: httpx.AsyncClient, url: str, body: bytes) -> httpx.Response:
-    return await http.post(url, content=body, headers={"content-type": "application/json"})
 
 
 @pytest.mark.asyncio
@@ -77,12 +80,12 @@ async def test_late_messages_of_a_cleaned_attempt_are_refused_and_never_touch_th
 
     # Attempt 1's Begin, bucket and End (READY) arrive again, late.
     for path, body in (("/begin", old_begin), ("/bucket", old_bucket), ("/end", old_end)):
-        reply = await _post(http, e0.url + path, body)
+        reply = await resend(http, e0.url + path, body)
         assert reply.status_code == 409, path
         assert reply.json()["reason"] == "FENCED", path
         assert reply.json()["clean"] is True, path
     # So does its cleanup: it must not unload what attempt 2 loaded under the same name.
-    stale_cleanup = await _post(
+    stale_cleanup = await resend(
         http,
         e0.url + "/cleanup",
         CleanupRequest(lora_name=first.lora_name, attempt=1).model_dump_json().encode(),

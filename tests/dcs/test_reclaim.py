@@ -7,7 +7,7 @@ import pytest
 
 from agentic_lora.errors import BackendAmbiguousError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import SidecarProcess, calls_naming, make_snapshot, resend, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
@@ -31,9 +31,7 @@ async def test_reclaim_unloads_once_and_fences_the_name_for_good(
     assert not (e0.store_dir / target.lora_name).exists()
     assert target.lora_name in (await e0.status(http))["reclaimed"]
     # A late Begin for a reclaimed name never loads it again.
-    late = await http.post(
-        e0.url + "/begin", content=old_begin, headers={"content-type": "application/json"}
-    )
+    late = await resend(http, e0.url + "/begin", old_begin)
     assert late.status_code == 409
     assert late.json()["reason"] == "RECLAIMED"
     assert (await e0.engine_state(http))["physical_loads"][target.lora_name] == 1
@@ -56,8 +54,7 @@ async def test_a_lost_reclaim_reply_is_retried_without_a_second_physical_unload(
     assert len(publisher.edge.bodies("/reclaim")) == 2
     engine = await e1.engine_state(http)
     assert engine["physical_unloads"][target.lora_name] == 1
-    unloads = [body for op, body in engine["calls"] if op == "unload"]
-    assert [b["lora_name"] for b in unloads].count(target.lora_name) == 1
+    assert calls_naming(engine, "unload", target.lora_name) == 1
 
 
 @pytest.mark.asyncio

@@ -10,13 +10,9 @@ import pytest
 
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
 from tests.dcs.conftest import Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, state_of, target_for
+from tests.dcs.util import BUCKET_BYTES, SidecarProcess, make_snapshot, resend, state_of, target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
-
-
-async def _post(http: httpx.AsyncClient, url: str, body: bytes) -> httpx.Response:
-    return await http.post(url, content=body, headers={"content-type": "application/json"})
 
 
 @pytest.mark.asyncio
@@ -109,8 +105,8 @@ async def test_sidecar_restart_changes_the_incarnation_and_refuses_the_old_attem
         lone_sidecar.stop()
         restarted = SidecarProcess.start("E9", lone_sidecar.store_dir)
         try:
-            begin = await _post(http, restarted.url + "/begin", old_begin)
-            end = await _post(http, restarted.url + "/end", old_end)
+            begin = await resend(http, restarted.url + "/begin", old_begin)
+            end = await resend(http, restarted.url + "/end", old_end)
             fresh = Publisher({"E9": restarted}, BUCKET_BYTES)
             try:
                 after = await fresh.backend.incarnation(restarted.engine)

@@ -20,6 +20,8 @@ from agentic_lora_dcs.protocol import (
     EndRequest,
 )
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.foundation.identity import thaw_json
 from tests.dcs.conftest import Publisher
@@ -36,16 +38,22 @@ pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 
 
 def _begin(
-    target_name: str, version_id: str, digest: str, incarnation: str, config: dict, plan: BucketPlan
+    target: PublicationTarget,
+    snapshot: AdapterSnapshot,
+    incarnation: str,
+    plan: BucketPlan,
+    *,
+    version_id: str | None = None,
 ) -> BeginRequest:  # type: ignore[type-arg]
+    """Attempt 1's Begin for ``target`` claiming ``snapshot``'s digest and config."""
     return BeginRequest(
         driver="d0d0d0d0",
-        lora_name=target_name,
+        lora_name=target.lora_name,
         attempt=1,
-        version_id=version_id,
-        digest=digest,
+        version_id=version_id or target.version_id,
+        digest=snapshot.digest,
         incarnation=incarnation,
-        config=config,
+        config=thaw_json(snapshot.config),
         plan=plan,
         backend="gloo",
         protocol=PROTOCOL_VERSION,
@@ -65,16 +73,7 @@ async def test_corrupted_bytes_in_transit_are_a_clean_refusal_and_nothing_is_loa
     incarnation = (await client.incarnation()).incarnation
 
     # A sender that follows the protocol but whose last bucket loses one bit on the way.
-    began = await client.begin(
-        _begin(
-            target.lora_name,
-            target.version_id,
-            snapshot.digest,
-            incarnation,
-            thaw_json(snapshot.config),
-            plan,
-        )
-    )
+    began = await client.begin(_begin(target, snapshot, incarnation, plan))
     rv = began.rendezvous
     counter = CollectiveCounter()
     group = await asyncio.to_thread(
@@ -136,39 +135,14 @@ async def test_a_manifest_that_does_not_hash_to_the_digest_is_refused_at_begin(
 
     with pytest.raises(BackendRefusedError) as wrong_manifest:
         await client.begin(
-            _begin(
-                target.lora_name,
-                target.version_id,
-                claimed.digest,
-                incarnation,
-                thaw_json(claimed.config),
-                plan_for_snapshot(other, BUCKET_BYTES),
-            )
+            _begin(target, claimed, incarnation, plan_for_snapshot(other, BUCKET_BYTES))
         )
     good = plan_for_snapshot(claimed, BUCKET_BYTES)
     repacked = BucketPlan(bucket_bytes=good.bucket_bytes * 2, buckets=good.buckets)
     with pytest.raises(BackendRefusedError) as bad_plan:
-        await client.begin(
-            _begin(
-                target.lora_name,
-                target.version_id,
-                claimed.digest,
-                incarnation,
-                thaw_json(claimed.config),
-                repacked,
-            )
-        )
+        await client.begin(_begin(target, claimed, incarnation, repacked))
     with pytest.raises(BackendRefusedError) as wrong_name:
-        await client.begin(
-            _begin(
-                target.lora_name,
-                "another-id",
-                claimed.digest,
-                incarnation,
-                thaw_json(claimed.config),
-                good,
-            )
-        )
+        await client.begin(_begin(target, claimed, incarnation, good, version_id="another-id"))
 
     assert wrong_manifest.value.details["reason"] == "MANIFEST_MISMATCH"
     assert bad_plan.value.details["reason"] == "BAD_PLAN"

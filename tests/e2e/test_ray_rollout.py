@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
@@ -54,10 +53,6 @@ from tests.chaos.support import (
 from tests.e2e.recording_proxy import TrafficLog
 
 ray = pytest.importorskip("ray")
-
-_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ray_rollout"
-if str(_EXAMPLE) not in sys.path:
-    sys.path.insert(0, str(_EXAMPLE))
 
 from agentic_lora_rollout import (  # noqa: E402
     REGISTRY_NAMESPACE,

@@ -41,6 +41,7 @@ from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.config.test_config import check_of as settings_check_of
 
 A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 GROUP = "g1=prefill=http://p:30000,decode=http://d:30001,decode=http://d:30002,router=http://r:8000"
@@ -64,10 +65,8 @@ def on(**values: Any) -> dict[str, Any]:
 
 
 def check_of(**values: Any) -> str:
-    with pytest.raises(ConfigurationError) as err:
-        AgenticLoRASettings(**on(**values))
-    assert err.value.code == "CONFIG_ERROR"
-    return str(err.value.details["check"])
+    """The check that refuses :func:`on` with ``values`` changed."""
+    return settings_check_of(**on(**values))
 
 
 @pytest.fixture(autouse=True)

@@ -15,21 +15,21 @@ from agentic_lora.errors import (
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from tests.engines.test_transport import URL, transport
+from tests.engines.test_transport import (
+    URL,
+    transport,
+)
 
 
 @pytest.mark.asyncio
 async def test_server_info_that_is_not_an_object_is_indeterminate() -> None:
-    t = transport()
-    try:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             route = mock.get(URL + "/server_info").respond(200, json=["not", "an", "object"])
             with pytest.raises(RequestIndeterminateError) as err:
                 await t.server_info("e0")
             # A well-formed 200 is an answer, not a lost reply: asked once.
             assert route.call_count == 1
-    finally:
-        await t.aclose()
     assert err.value.message == (
         "server_info of e0: /server_info is not a JSON object [indeterminate]"
     )
@@ -39,8 +39,7 @@ async def test_server_info_that_is_not_an_object_is_indeterminate() -> None:
 
 @pytest.mark.asyncio
 async def test_server_info_falls_back_to_the_legacy_path_and_retries_a_5xx() -> None:
-    t = transport(attempts=2)
-    try:
+    async with transport(attempts=2) as t:
         with respx.mock(using="httpx") as mock:
             new = mock.get(URL + "/server_info").respond(404, json={"detail": "Not Found"})
             old = mock.get(URL + "/get_server_info")
@@ -59,14 +58,11 @@ async def test_server_info_falls_back_to_the_legacy_path_and_retries_a_5xx() -> 
                 await t.server_info("e0")
             assert failed.value.details["status"] == 500
             assert new.call_count == 4
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
 async def test_server_info_lost_replies_are_asked_again_up_to_the_bound() -> None:
-    t = transport(attempts=2)
-    try:
+    async with transport(attempts=2) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.get(URL + "/server_info")
             route.side_effect = [httpx.ReadError("lost"), httpx.Response(200, json={"ok": 1})]
@@ -76,8 +72,6 @@ async def test_server_info_lost_replies_are_asked_again_up_to_the_bound() -> Non
             with pytest.raises(RequestIndeterminateError, match="may have been accepted"):
                 await t.server_info("e0")
             assert route.call_count == 4
-    finally:
-        await t.aclose()
 
 
 def test_control_attempts_below_one_are_refused() -> None:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from tenacity import wait_none
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import (
     GENERATION_STOP,
+    EngineReply,
     EngineTransport,
     Outcome,
     classify_exception,
@@ -46,6 +48,12 @@ def transport(kind: str = "aiohttp", url: str = URL, attempts: int = 3) -> Engin
         request_timeout=30,
         connect_timeout=5,
     )
+
+
+async def send_once(kind: str, url: str, body: dict[str, Any]) -> EngineReply:
+    """One ``POST /generate`` to e0 at ``url`` through a fresh transport, closed after it."""
+    async with transport(kind, url) as t:
+        return await t.send("e0", "/generate", body)
 
 
 def test_status_classes() -> None:
@@ -121,8 +129,7 @@ async def test_a_failed_generation_is_attempted_exactly_once_whatever_the_failur
 ) -> None:
     # The control calls of the same transport do retry (3 attempts): the generation must not.
     make, expected = FAILURES[failure]
-    t = transport(kind, attempts=3)
-    try:
+    async with transport(kind, attempts=3) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate")
             # A second attempt, if there were one, would succeed: only a retry could hide the
@@ -131,15 +138,12 @@ async def test_a_failed_generation_is_attempted_exactly_once_whatever_the_failur
             with pytest.raises(expected):
                 await t.send("e0", "/generate", {"text": "x", "rid": "r1"})
             assert route.call_count == 1
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
-    t = transport(kind)
-    try:
+    async with transport(kind) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate")
             route.side_effect = [
@@ -164,15 +168,12 @@ async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
             with pytest.raises(RequestIndeterminateError, match="indeterminate"):
                 await t.send("e0", "/generate", {"text": "x"})
             assert route.call_count == 5  # five sends, five requests: nothing retried
-    finally:
-        await t.aclose()
     assert t.http_transport == kind
 
 
 @pytest.mark.asyncio
 async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> None:
-    t = transport()
-    try:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/v1/completions").respond(200, json={"choices": []})
             body = {"model": "m:a", "prompt": "héllo", "max_tokens": 3}
@@ -198,14 +199,11 @@ async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> Non
             got = info.calls.last.request
             assert "content-type" not in got.headers
             assert got.headers["user-agent"] == expected.headers["user-agent"]
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
 async def test_abort_is_retried_on_transport_failures_but_not_on_a_4xx() -> None:
-    t = transport(attempts=3)
-    try:
+    async with transport(attempts=3) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/abort_request")
             route.side_effect = [httpx.Response(503), httpx.ConnectError("x"), httpx.Response(200)]
@@ -222,8 +220,6 @@ async def test_abort_is_retried_on_transport_failures_but_not_on_a_4xx() -> None
             with pytest.raises(RequestIndeterminateError):
                 await t.abort("e0", "r3")
             assert route.call_count == 7
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
@@ -283,12 +279,8 @@ async def test_connection_refused_is_refused(kind: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestRefusedError):
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestRefusedError):
+            await send_once(kind, url, {"text": "x"})
 
 
 @pytest.mark.asyncio
@@ -302,12 +294,8 @@ async def test_connection_closed_after_the_request_arrived_is_indeterminate(kind
         await writer.wait_closed()
 
     async with loopback_server(accept_then_drop) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError):
-                await t.send("e0", "/generate", {"text": "x", "rid": "r-drop"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError):
+            await send_once(kind, url, {"text": "x", "rid": "r-drop"})
     assert [json.loads(r) for r in received] == [{"text": "x", "rid": "r-drop"}]
 
 
@@ -327,9 +315,5 @@ async def test_a_real_answer_round_trips(kind: str) -> None:
         await writer.wait_closed()
 
     async with loopback_server(answer) as url:
-        t = transport(kind, url)
-        try:
-            reply = await t.send("e0", "/generate", {"text": "x", "rid": "r-ok"})
-        finally:
-            await t.aclose()
+        reply = await send_once(kind, url, {"text": "x", "rid": "r-ok"})
     assert reply.body == {"text": "ok", "meta_info": {"id": "r-ok"}}

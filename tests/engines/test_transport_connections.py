@@ -16,7 +16,10 @@ from agentic_lora.errors import (
     ConfigurationError,
     RequestRefusedError,
 )
-from tests.engines.test_transport import URL, transport
+from tests.engines.test_transport import (
+    URL,
+    transport,
+)
 
 
 @pytest.mark.asyncio

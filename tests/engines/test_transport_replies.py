@@ -20,7 +20,14 @@ from agentic_lora.errors import (
     RequestIndeterminateError,
     RequestRefusedError,
 )
-from tests.engines.test_transport import KINDS, URL, loopback_server, read_request, transport
+from tests.engines.test_transport import (
+    KINDS,
+    URL,
+    loopback_server,
+    read_request,
+    send_once,
+    transport,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -48,12 +55,8 @@ def truncated_reply(status: int, requests: list[bytes]) -> Handler:
 async def test_a_2xx_reply_cut_off_mid_body_is_indeterminate_and_sent_once(kind: str) -> None:
     requests: list[bytes] = []
     async with loopback_server(truncated_reply(200, requests)) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError) as err:
-                await t.send("e0", "/generate", {"text": "x", "rid": "r-cut"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError) as err:
+            await send_once(kind, url, {"text": "x", "rid": "r-cut"})
     assert "reply lost while reading it" in err.value.message
     assert "the engine may have run the request" in err.value.message
     assert err.value.details["status"] == 200
@@ -67,12 +70,8 @@ async def test_a_2xx_reply_cut_off_mid_body_is_indeterminate_and_sent_once(kind:
 async def test_a_4xx_reply_cut_off_mid_body_is_still_a_refusal(kind: str) -> None:
     requests: list[bytes] = []
     async with loopback_server(truncated_reply(400, requests)) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestRefusedError) as err:
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestRefusedError) as err:
+            await send_once(kind, url, {"text": "x"})
     assert err.value.message.startswith("POST /generate to e0 refused with HTTP 400")
     assert err.value.details["status"] == 400
     assert err.value.details["outcome"] == "refused"
@@ -81,8 +80,7 @@ async def test_a_4xx_reply_cut_off_mid_body_is_still_a_refusal(kind: str) -> Non
 
 @pytest.mark.asyncio
 async def test_bodies_that_are_not_json_or_not_sglang_shaped_are_kept_as_they_are() -> None:
-    t = transport()
-    try:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             mock.post(URL + "/generate").mock(
                 side_effect=[
@@ -96,8 +94,6 @@ async def test_bodies_that_are_not_json_or_not_sglang_shaped_are_kept_as_they_ar
             no_reason = await t.send("e0", "/generate", {"text": "x"})
             odd_reason = await t.send("e0", "/generate", {"text": "x"})
             aborted = await t.send("e0", "/generate", {"text": "x", "rid": "r-abort"})
-    finally:
-        await t.aclose()
     assert (text.body, text.finish_reason, text.aborted) == ("plain words", None, False)
     assert (no_reason.finish_reason, no_reason.aborted) == (None, False)
     assert (odd_reason.finish_reason, odd_reason.aborted) == (None, False)

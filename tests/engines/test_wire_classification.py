@@ -45,7 +45,7 @@ from agentic_lora.errors import (
     RequestRefusedError,
 )
 from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH, error_payload, jsonable
-from tests.engines.test_transport import loopback_server, read_request
+from tests.engines.test_transport import loopback_server, read_request, send_once
 from tests.gateway.test_gateway import BASE_MODEL, Stack, gateway_stack
 
 URL = "http://127.0.0.1:30000"
@@ -191,13 +191,10 @@ async def test_each_aiohttp_failure_of_a_generation_is_classified_once(
         raise make()
 
     monkeypatch.setattr(aiohttp.ClientSession, "_request", fail)
-    t = transport("aiohttp")
-    try:
+    async with transport("aiohttp") as t:
         expected = RequestRefusedError if outcome is REFUSED else RequestIndeterminateError
         with pytest.raises(expected) as info:
             await t.send("e0", "/generate", {"text": "x", "rid": "r1"})
-    finally:
-        await t.aclose()
     assert type(info.value) is expected  # not VersionUnavailableError or another subclass
     assert info.value.details["outcome"] == outcome.value
     assert calls == [URL + "/generate"]  # one attempt, never a second
@@ -290,21 +287,17 @@ async def test_a_reply_in_an_undecodable_content_encoding(kind: str) -> None:
         writer.close()
         await writer.wait_closed()
 
-    async with loopback_server(gzip_garbage) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError) as ran:
-                await t.send("e0", "/generate", {"text": "x"})
-            assert (ran.value.details["status"], ran.value.details["error"]) == (
-                200,
-                "DecodingError",
-            )
-            # The engine said no: still a refusal, whatever the body's encoding.
-            with pytest.raises(RequestRefusedError) as refused:
-                await t.send("e0", "/generate", {"text": "x"})
-            assert refused.value.details["status"] == 400
-        finally:
-            await t.aclose()
+    async with loopback_server(gzip_garbage) as url, transport(kind, url) as t:
+        with pytest.raises(RequestIndeterminateError) as ran:
+            await t.send("e0", "/generate", {"text": "x"})
+        assert (ran.value.details["status"], ran.value.details["error"]) == (
+            200,
+            "DecodingError",
+        )
+        # The engine said no: still a refusal, whatever the body's encoding.
+        with pytest.raises(RequestRefusedError) as refused:
+            await t.send("e0", "/generate", {"text": "x"})
+        assert refused.value.details["status"] == 400
     assert len(received) == 2  # one attempt each
 
 
@@ -332,24 +325,17 @@ async def test_a_malformed_status_line_over_a_real_socket_is_indeterminate(kind:
         await writer.wait_closed()
 
     async with loopback_server(garbage) as url:
-        t = transport(kind, url)
-        try:
-            with pytest.raises(RequestIndeterminateError):
-                await t.send("e0", "/generate", {"text": "x"})
-        finally:
-            await t.aclose()
+        with pytest.raises(RequestIndeterminateError):
+            await send_once(kind, url, {"text": "x"})
     assert len(received) == 1  # the engine had it, once
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["aiohttp", "httpx"])
 async def test_an_engine_url_that_cannot_be_requested_is_refused(kind: str) -> None:
-    t = transport(kind, "http://[::1")
-    try:
+    async with transport(kind, "http://[::1") as t:
         with pytest.raises(RequestRefusedError, match="was not sent"):
             await t.send("e0", "/generate", {"text": "x"})
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio
@@ -379,13 +365,9 @@ async def test_a_close_that_fails_after_a_lost_reply_does_not_replace_its_verdic
 
     monkeypatch.setattr(aiohttp.ClientResponse, "__aexit__", broken_exit)
     caplog.set_level(logging.DEBUG, logger="agentic_lora.engines.transport")
-    async with loopback_server(cut_off) as url:
-        t = transport("aiohttp", url)
-        try:
-            with pytest.raises(RequestIndeterminateError, match="reply lost while reading"):
-                await t.send("e0", "/generate", {"text": "x", "rid": "r-close"})
-        finally:
-            await t.aclose()
+    async with loopback_server(cut_off) as url, transport("aiohttp", url) as t:
+        with pytest.raises(RequestIndeterminateError, match="reply lost while reading"):
+            await t.send("e0", "/generate", {"text": "x", "rid": "r-close"})
     [record] = [r for r in caplog.records if getattr(r, "rid", None) == "r-close"]
     assert (record.engine, record.rid, record.error) == (  # type: ignore[attr-defined]
         "e0",
@@ -406,8 +388,7 @@ def test_wire_errors_cover_the_table() -> None:
 
 @pytest.mark.asyncio
 async def test_a_caller_body_json_cannot_carry_is_invalid_and_never_sent() -> None:
-    t = transport("httpx")
-    try:
+    async with transport("httpx") as t:
         with respx.mock(using="httpx", assert_all_called=False) as mock:
             route = mock.post(URL + "/generate").respond(200, json={})
             for body in (
@@ -419,8 +400,6 @@ async def test_a_caller_body_json_cannot_carry_is_invalid_and_never_sent() -> No
                     await t.send("e0", "/generate", body)
                 assert info.value.details["reason"] == "not_json"
             assert route.call_count == 0
-    finally:
-        await t.aclose()
 
 
 def _deep_json(depth: int) -> bytes:
@@ -429,8 +408,7 @@ def _deep_json(depth: int) -> bytes:
 
 @pytest.mark.asyncio
 async def test_an_engine_reply_too_deep_to_decode() -> None:
-    t = transport("httpx")
-    try:
+    async with transport("httpx") as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate")
             route.return_value = httpx.Response(200, content=_deep_json(TOO_DEEP))
@@ -447,8 +425,6 @@ async def test_an_engine_reply_too_deep_to_decode() -> None:
             with pytest.raises(RequestIndeterminateError):
                 await t.server_info("e0")
             assert info.call_count == 2
-    finally:
-        await t.aclose()
 
 
 @pytest.mark.asyncio

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -20,21 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import load_settings
-from agentic_lora.errors import ConfigurationError
-from agentic_lora.publication.publisher import PublicationOutcome
-from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.fleet import ScriptedFleet
-
-_AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-if str(_AGENTS) not in sys.path:
-    sys.path.insert(0, str(_AGENTS))
-
-from agentic_lora_agent import (  # noqa: E402
+from agentic_lora_agent import (
     AgentConfig,
     AgentObserver,
     AttemptKind,
@@ -55,6 +40,15 @@ from agentic_lora_agent import (  # noqa: E402
     parse_tool_calls,
     percentiles,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.config import load_settings
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.testing.adapters import tiny_snapshot
+from agentic_lora.testing.fleet import ScriptedFleet
 
 BASE = "tiny-qwen3"
 

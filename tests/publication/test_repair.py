@@ -60,11 +60,12 @@ from agentic_lora.registry.types import (
     VersionStatus,
     new_request_id,
 )
-from agentic_lora.session import Session, Versioning
+from agentic_lora.session import Session
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.publish import publish_by_verbs
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from tests.e2e.support import open_on
 from tests.session_support import RecordingRegistry
 
 # A failing assertion must not leave a gated load holding the Deployment's shutdown forever.
@@ -100,17 +101,6 @@ def _status(d: Deployment, version_id: str) -> VersionStatus:
     status = d.registry.peek_version(version_id)  # type: ignore[attr-defined]
     assert isinstance(status, VersionStatus)
     return status
-
-
-async def open_on(versioning: Versioning, engine: str, label: str) -> Session:
-    """A Session the router places on ``engine`` (its affinity engine), opened and not bound."""
-    engines = tuple(e.name for e in versioning.engines)
-    for attempt in range(64):
-        s = versioning.open_session(f"{label}-{attempt}")
-        if versioning.router.choose(s.key, engines, {}) == engine:
-            return s
-        await s.close()
-    raise AssertionError(f"no Session of {label} lands on {engine}")
 
 
 _OPEN_GATES: list[asyncio.Event] = []

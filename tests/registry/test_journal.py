@@ -148,42 +148,36 @@ async def test_another_journal_format_stops_start_up(tmp_path: Path) -> None:
         _registry(path)
 
 
-async def test_a_tampered_row_stops_start_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("damage", "options", "match"),
+    [
+        pytest.param(
+            "UPDATE events SET args = replace(args, 's_old', 's_odd') WHERE verb='bind_first'",
+            {},
+            "checksum",
+            id="tampered-row",
+        ),
+        pytest.param("DELETE FROM events WHERE seq = 3", {}, "skips", id="missing-row"),
+        pytest.param(
+            "UPDATE snapshots SET state = '{not json'",
+            {"compact_every": 3},
+            "snapshot",
+            id="broken-snapshot",
+        ),
+    ],
+)
+async def test_a_damaged_journal_stops_start_up(
+    tmp_path: Path, damage: str, options: dict[str, object], match: str
+) -> None:
     path = tmp_path / "registry.sqlite"
-    reg = _registry(path)
+    reg = _registry(path, **options)
     await _scenario(reg)
     await reg.aclose()
     with sqlite3.connect(path) as conn:
-        conn.execute(
-            "UPDATE events SET args = replace(args, 's_old', 's_odd') WHERE verb='bind_first'"
-        )
+        conn.execute(damage)
     conn.close()
-    with pytest.raises(JournalCorruptError, match="checksum"):
-        _registry(path)
-
-
-async def test_a_missing_row_stops_start_up(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
-    reg = _registry(path)
-    await _scenario(reg)
-    await reg.aclose()
-    with sqlite3.connect(path) as conn:
-        conn.execute("DELETE FROM events WHERE seq = 3")
-    conn.close()
-    with pytest.raises(JournalCorruptError, match="skips"):
-        _registry(path)
-
-
-async def test_a_broken_snapshot_stops_start_up(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
-    reg = _registry(path, compact_every=3)
-    await _scenario(reg)
-    await reg.aclose()
-    with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE snapshots SET state = '{not json'")
-    conn.close()
-    with pytest.raises(JournalCorruptError, match="snapshot"):
-        _registry(path, compact_every=3)
+    with pytest.raises(JournalCorruptError, match=match):
+        _registry(path, **options)
 
 
 async def test_a_write_failure_stops_the_registry(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from agentic_lora.errors import (
 from agentic_lora.foundation.background import Rounds, stop_loop
 from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus
 from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair.locks import VersionLocks
 from agentic_lora.publication.repair.probe import EngineProbe, ProbeResult, Readiness
 from agentic_lora.publication.repair.snapshots import SnapshotCache, SnapshotSource
@@ -99,7 +100,7 @@ class RepairReport:
 # --- the repairer -------------------------------------------------------------------------------
 
 
-class Repairer:
+class Repairer(BackgroundLoop):
     """Loads dispatchable versions onto engines that lost them (see :mod:`agentic_lora.publication.repair`).
 
     ``health``: the Sessions' :class:`~agentic_lora.engines.routing.EngineHealth`; an engine whose probe
@@ -192,11 +193,6 @@ class Repairer:
 
     # --- background -----------------------------------------------------------------------------
 
-    @property
-    def rounds(self) -> int:
-        """Rounds the background loop has finished."""
-        return self._rounds.count
-
     def poke(self, engine: str | None = None) -> None:
         """Probe (and repair) now, not at the next tick; ``engine``: who looked restarted."""
         if engine is not None:
@@ -224,13 +220,6 @@ class Repairer:
             if not running:
                 return
             await asyncio.wait(running)
-
-    async def __aenter__(self) -> Repairer:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def _run(self) -> None:
         while True:
