@@ -34,11 +34,12 @@ incarnation through it with the same code as through the generation transport.
 
 from __future__ import annotations
 
+import abc
 import enum
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
@@ -74,6 +75,9 @@ logger = logging.getLogger(__name__)
 #: The phrase SGLang's LoRA registry uses when asked to unregister a name it does not hold
 #: (``LoRARegistry.unregister``). It is the only signal that an unload found nothing to do.
 ABSENT_MARKER = "does not exist"
+
+#: What an admin client's reader makes of one HTTP answer (the engine's answer shape).
+AnswerT = TypeVar("AnswerT")
 
 
 class UnloadOutcome(enum.StrEnum):
@@ -126,11 +130,11 @@ class ServerInfo:
     raw: Mapping[str, Any]
 
 
-class AdminHttpClient:
+class AdminHttpClient(abc.ABC, Generic[AnswerT]):
     """One engine's admin HTTP endpoint: one attempt per call, every failure classified.
 
-    Subclasses add the engine's routes and read its answers; this class sends, and turns what
-    went wrong on the wire into :class:`~agentic_lora.errors.BackendRefusedError` (the request
+    Subclasses add the engine's routes and read its answers (:meth:`_read`, into ``AnswerT``);
+    this class sends, and turns what went wrong on the wire into :class:`~agentic_lora.errors.BackendRefusedError` (the request
     never left, so the engine cannot have acted) or
     :class:`~agentic_lora.errors.BackendAmbiguousError` (it may have). Pass ``client`` to share
     an :class:`httpx.AsyncClient` (its lifetime stays yours); without it the client owns one and
@@ -171,22 +175,30 @@ class AdminHttpClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _send_post(
+    @abc.abstractmethod
+    def _read(self, op: str, response: httpx.Response, lora_name: str | None) -> AnswerT:
+        """The engine's answer to ``op``; raises the classified error for one that never succeeds."""
+
+    async def _post(
         self,
         op: str,
         path: str,
         payload: Mapping[str, Any],
         *,
         limit: float | None,
-        lora_name: str | None,
-    ) -> httpx.Response:
+        lora_name: str | None = None,
+    ) -> AnswerT:
         request_timeout = httpx.Timeout(limit, connect=self.timeouts.connect)
         try:
-            return await self._client.post(
+            response = await self._client.post(
                 self.base_url + path, json=dict(payload), timeout=request_timeout
             )
         except WIRE_ERRORS as exc:
             raise self._transport_failure(op, exc, lora_name) from exc
+        return self._read(op, response, lora_name)
+
+    async def _get(self, op: str, path: str) -> AnswerT:
+        return self._read(op, await self._send_get(op, path), None)
 
     async def _send_get(self, op: str, path: str) -> httpx.Response:
         try:
@@ -252,7 +264,7 @@ class AdminHttpClient:
         )
 
 
-class EngineAdminClient(AdminHttpClient):
+class EngineAdminClient(AdminHttpClient[dict[str, Any]]):
     """Typed access to one SGLang engine's control endpoints (one attempt per call).
 
     Construction and client sharing as for :class:`AdminHttpClient`.
@@ -265,7 +277,7 @@ class EngineAdminClient(AdminHttpClient):
     ) -> LoadResult:
         """Load ``lora_path`` under ``lora_name``; confirmed only if the body says so."""
         op = "load_lora_adapter"
-        body = await self._post_json(
+        body = await self._post(
             op,
             "/load_lora_adapter",
             {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned},
@@ -295,7 +307,7 @@ class EngineAdminClient(AdminHttpClient):
     async def unload_lora_adapter(self, lora_name: str) -> UnloadOutcome:
         """Unload ``lora_name`` once its in-flight requests finished; ABSENT if not held."""
         op = "unload_lora_adapter"
-        body = await self._post_json(
+        body = await self._post(
             op,
             "/unload_lora_adapter",
             {"lora_name": lora_name},
@@ -312,7 +324,7 @@ class EngineAdminClient(AdminHttpClient):
     async def list_lora_adapters(self) -> dict[str, str]:
         """Registered adapters as ``{name: path}`` (from ``GET /v1/models``)."""
         op = "list_models"
-        body = await self._get_json(op, "/v1/models")
+        body = await self._get(op, "/v1/models")
         data = body.get("data")
         if not isinstance(data, list):
             raise self._ambiguous(op, "model list has no 'data' array")
@@ -323,7 +335,7 @@ class EngineAdminClient(AdminHttpClient):
     ) -> ProbeResult:
         """Generate one token through exactly ``lora_name`` (greedy), proving it serves."""
         op = "probe_generate"
-        body = await self._post_json(
+        body = await self._post(
             op,
             "/generate",
             {
@@ -368,22 +380,7 @@ class EngineAdminClient(AdminHttpClient):
 
     # --- plumbing --------------------------------------------------------------------------
 
-    async def _post_json(
-        self,
-        op: str,
-        path: str,
-        payload: Mapping[str, Any],
-        *,
-        limit: float | None,
-        lora_name: str | None = None,
-    ) -> dict[str, Any]:
-        response = await self._send_post(op, path, payload, limit=limit, lora_name=lora_name)
-        return self._parse(op, response, lora_name)
-
-    async def _get_json(self, op: str, path: str) -> dict[str, Any]:
-        return self._parse(op, await self._send_get(op, path), None)
-
-    def _parse(self, op: str, response: httpx.Response, lora_name: str | None) -> dict[str, Any]:
+    def _read(self, op: str, response: httpx.Response, lora_name: str | None) -> dict[str, Any]:
         status = response.status_code
         try:
             body = response.json()

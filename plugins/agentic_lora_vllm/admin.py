@@ -35,7 +35,7 @@ only status codes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ class _Answer:
     json: Any
 
 
-class VllmAdminClient(AdminHttpClient):
+class VllmAdminClient(AdminHttpClient[_Answer]):
     """Typed access to one vLLM engine's LoRA control surface (one attempt per call).
 
     Construction and client sharing as for :class:`~agentic_lora.engines.admin.AdminHttpClient`.
@@ -170,22 +170,7 @@ class VllmAdminClient(AdminHttpClient):
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    async def _post(
-        self,
-        op: str,
-        path: str,
-        payload: Mapping[str, Any],
-        *,
-        limit: float | None,
-        lora_name: str | None,
-    ) -> _Answer:
-        response = await self._send_post(op, path, payload, limit=limit, lora_name=lora_name)
-        return self._answer(op, response, lora_name)
-
-    async def _get(self, op: str, path: str) -> _Answer:
-        return self._answer(op, await self._send_get(op, path), None)
-
-    def _answer(self, op: str, response: httpx.Response, lora_name: str | None) -> _Answer:
+    def _read(self, op: str, response: httpx.Response, lora_name: str | None) -> _Answer:
         if response.status_code >= 500:
             raise self._ambiguous(
                 op,
