@@ -21,11 +21,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
 from agentic_lora.foundation.discovery import BACKENDS_GROUP, build_plugin
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import ReadyReceipt
 
-__all__ = ["Backend", "EngineRef", "PublicationTarget", "load_backend"]
+__all__ = [
+    "Backend",
+    "EngineRef",
+    "PublicationTarget",
+    "load_backend",
+    "target_ambiguous",
+    "target_refused",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,24 @@ PublicationTarget = VersionRef
 """What one publication attempt puts on an engine: that attempt's
 :class:`~agentic_lora.foundation.identity.VersionRef`. A backend's READY receipt carries the very
 target it was asked to prepare (``ReadyReceipt(engine=..., ref=target, incarnation=...)``)."""
+
+
+def target_refused(
+    engine: EngineRef, target: PublicationTarget, message: str, *, reason: str, **details: Any
+) -> BackendRefusedError:
+    """``engine`` provably holds nothing of ``target``: the error, with engine, version and reason."""
+    return BackendRefusedError(
+        message, engine=engine.name, version=target.version_id, reason=reason, **details
+    )
+
+
+def target_ambiguous(
+    engine: EngineRef, target: PublicationTarget, message: str, *, reason: str, **details: Any
+) -> BackendAmbiguousError:
+    """``engine`` may hold ``target`` after all: the error, with engine, version and reason."""
+    return BackendAmbiguousError(
+        message, engine=engine.name, version=target.version_id, reason=reason, **details
+    )
 
 
 @runtime_checkable

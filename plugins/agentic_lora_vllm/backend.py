@@ -55,7 +55,7 @@ import httpx
 
 from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend, DrainHook
 from agentic_lora.engines.admin import AdminTimeouts
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.backends import EngineRef, PublicationTarget, target_ambiguous
 from agentic_lora.errors import (
     BackendAmbiguousError,
     BackendError,
@@ -129,26 +129,26 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
         try:
             held_at = (await admin.list_lora_adapters()).get(target.lora_name)
         except BackendError as exc:
-            raise BackendAmbiguousError(
+            raise target_ambiguous(
+                engine,
+                target,
                 f"cannot confirm the load of {target.lora_name} on {engine.name}: {exc.message}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="load_unconfirmed",
             ) from exc
         if refusal is not None:
             if held_at is None:
                 raise refusal
-            raise BackendAmbiguousError(
+            raise target_ambiguous(
+                engine,
+                target,
                 f"{engine.name} refused to load {target.lora_name} but lists it: {refusal.message}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="refused_but_held",
             ) from refusal
         if held_at != str(path):
-            raise BackendAmbiguousError(
+            raise target_ambiguous(
+                engine,
+                target,
                 f"{engine.name} reported loading {target.lora_name} but lists it at {held_at}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="load_unconfirmed",
             )
 
@@ -159,13 +159,11 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
         try:
             await self._wait_drained(lora_name)
         except Exception as exc:
-            # Nothing was unloaded; the version stays loaded and a later round retries.
-            raise BackendAmbiguousError(
+            raise _not_reclaimed(
+                engine,
+                lora_name,
                 f"drain wait for {lora_name} failed before unloading it from {engine.name}: "
                 f"{type(exc).__name__}: {exc}",
-                engine=engine.name,
-                version=lora_name,
-                op="reclaim",
                 reason="drain_failed",
             ) from exc
         await self._check_engine_idle(engine, lora_name)
@@ -174,20 +172,27 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
         try:
             activity = (await self._admin(engine).metrics()).lora_activity
         except BackendError as exc:
-            raise BackendAmbiguousError(
+            raise _not_reclaimed(
+                engine,
+                lora_name,
                 f"cannot read {engine.name}'s request activity before unloading {lora_name}: "
                 f"{exc.message}",
-                engine=engine.name,
-                version=lora_name,
-                op="reclaim",
                 reason="activity_unreadable",
             ) from exc
         if activity is not None and activity.busy(lora_name):
-            raise BackendAmbiguousError(
+            raise _not_reclaimed(
+                engine,
+                lora_name,
                 f"{engine.name} still reports requests on {lora_name} after the drain; "
                 "not unloaded, retry later",
-                engine=engine.name,
-                version=lora_name,
-                op="reclaim",
                 reason="engine_busy",
             )
+
+
+def _not_reclaimed(
+    engine: EngineRef, lora_name: str, message: str, *, reason: str
+) -> BackendAmbiguousError:
+    """A reclaim stopped before its unload: the version stays loaded, a later round retries."""
+    return BackendAmbiguousError(
+        message, engine=engine.name, version=lora_name, op="reclaim", reason=reason
+    )

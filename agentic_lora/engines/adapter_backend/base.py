@@ -45,11 +45,15 @@ from agentic_lora.adapters.store import AdapterStore
 from agentic_lora.engines.adapter_backend.fences import AttemptFences, Verdict
 from agentic_lora.engines.adapter_backend.incarnation import IncarnationTracker
 from agentic_lora.engines.admin import AdminTimeouts, UnloadOutcome
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.backends import (
+    EngineRef,
+    PublicationTarget,
+    target_ambiguous,
+    target_refused,
+)
 from agentic_lora.errors import (
     BackendAmbiguousError,
     BackendError,
-    BackendRefusedError,
     ConfigurationError,
     VersionConflictError,
 )
@@ -172,10 +176,10 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         """Store, load and probe ``target.lora_name`` on ``engine``."""
         extra = _extra(engine, target)
         if snapshot.digest != target.digest:
-            raise BackendRefusedError(
+            raise target_refused(
+                engine,
+                target,
                 f"snapshot digest {snapshot.digest[:16]} is not the target's {target.digest[:16]}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="digest_mismatch",
             )
         async with self._lock(engine, target.lora_name):
@@ -183,13 +187,13 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                 self._fences.begin_prepare(engine.name, target.lora_name, target.attempt)
                 is Verdict.FENCED
             ):
-                raise BackendRefusedError(
+                raise target_refused(
+                    engine,
+                    target,
                     f"attempt {target.attempt} of {target.lora_name} is fenced on {engine.name} "
                     "(cleaned up, superseded or reclaimed); nothing was loaded",
-                    engine=engine.name,
-                    version=target.version_id,
-                    attempt=target.attempt,
                     reason="fenced",
+                    attempt=target.attempt,
                 )
             path = await self._store_snapshot(engine, target, snapshot)
             admin = self._admin(engine)
@@ -197,10 +201,10 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                 fingerprint = await self._fingerprint(engine, admin)
                 listed = await admin.list_lora_adapters()
             except BackendError as exc:
-                raise BackendRefusedError(
+                raise target_refused(
+                    engine,
+                    target,
                     f"{engine.name} unreadable before loading: {exc.message}",
-                    engine=engine.name,
-                    version=target.version_id,
                     reason="engine_unreadable",
                 ) from exc
             # Read before the load: if the engine restarts after this point, its incarnation no
@@ -211,10 +215,10 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                 await self._load(engine, admin, target, path)
                 logger.info("loaded %s on %s", target.lora_name, engine.name, extra=extra)
             elif held_at != str(path):
-                raise BackendAmbiguousError(
+                raise target_ambiguous(
+                    engine,
+                    target,
                     f"{engine.name} already holds {target.lora_name} from {held_at}, not {path}",
-                    engine=engine.name,
-                    version=target.version_id,
                     reason="held_elsewhere",
                 )
             else:
@@ -227,10 +231,10 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             try:
                 await self._probe(admin, target.lora_name)
             except BackendError as exc:
-                raise BackendAmbiguousError(
+                raise target_ambiguous(
+                    engine,
+                    target,
                     f"{target.lora_name} is loaded on {engine.name} but does not serve: {exc.message}",
-                    engine=engine.name,
-                    version=target.version_id,
                     reason="probe_failed",
                 ) from exc
             self._incarnations.hold(engine.name, target.lora_name)
@@ -302,18 +306,18 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         try:
             return await self._store(engine).put(target.lora_name, snapshot)
         except VersionConflictError as exc:
-            raise BackendRefusedError(
+            raise target_refused(
+                engine,
+                target,
                 f"stored copy of {target.lora_name} for {engine.name} does not match: {exc.message}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="manifest_mismatch",
                 cause=exc.code,
             ) from exc
         except OSError as exc:
-            raise BackendRefusedError(
+            raise target_refused(
+                engine,
+                target,
                 f"cannot store {target.lora_name} for {engine.name}: {exc}",
-                engine=engine.name,
-                version=target.version_id,
                 reason="store_failed",
             ) from exc
 
