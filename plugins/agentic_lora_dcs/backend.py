@@ -34,7 +34,12 @@ import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import EngineRef, PublicationTarget
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.errors import (
+    BackendAmbiguousError,
+    BackendError,
+    BackendRefusedError,
+    ConfigurationError,
+)
 from agentic_lora.foundation.auth import read_token
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.identity import thaw_json
@@ -194,13 +199,8 @@ class DcsBackend:
                 CleanupRequest(lora_name=target.lora_name, attempt=target.attempt)
             )
         except (BackendRefusedError, BackendAmbiguousError) as exc:
-            # A cleanup that did not confirm proves nothing about what the engine holds.
-            raise BackendAmbiguousError(
-                f"cleanup of {target.lora_name} attempt {target.attempt} on {engine.name} "
-                f"not confirmed: {exc.message}",
-                engine=engine.name,
-                reason=exc.details.get("reason", "UNKNOWN"),
-            ) from exc
+            what = f"cleanup of {target.lora_name} attempt {target.attempt}"
+            raise _not_confirmed(what, engine, exc) from exc
         logger.info(
             "cleanup %s attempt %d on %s: %s",
             target.lora_name,
@@ -216,11 +216,7 @@ class DcsBackend:
         try:
             reply = await client.reclaim(ReclaimRequest(lora_name=lora_name, reclaim_id=reclaim_id))
         except (BackendRefusedError, BackendAmbiguousError) as exc:
-            raise BackendAmbiguousError(
-                f"reclaim of {lora_name} on {engine.name} not confirmed: {exc.message}",
-                engine=engine.name,
-                reason=exc.details.get("reason", "UNKNOWN"),
-            ) from exc
+            raise _not_confirmed(f"reclaim of {lora_name}", engine, exc) from exc
         logger.info(
             "reclaim %s on %s: %s",
             lora_name,
@@ -408,3 +404,12 @@ _PAST_TRANSFER = frozenset(
 
 def _extra(engine: EngineRef, target: PublicationTarget) -> dict[str, object]:
     return {"engine": engine.name, "version": target.lora_name, "attempt": target.attempt}
+
+
+def _not_confirmed(what: str, engine: EngineRef, exc: BackendError) -> BackendAmbiguousError:
+    """A cleanup or reclaim the sidecar did not confirm proves nothing about what the engine holds."""
+    return BackendAmbiguousError(
+        f"{what} on {engine.name} not confirmed: {exc.message}",
+        engine=engine.name,
+        reason=exc.details.get("reason", "UNKNOWN"),
+    )
