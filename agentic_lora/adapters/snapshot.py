@@ -37,6 +37,7 @@ from agentic_lora.adapters.validation import (
     normalize_config,
     validate,
 )
+from agentic_lora.foundation.fsync import fsync_path
 from agentic_lora.foundation.identity import Manifest
 
 if TYPE_CHECKING:
@@ -286,11 +287,7 @@ class AdapterSnapshot:
                 target.unlink(missing_ok=True)
             raise
         if fsync:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(directory)
         return directory
 
     def to_torch_state_dict(self) -> dict[str, torch.Tensor]:

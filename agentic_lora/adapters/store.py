@@ -33,6 +33,7 @@ from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError, VersionConflictError
+from agentic_lora.foundation.fsync import fsync_path
 
 __all__ = ["MARKER_FILE", "AdapterStore"]
 
@@ -89,8 +90,8 @@ class AdapterStore:
         try:
             snapshot.write_peft_dir(tmp, fsync=True)
             _write_marker(tmp / MARKER_FILE, lora_name, snapshot)
-            _fsync_path(tmp / MARKER_FILE)
-            _fsync_path(tmp)
+            fsync_path(tmp / MARKER_FILE)
+            fsync_path(tmp)
             try:
                 os.rename(tmp, final)
             except OSError as exc:
@@ -98,7 +99,7 @@ class AdapterStore:
                     raise
                 # Someone stored this name between our check and our rename: theirs stands.
                 return self.verify_sync(lora_name, snapshot.digest)
-            _fsync_path(self.root)
+            fsync_path(self.root)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +164,7 @@ class AdapterStore:
         trash = self.root / f"{_TRASH_PREFIX}{lora_name}-{uuid.uuid4().hex}"
         # Rename first: a reader sees the whole directory or none of it, never a partial one.
         os.rename(final, trash)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         shutil.rmtree(trash, ignore_errors=True)
         logger.info("removed stored adapter %s", lora_name, extra={"version": lora_name})
         return True
@@ -223,11 +224,3 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     if not isinstance(raw, dict) or raw.get("format") != _MARKER_FORMAT:
         return None
     return raw
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

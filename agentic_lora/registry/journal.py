@@ -47,6 +47,7 @@ from agentic_lora.errors import (
     JournalForeignError,
     JournalLockedError,
 )
+from agentic_lora.foundation.fsync import fsync_path
 
 __all__ = ["IDENTITY_KEYS", "Journal", "JournalEntry", "Recovered"]
 
@@ -128,14 +129,6 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 #: The identity keys every registry journal records (see :class:`LocalRegistry`).
@@ -361,13 +354,13 @@ class Journal:
             conn.execute("COMMIT")
         finally:
             conn.close()
-        _fsync_path(tmp)
+        fsync_path(tmp)
         # An empty journal file (or none) may still have an empty -wal and an -shm beside it:
         # they belong to no data, and SQLite must not pair them with the new file.
         for suffix in ("-wal", "-shm"):
             Path(f"{self.path}{suffix}").unlink(missing_ok=True)
         os.replace(tmp, self.path)
-        _fsync_path(self.path.parent)  # the rename itself is durable
+        fsync_path(self.path.parent)  # the rename itself is durable
         logger.info("registry journal created", extra={"journal": str(self.path)})
 
     def _check_identity(self, conn: sqlite3.Connection) -> None:

@@ -302,7 +302,7 @@ def test_a_failed_creation_step_raises_and_the_next_open_creates(
 ) -> None:
     path = tmp_path / "j.sqlite"
     fsyncs: list[Path] = []
-    real_fsync, real_replace = journal_module._fsync_path, os.replace
+    real_fsync, real_replace = journal_module.fsync_path, os.replace
 
     def fsync(target: Path) -> None:
         fsyncs.append(target)
@@ -315,13 +315,13 @@ def test_a_failed_creation_step_raises_and_the_next_open_creates(
     def replace(src: Any, dst: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(journal_module, "_fsync_path", fsync)
+    monkeypatch.setattr(journal_module, "fsync_path", fsync)
     if step == "replace":
         monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(JournalError) as err:
         Journal(path, identity=IDENTITY).open()
     assert type(err.value) is JournalError  # neither corrupt nor foreign: nothing to repair
-    monkeypatch.setattr(journal_module, "_fsync_path", real_fsync)
+    monkeypatch.setattr(journal_module, "fsync_path", real_fsync)
     monkeypatch.setattr(os, "replace", real_replace)
     _assert_new_and_ours(path)  # the lock was released and the leftovers are cleaned up
 
