@@ -117,42 +117,35 @@ class AdapterStore:
     def _verified(self, lora_name: str, digest: str) -> tuple[Path, AdapterSnapshot]:
         final = self.path_for(lora_name)
         if not final.is_dir():
-            raise VersionConflictError(
-                f"{final} is not a stored adapter directory",
-                lora_name=lora_name,
-                path=str(final),
-                expected_digest=digest,
-                reason="missing",
+            raise _conflict(
+                final, digest, f"{final} is not a stored adapter directory", reason="missing"
             )
         marker = _read_marker(final / MARKER_FILE)
         found = marker.get("digest") if marker is not None else None
         if marker is None or found != digest or marker.get("lora_name") != lora_name:
-            raise VersionConflictError(
+            raise _conflict(
+                final,
+                digest,
                 f"{final} holds other content than {lora_name} ({digest[:16]})",
-                lora_name=lora_name,
-                path=str(final),
-                expected_digest=digest,
-                found_digest=found,
                 reason="marker_mismatch",
+                found_digest=found,
             )
         try:
             snapshot = AdapterSnapshot.from_peft_dir(final)
         except InvalidAdapterError as exc:
-            raise VersionConflictError(
+            raise _conflict(
+                final,
+                digest,
                 f"{final} does not hold a readable adapter: {exc.message}",
-                lora_name=lora_name,
-                path=str(final),
-                expected_digest=digest,
                 reason="unreadable",
             ) from exc
         if snapshot.digest != digest:
-            raise VersionConflictError(
+            raise _conflict(
+                final,
+                digest,
                 f"{final} files hash to {snapshot.digest[:16]}, its marker says {digest[:16]}",
-                lora_name=lora_name,
-                path=str(final),
-                expected_digest=digest,
-                found_digest=snapshot.digest,
                 reason="content_mismatch",
+                found_digest=snapshot.digest,
             )
         return final, snapshot
 
@@ -224,3 +217,17 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     if not isinstance(raw, dict) or raw.get("format") != _MARKER_FORMAT:
         return None
     return raw
+
+
+def _conflict(
+    final: Path, digest: str, message: str, *, reason: str, **details: Any
+) -> VersionConflictError:
+    """``final`` does not hold the version ``digest`` names (its lora name is the directory's)."""
+    return VersionConflictError(
+        message,
+        lora_name=final.name,
+        path=str(final),
+        expected_digest=digest,
+        reason=reason,
+        **details,
+    )
