@@ -124,9 +124,15 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _endpoint(
-    model: type[_M], handler: Callable[[_M], Awaitable[BaseModel]], *, clean_if_malformed: bool
-) -> Callable[[Request], Awaitable[Response]]:
+def _message_route(
+    name: str,
+    model: type[_M],
+    handler: Callable[[_M], Awaitable[BaseModel]],
+    *,
+    clean_if_malformed: bool,
+) -> Route:
+    """``POST PATHS[name]``: ``model`` in, ``handler``'s reply out, every failure a refusal."""
+
     async def endpoint(request: Request) -> Response:
         raw = await request.body()
         try:
@@ -152,7 +158,7 @@ def _endpoint(
             )
         return JSONResponse(reply.model_dump(mode="json"))
 
-    return endpoint
+    return Route(PATHS[name], endpoint, methods=["POST"])
 
 
 def create_app(
@@ -182,31 +188,11 @@ def create_app(
         Route(PATHS["health"], health, methods=["GET"]),
         Route(PATHS["incarnation"], incarnation, methods=["GET"]),
         Route(PATHS["status"], status, methods=["GET"]),
-        Route(
-            PATHS["begin"],
-            _endpoint(BeginRequest, receiver.begin, clean_if_malformed=True),
-            methods=["POST"],
-        ),
-        Route(
-            PATHS["bucket"],
-            _endpoint(BucketRequest, receiver.bucket, clean_if_malformed=False),
-            methods=["POST"],
-        ),
-        Route(
-            PATHS["end"],
-            _endpoint(EndRequest, receiver.end, clean_if_malformed=False),
-            methods=["POST"],
-        ),
-        Route(
-            PATHS["cleanup"],
-            _endpoint(CleanupRequest, receiver.cleanup, clean_if_malformed=False),
-            methods=["POST"],
-        ),
-        Route(
-            PATHS["reclaim"],
-            _endpoint(ReclaimRequest, receiver.reclaim, clean_if_malformed=False),
-            methods=["POST"],
-        ),
+        _message_route("begin", BeginRequest, receiver.begin, clean_if_malformed=True),
+        _message_route("bucket", BucketRequest, receiver.bucket, clean_if_malformed=False),
+        _message_route("end", EndRequest, receiver.end, clean_if_malformed=False),
+        _message_route("cleanup", CleanupRequest, receiver.cleanup, clean_if_malformed=False),
+        _message_route("reclaim", ReclaimRequest, receiver.reclaim, clean_if_malformed=False),
         *extra_routes,
     ]
 
