@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeGuard
 
 from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError
 
@@ -53,6 +53,7 @@ __all__ = [
     "canonical_json",
     "compute_digest",
     "freeze_json",
+    "is_plain_token",
     "make_lora_name",
     "parse_lora_name",
     "tensor_sha256",
@@ -80,6 +81,20 @@ _MAX_EXACT_INT_FLOAT = 2.0**53
 
 
 # --- names -----------------------------------------------------------------------------------
+
+
+def is_plain_token(value: object, max_length: int) -> TypeGuard[str]:
+    """``value`` is 1 to ``max_length`` printable characters without whitespace.
+
+    The registry's rule for owners, incarnations, session keys and durable names, which the
+    lease owner id must also meet.
+    """
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= max_length
+        and value.isprintable()
+        and not any(c.isspace() for c in value)
+    )
 
 
 def _check_token(value: object, field_name: str) -> str:

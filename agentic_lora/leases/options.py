@@ -8,6 +8,7 @@ import socket
 from typing import Final, Literal, Protocol
 
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.identity import is_plain_token
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -49,13 +50,7 @@ def default_owner() -> str:
 
 def check_owner(owner: object) -> str:
     """``owner`` if it is a usable owner id; else ConfigurationError (check ``owner_id``)."""
-    if (
-        not isinstance(owner, str)
-        or not owner
-        or len(owner) > _MAX_OWNER
-        or not owner.isprintable()
-        or any(c.isspace() for c in owner)
-    ):
+    if not is_plain_token(owner, _MAX_OWNER):
         raise ConfigurationError(
             f"owner id {owner!r} must be a printable string of 1-{_MAX_OWNER} characters "
             "without whitespace",

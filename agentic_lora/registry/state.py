@@ -26,7 +26,7 @@ from agentic_lora.errors import (
     UnknownEngineError,
     UnknownVersionError,
 )
-from agentic_lora.foundation.identity import VersionRef, make_lora_name
+from agentic_lora.foundation.identity import VersionRef, is_plain_token, make_lora_name
 from agentic_lora.registry.idempotency import IdempotencyWindow
 from agentic_lora.registry.transitions import VersionEvent, advance
 from agentic_lora.registry.types import (
@@ -126,13 +126,7 @@ def lease_id(owner: str, incarnation: str) -> str:
 
 
 def check_token(value: object, what: str) -> str:
-    if (
-        not isinstance(value, str)
-        or not value
-        or len(value) > _MAX_NAME
-        or not value.isprintable()
-        or any(c.isspace() for c in value)
-    ):
+    if not is_plain_token(value, _MAX_NAME):
         raise InvalidStateError(
             f"{what} must be a printable string of 1-{_MAX_NAME} characters without whitespace",
             reason=f"bad_{what}",
