@@ -322,23 +322,20 @@ class GenerateResponse(BaseModel):
         return reason is not None and reason.get("type") == "abort"
 
 
-class ChatCompletionResponse(BaseModel):
+class _ChoicesReply(BaseModel):
+    """The fields OpenAI's completion and chat completion replies share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    model: str | None = None
+    choices: list[dict[str, Any]] = Field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+class ChatCompletionResponse(_ChoicesReply):
     """One OpenAI chat completion reply."""
 
-    model_config = ConfigDict(extra="allow")
 
-    id: str | None = None
-    model: str | None = None
-    choices: list[dict[str, Any]] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
-
-
-class CompletionResponse(BaseModel):
+class CompletionResponse(_ChoicesReply):
     """One OpenAI completion reply."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: str | None = None
-    model: str | None = None
-    choices: list[dict[str, Any]] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
