@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from agentic_lora.engines.sse import StreamEvent, parse_event
 from agentic_lora.engines.wire import EngineHttp
-from agentic_lora.errors import ConfigurationError, InvalidRequestError
+from agentic_lora.errors import AdapterMismatchError, ConfigurationError, InvalidRequestError
 from agentic_lora.foundation.discovery import DIALECTS_GROUP, load_plugin, plugin_names
 from agentic_lora.foundation.requests import Route
 
@@ -188,6 +188,16 @@ class DialectBase:
     def label(self) -> str:
         """The engine's name as people write it."""
         return self.name
+
+    @staticmethod
+    def _check_lora_path(given_path: object, lora_name: str) -> None:
+        """A ``lora_path`` the caller sent must name the bound adapter (AdapterMismatchError)."""
+        if given_path is not None and given_path != lora_name:
+            raise AdapterMismatchError(
+                f"request names adapter {given_path!r} but this Session is bound to {lora_name!r}",
+                given=given_path,
+                bound=lora_name,
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

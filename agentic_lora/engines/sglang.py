@@ -76,12 +76,7 @@ class SGLangDialect(DialectBase):
         (an explicit ``lora_path`` is still checked so the two can never disagree)."""
         out = dict(body)
         given_path = out.get("lora_path")
-        if given_path is not None and given_path != lora_name:
-            raise AdapterMismatchError(
-                f"request names adapter {given_path!r} but this Session is bound to {lora_name!r}",
-                given=given_path,
-                bound=lora_name,
-            )
+        self._check_lora_path(given_path, lora_name)
         if route is Route.GENERATE:
             out["lora_path"] = lora_name
             return out

@@ -64,12 +64,7 @@ class VllmDialect(DialectBase):
         """``model=<lora_name>``; a ``lora_path`` is checked, then dropped (vLLM ignores it)."""
         out = dict(body)
         given_path = out.pop("lora_path", None)
-        if given_path is not None and given_path != lora_name:
-            raise AdapterMismatchError(
-                f"request names adapter {given_path!r} but this Session is bound to {lora_name!r}",
-                given=given_path,
-                bound=lora_name,
-            )
+        self._check_lora_path(given_path, lora_name)
         given = out.get("model")
         # The base model's name, or SGLang's explicit "<base>:<adapter>" form, can only mean this
         # Session's adapter here; vLLM would answer the first without it and 404 the second.
