@@ -20,6 +20,7 @@ from agentic_lora.engines.dialect import check_lora_slots, dialect_names
 from agentic_lora.engines.pd import PDFleet, PDGroup, parse_pd_group
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
+from agentic_lora.foundation.identity import is_plain_token
 from agentic_lora.leases import check_lease_timing, check_owner
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
@@ -345,12 +346,7 @@ def _check_gateway_limits(s: AgenticLoRASettings) -> None:
 
 def _check_gateway_names(gateway_id: str, name_ttl: float) -> None:
     # The id becomes a lease owner ("<gateway_id>/<incarnation>"): the registry's token rules.
-    if (
-        not gateway_id
-        or len(gateway_id) > 200
-        or not gateway_id.isprintable()
-        or any(c.isspace() for c in gateway_id)
-    ):
+    if not is_plain_token(gateway_id, 200):
         raise _fail(
             "gateway_id",
             f"gateway_id {gateway_id!r} must be 1-200 printable characters without whitespace",

@@ -108,6 +108,10 @@ def test_a_valid_configuration_parses_engines() -> None:
         (on(lease_ttl="a minute"), "settings"),
         (on(max_version_lag=-1), "max_version_lag"),
         (on(max_version_lag="two"), "settings"),
+        (on(gateway_id="gateway 1"), "gateway_id"),
+        (on(gateway_id=""), "gateway_id"),
+        (on(gateway_id="g" * 201), "gateway_id"),
+        (on(session_name_ttl=0), "session_name_ttl"),
     ],
 )
 def test_every_validation_rule_fails_fast_with_its_own_check(
