@@ -136,14 +136,21 @@ class RegistryCore(RegistryState):
         seen, earlier = self._done.recall(request_id, verb, fp)
         if seen:
             return earlier, False
+        result = self.apply(verb, args)
+        self._done.remember(request_id, verb, fp, result)
+        return result, True
+
+    def apply(self, verb: str, args: dict[str, Any]) -> Any:
+        """Run one mutating verb without remembering its request id: for a caller in this
+        process, which has no reply to lose and so never replays. Not for a journaled registry
+        (every journal row carries the request id its replays are answered by)."""
         # Only the declared mutating verbs: an arbitrary attribute name is never callable here.
         fn: Callable[..., Any] | None = getattr(self, verb) if verb in MUTATING_VERBS else None
         if fn is None:
             raise InvalidStateError(f"unknown verb {verb!r}", reason="unknown_verb")
         result = fn(**args)
         self.seq += 1
-        self._done.remember(request_id, verb, fp, result)
-        return result, True
+        return result
 
     # --- publication ---------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from agentic_lora.middleware import (
     build_chain,
 )
 from agentic_lora.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
-from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
+from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker, session_closer
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.requests import new_rid
 from agentic_lora.routing import EngineHealth, Router, load_router
@@ -205,7 +205,9 @@ class Versioning:
             new_binder=self._new_binder,
             on_closed=self._on_closed,
             stream_chain=build_chain(StreamEndpoint(transport), chain),
+            close_now=self._close_now,
         )
+        self._closer = session_closer(registry) if enabled else None
         self._live: dict[str, Session] = {}
         self._keys: set[str] = set()  # registry keys of live Sessions (explicit keys stay unique)
         self._unforgotten: list[str] = []
@@ -414,10 +416,32 @@ class Versioning:
         s = self._live.get(session_id)
         return None if s is None else await s.close()
 
-    async def _on_closed(self, s: Session) -> None:
+    def _drop(self, s: Session) -> None:
         if self._live.get(s.session_id) is s:
             del self._live[s.session_id]
         self._keys.discard(s.key)
+
+    def _close_now(self, s: Session) -> tuple[bool, ReleaseResult | None]:
+        if not self._enabled:
+            self._drop(s)
+            return True, None
+        # Tombstones a failed forget left behind are retried by a close through the verbs.
+        if self._closer is None or self._unforgotten:
+            return False, None
+        try:
+            result = self._closer.close_session_now(s.key)
+        except Exception:
+            # Nothing was applied (see SessionCloser); the verbs meet the same refusal and
+            # report it as the close's error.
+            return False, None
+        if result is None:
+            return False, None
+        # The registry forgot the tombstone in the same step: nothing ran between it and here.
+        self._drop(s)
+        return True, result
+
+    async def _on_closed(self, s: Session) -> None:
+        self._drop(s)
         if self._registry is None or not self._enabled:
             return
         # Tombstones go only after the record is gone, so nothing can bind this key again.
