@@ -57,6 +57,7 @@ from agentic_lora.registry.transitions import VersionEvent, advance
 from agentic_lora.registry.types import (
     Binding,
     CommitReceipt,
+    DispatchView,
     LeaseGrant,
     LeaseStatus,
     NamedSession,
@@ -72,6 +73,7 @@ from agentic_lora.registry.types import (
     VersionStatus,
 )
 from agentic_lora.registry.views import (
+    dispatch_view,
     lease_status,
     reclaim_claim,
     registry_status,
@@ -404,6 +406,11 @@ class RegistryCore(RegistryState):
     def peek_version(self, version_id: str) -> VersionStatus | None:
         v = self._versions.get(version_id)
         return None if v is None else version_status(self, v)
+
+    def dispatch_view(self, version_id: str) -> DispatchView | None:
+        """The dispatch guard's read of :meth:`peek_version`'s state, name and ready engines."""
+        v = self._versions.get(version_id)
+        return None if v is None else dispatch_view(self, v)
 
     def version(self, version_id: str) -> VersionStatus:
         return version_status(self, self._version(version_id))

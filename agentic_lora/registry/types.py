@@ -11,11 +11,12 @@ import enum
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
     "Binding",
     "CommitReceipt",
+    "DispatchView",
     "EngineStatus",
     "LeaseGrant",
     "LeaseStatus",
@@ -234,6 +235,15 @@ class VersionStatus:
     reclaim_id: str | None = None
     reclaimed_engines: tuple[str, ...] = ()
     published_revision: int | None = None
+
+
+class DispatchView(NamedTuple):
+    """What the dispatch guard reads of one version: the :class:`VersionStatus` fields of the
+    same names, without building the rest of the status (it is read once per dispatch)."""
+
+    state: VersionState
+    lora_name: str
+    ready_engines: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

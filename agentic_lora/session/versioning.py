@@ -64,6 +64,20 @@ def _revision_reader_of(registry: RegistryAPI) -> DefaultRevisionReader | None:
     return CoreRevision(core) if core is not None else None
 
 
+def _guard_of(registry: RegistryAPI) -> DispatchGuard:
+    core = in_process_core(registry)
+    if core is not None:
+        # The same read as peek_version, without building a whole status per dispatch.
+        return PeekGuard(core.dispatch_view)
+    peek = peeker(registry)
+    if peek is None:
+        raise ConfigurationError(
+            f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
+            check="dispatch_guard",
+        )
+    return PeekGuard(peek.peek_version)
+
+
 class Versioning:
     """The manager a rollout worker holds: opens Sessions and owns the dispatch chain.
 
@@ -164,13 +178,7 @@ class Versioning:
                     "versioned publication is enabled but no registry was given", check="registry"
                 )
             if guard is None:
-                peek = peeker(registry)
-                if peek is None:
-                    raise ConfigurationError(
-                        f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
-                        check="dispatch_guard",
-                    )
-                guard = PeekGuard(peek.peek_version)
+                guard = _guard_of(registry)
             chain += [
                 Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
