@@ -11,6 +11,10 @@ Four ways to send the same ``/generate`` body, run in one process, interleaved b
 * ``full``: a versioned Session: lookup by id, bind at its first dispatch (registry
   ``bind_first``), request validation, ``lora_path`` injection, dispatch guard, router, one send.
 
+On request (``--variants direct,aiohttp,...``; instant engine only) a fifth, ``aiohttp``: a bare
+``aiohttp.ClientSession.post`` with the same pool size and keep-alive expiry, no httpx on top.
+It measures what the httpx layer of ``direct`` costs.
+
 Each concurrent worker runs Sessions of ``--turns`` dispatches; every dispatch is timed from the
 Session lookup to the decoded reply (the ``first`` dispatch of a Session includes its bind).
 Session open+close is timed on its own (it is not on a request's path).
@@ -42,6 +46,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import aiohttp
 import httpx
 from common import (
     OUT_DIR,
@@ -60,7 +65,7 @@ from httpx_aiohttp import AiohttpTransport
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.routing import EngineHealth, load_router
 from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.foundation.http_limits import engine_limits
+from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
 from agentic_lora.foundation.requests import Route, check_shape, new_rid, parse_request
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import new_request_id
@@ -80,6 +85,7 @@ from agentic_lora.session.middleware import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXTRA_VARIANTS",
     "VARIANTS",
     "Plan",
     "Target",
@@ -91,6 +97,8 @@ __all__ = [
 ]
 
 VARIANTS: tuple[str, ...] = ("direct", "transport", "passthrough", "full")
+#: Measured only when named in ``--variants``.
+EXTRA_VARIANTS: tuple[str, ...] = ("aiohttp",)
 INSTANT_BODY: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
 SGLANG_BODY: dict[str, Any] = {
     "text": "The engine serves the adapter version the session was bound to",
@@ -111,6 +119,7 @@ class Target:
     versioning: Versioning
     passthrough: Versioning
     direct: httpx.AsyncClient
+    raw: aiohttp.ClientSession | None = None
 
     @property
     def legacy_body(self) -> dict[str, Any]:
@@ -165,6 +174,24 @@ async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) 
             await _timed(out, send, turn)
 
 
+async def _aiohttp(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
+    if t.raw is None:
+        raise RuntimeError("the aiohttp variant runs against the instant engine only")
+    url = t.engine.base_url + "/generate"
+    body = t.legacy_body
+    raw = t.raw
+
+    async def send() -> None:
+        async with raw.post(url, json=body) as response:
+            await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}")
+
+    for _ in range(sessions):
+        for turn in range(turns):
+            await _timed(out, send, turn)
+
+
 async def _transport(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     body = t.legacy_body
     transport = t.passthrough.transport
@@ -209,6 +236,7 @@ WORKERS: dict[str, Worker] = {
     "transport": _transport,
     "passthrough": _passthrough,
     "full": _full,
+    "aiohttp": _aiohttp,
 }
 
 
@@ -485,6 +513,15 @@ def _direct_client() -> httpx.AsyncClient:
     )
 
 
+def _raw_client() -> aiohttp.ClientSession:
+    # The pool limit and keep-alive expiry of _direct_client, on aiohttp alone.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
+        timeout=aiohttp.ClientTimeout(total=600.0, connect=5.0),
+        trust_env=False,
+    )
+
+
 @contextlib.asynccontextmanager
 async def instant_target() -> AsyncIterator[Target]:
     """The instant engine in its own process, a LocalRegistry with one committed version."""
@@ -494,7 +531,7 @@ async def instant_target() -> AsyncIterator[Target]:
         lora_name = await publish_in_registry(registry, "e0")
         transport = EngineTransport([ref])
         try:
-            async with _direct_client() as direct:
+            async with _direct_client() as direct, _raw_client() as raw:
                 yield Target(
                     name="instant",
                     engine=ref,
@@ -503,6 +540,7 @@ async def instant_target() -> AsyncIterator[Target]:
                     versioning=Versioning(transport=transport, registry=registry),
                     passthrough=Versioning(transport=transport, enabled=False),
                     direct=direct,
+                    raw=raw,
                 )
         finally:
             await transport.aclose()

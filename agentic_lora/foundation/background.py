@@ -87,6 +87,16 @@ class Rounds:
                 self.count += 1
                 self._idle.notify_all()
 
+    async def wait(self, at_most: float) -> None:
+        """Return on a poke (at once if one is pending) or after ``at_most`` seconds.
+
+        Not ``asyncio.wait_for``: on Python 3.11 it swallows a cancellation that lands in the
+        loop turn in which the poke woke it, so a loop poked just before its stop never ended.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most):
+                await self.wake.wait()
+
     async def settled(self, until: Callable[[], bool] = lambda: True) -> None:
         """Return once no poke is pending, no round is running and ``until()`` holds (it is
         checked at the end of every round)."""

@@ -38,7 +38,6 @@ commit, after a Session release) or by a version's retry falling due:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -208,8 +207,7 @@ class Reclaimer(BackgroundLoop):
             if retry_in is None:
                 await self._rounds.wake.wait()
             else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._rounds.wake.wait(), retry_in)
+                await self._rounds.wait(retry_in)
             async with self._rounds.round():
                 try:
                     await self._round(due_only=True)

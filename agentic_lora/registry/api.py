@@ -23,7 +23,10 @@ Optional capabilities are typed Protocols, found only through the functions here
 * :class:`InProcessCore` (:func:`in_process_core`): the :class:`RegistryCore` itself, for exact
   synchronous reads where the registry lives in this process;
 * :class:`RefusalFeed` (:func:`refusal_feed`): ``on_refused``, for registries that cache
-  versions and must re-read one when an engine refused a request for it.
+  versions and must re-read one when an engine refused a request for it;
+* :class:`SessionCloser` (:func:`session_closer`): ``close_session_now``, a Session's
+  ``begin_close``, ``release`` and ``forget_sessions`` as one synchronous step (in-process
+  registries only: nothing can lose its reply).
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ __all__ = [
     "RefusalFeed",
     "RegistryAPI",
     "RegistryListener",
+    "SessionCloser",
     "VersionPeek",
     "change_feed",
     "in_process_core",
     "peeker",
     "refusal_feed",
+    "session_closer",
 ]
 
 #: Called after every applied state change with the verb and its result (not on replays).
@@ -280,6 +285,16 @@ class RefusalFeed(Protocol):
     def on_refused(self, engine: str, binding: Binding) -> object: ...
 
 
+@runtime_checkable
+class SessionCloser(Protocol):
+    """A registry that closes a Session in one synchronous step when it can answer at once."""
+
+    def close_session_now(self, session_key: str) -> ReleaseResult | None:
+        """``begin_close``, ``release`` and ``forget_sessions`` of ``session_key``, applied
+        together; None (nothing applied) when the registry would have to wait: use the verbs."""
+        ...
+
+
 def peeker(registry: object) -> VersionPeek | None:
     """``registry`` as a :class:`VersionPeek`, or None when it has no synchronous read."""
     return registry if isinstance(registry, VersionPeek) else None
@@ -298,3 +313,8 @@ def in_process_core(registry: object) -> RegistryCore | None:
 def refusal_feed(registry: object) -> RefusalFeed | None:
     """``registry`` as a :class:`RefusalFeed`, or None when refusals are nothing to it."""
     return registry if isinstance(registry, RefusalFeed) else None
+
+
+def session_closer(registry: object) -> SessionCloser | None:
+    """``registry`` as a :class:`SessionCloser`, or None when a close must use the verbs."""
+    return registry if isinstance(registry, SessionCloser) else None

@@ -58,6 +58,7 @@ from agentic_lora.registry.transitions import VersionEvent, advance
 from agentic_lora.registry.types import (
     Binding,
     CommitReceipt,
+    DispatchView,
     LeaseGrant,
     LeaseStatus,
     NamedSession,
@@ -73,6 +74,7 @@ from agentic_lora.registry.types import (
     VersionStatus,
 )
 from agentic_lora.registry.views import (
+    dispatch_view,
     lease_status,
     reclaim_claim,
     registry_status,
@@ -137,14 +139,21 @@ class RegistryCore(RegistryState):
         seen, earlier = self._done.recall(request_id, verb, fp)
         if seen:
             return earlier, False
+        result = self.apply(verb, args)
+        self._done.remember(request_id, verb, fp, result)
+        return result, True
+
+    def apply(self, verb: str, args: dict[str, Any]) -> Any:
+        """Run one mutating verb without remembering its request id: for a caller in this
+        process, which has no reply to lose and so never replays. Not for a journaled registry
+        (every journal row carries the request id its replays are answered by)."""
         # Only the declared mutating verbs: an arbitrary attribute name is never callable here.
         fn: Callable[..., Any] | None = getattr(self, verb) if verb in MUTATING_VERBS else None
         if fn is None:
             raise InvalidStateError(f"unknown verb {verb!r}", reason="unknown_verb")
         result = fn(**args)
         self.seq += 1
-        self._done.remember(request_id, verb, fp, result)
-        return result, True
+        return result
 
     # --- publication ---------------------------------------------------------------------------
 
@@ -391,6 +400,11 @@ class RegistryCore(RegistryState):
     def peek_version(self, version_id: str) -> VersionStatus | None:
         v = self._versions.get(version_id)
         return None if v is None else version_status(self, v)
+
+    def dispatch_view(self, version_id: str) -> DispatchView | None:
+        """The dispatch guard's read of :meth:`peek_version`'s state, name and ready engines."""
+        v = self._versions.get(version_id)
+        return None if v is None else dispatch_view(self, v)
 
     def version(self, version_id: str) -> VersionStatus:
         return version_status(self, self._version(version_id))

@@ -46,6 +46,7 @@ from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
 from agentic_lora.registry.journal import Journal, JournalEntry
 from agentic_lora.registry.types import (
     RegistryStatus,
+    ReleaseResult,
     SweepResult,
     VersionState,
     VersionStatus,
@@ -209,9 +210,7 @@ class LocalRegistry(RegistryAPI):
                         json.dumps(to_wire(args), separators=(",", ":")),
                     )
                 )
-            notify(
-                self._listeners, verb, result, logger=logger, what="registry", extra={"verb": verb}
-            )
+            self._tell(verb, result)
             if verb == "open_lease":
                 self._ensure_sweeper()
         elif self._journal is not None and self._durable_seq < self._core.seq:
@@ -219,6 +218,37 @@ class LocalRegistry(RegistryAPI):
             # once everything applied so far is durable (JournalError if it never will be).
             await self._flush()
         return result
+
+    def close_session_now(self, session_key: str) -> ReleaseResult | None:
+        """``begin_close``, ``release`` and ``forget_sessions([session_key])`` as one synchronous
+        step, for a Session in this process with nothing left to wait for (see
+        :class:`~agentic_lora.registry.api.SessionCloser`). None, with nothing done, when this
+        registry cannot answer without waiting (a journal row to make durable) or is stopped or
+        closed: then use the verbs.
+
+        No request id is remembered: the caller is in this process, so no reply can be lost and
+        nothing replays. Listeners hear the three verbs, as if they had been called one by one.
+        """
+        if self._journal is not None or self._failed is not None or self._closed:
+            return None
+        core = self._core
+        # Once begin_close ran, neither later step can refuse: the record is CLOSING, CLOSED or
+        # EXPIRED (release answers each), and a released record holds no ref (forget takes it).
+        # So the three are applied whole or (begin_close refused) not at all.
+        steps = (
+            ("begin_close", {"session_key": session_key, "now": self._clock()}),
+            ("release", {"session_key": session_key}),
+            ("forget_sessions", {"session_keys": (session_key,)}),
+        )
+        results = [core.apply(verb, args) for verb, args in steps]
+        if self._listeners:
+            for (verb, _), result in zip(steps, results, strict=True):
+                self._tell(verb, result)
+        released: ReleaseResult = results[1]
+        return released
+
+    def _tell(self, verb: str, result: Any) -> None:
+        notify(self._listeners, verb, result, logger=logger, what="registry", extra={"verb": verb})
 
     async def _persist(self, entry: JournalEntry) -> None:
         fut = self._enqueue(entry)

@@ -16,7 +16,7 @@ import enum
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from agentic_lora.foundation.identity import VersionRef
 
@@ -24,6 +24,7 @@ __all__ = [
     "Binding",
     "CarriesRef",
     "CommitReceipt",
+    "DispatchView",
     "EngineStatus",
     "LeaseGrant",
     "LeaseStatus",
@@ -282,6 +283,15 @@ class VersionStatus:
     def ref(self) -> VersionRef:
         """The version's current attempt as one value (what a READY for it must carry)."""
         return VersionRef(self.version_id, self.digest, self.lora_name, self.attempt)
+
+
+class DispatchView(NamedTuple):
+    """What the dispatch guard reads of one version: the :class:`VersionStatus` fields of the
+    same names, without building the rest of the status (it is read once per dispatch)."""
+
+    state: VersionState
+    lora_name: str
+    ready_engines: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

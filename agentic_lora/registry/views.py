@@ -8,8 +8,11 @@ gives the same view.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from agentic_lora.registry.state import LeaseRecord, RegistryState, SessionRecord, VersionRecord
 from agentic_lora.registry.types import (
+    DispatchView,
     EngineStatus,
     LeaseGrant,
     LeaseStatus,
@@ -22,6 +25,7 @@ from agentic_lora.registry.types import (
 )
 
 __all__ = [
+    "dispatch_view",
     "lease_grant",
     "lease_status",
     "reclaim_claim",
@@ -33,20 +37,35 @@ __all__ = [
 
 
 def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
+    # The dispatch guard's read (peek_version) builds this once per dispatch: positional
+    # arguments, and no walk over the fleet for an engine set that is empty or whole.
     engines = state.engines
     return VersionStatus(
-        version_id=v.version_id,
-        digest=v.digest,
-        lora_name=v.lora_name,
-        state=v.state,
-        attempt=v.attempt,
-        session_refs=v.session_refs,
-        ready_engines=tuple(e for e in engines if e in v.ready),
-        cleaned_engines=tuple(e for e in engines if e in v.cleaned),
-        reclaim_id=v.reclaim_id,
-        reclaimed_engines=tuple(e for e in engines if e in v.reclaimed),
-        published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
+        v.version_id,
+        v.digest,
+        v.lora_name,
+        v.state,
+        v.attempt,
+        v.session_refs,
+        _in_fleet_order(engines, v.ready),
+        _in_fleet_order(engines, v.cleaned),
+        v.reclaim_id,
+        _in_fleet_order(engines, v.reclaimed),
+        v.commit_receipt.default_revision if v.commit_receipt else None,
     )
+
+
+def dispatch_view(state: RegistryState, v: VersionRecord) -> DispatchView:
+    return DispatchView(v.state, v.lora_name, _in_fleet_order(state.engines, v.ready))
+
+
+def _in_fleet_order(engines: tuple[str, ...], some: Collection[str]) -> tuple[str, ...]:
+    """The engines of ``some`` (a subset of the fleet) in fleet order."""
+    if not some:
+        return ()
+    if len(some) == len(engines):
+        return engines
+    return tuple(e for e in engines if e in some)
 
 
 def reservation(state: RegistryState, v: VersionRecord, outcome: ReserveOutcome) -> Reservation:

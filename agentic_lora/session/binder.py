@@ -98,6 +98,10 @@ class SessionBinder(Protocol):
         """Wait for a bind still in flight, never cancelling it."""
         ...
 
+    def bind_settled(self) -> bool:
+        """True when no bind is in flight (then :meth:`settle_bind` would not wait)."""
+        ...
+
     async def release(self) -> ReleaseResult | None:
         """Drop the Session's ref, exactly once (SessionReleaseError if not confirmed)."""
         ...
@@ -126,6 +130,9 @@ class PassThroughBinder:
 
     async def settle_bind(self) -> None:
         return None
+
+    def bind_settled(self) -> bool:
+        return True
 
     async def release(self) -> None:
         return None
@@ -188,10 +195,10 @@ class RegistryBinder:
         # The lease of this Session's first bind attempt, kept for life (see module docstring
         # of agentic_lora.session).
         self._term: LeaseTerm | None = None
-        # One idempotency key per registry verb for this lifecycle: every replay reuses it.
+        # One idempotency key per registry verb for this lifecycle: every replay reuses it. The
+        # close's keys are minted at its first call (a close done in one step needs none).
         self._bind_request_id = new_rid()
-        self._begin_close_request_id = new_rid()
-        self._release_request_id = new_rid()
+        self._close_request_ids: tuple[str, str] | None = None
         # The lag of every turn that returned a reply, in the order the replies came back.
         self._lags: list[int | None] = []
         # The lag of the first VERSION_TOO_STALE refusal; once set, every dispatch is refused.
@@ -398,13 +405,19 @@ class RegistryBinder:
                 stage=stage,
             ) from exc
 
+    def _close_ids(self) -> tuple[str, str]:
+        """The request ids of ``begin_close`` and ``release``, the same for every replay."""
+        ids = self._close_request_ids
+        if ids is None:
+            ids = self._close_request_ids = (new_rid(), new_rid())
+        return ids
+
     async def begin_close(self) -> None:
         registry = self._cfg.registry
+        request_id = self._close_ids()[0]
         await self._registry_call(
             "begin_close",
-            lambda: registry.begin_close(
-                request_id=self._begin_close_request_id, session_key=self._key
-            ),
+            lambda: registry.begin_close(request_id=request_id, session_key=self._key),
         )
 
     async def settle_bind(self) -> None:
@@ -414,12 +427,22 @@ class RegistryBinder:
             # refused with SESSION_CLOSED. Its error was already handed to its waiters.
             if not bind_task.done():  # the common case, a bind long done, costs no waiter
                 await asyncio.wait([bind_task])
-            if not bind_task.cancelled():
-                bind_task.exception()
+            self.bind_settled()
+
+    def bind_settled(self) -> bool:
+        bind_task = self._bind_task
+        if bind_task is None:
+            return True
+        if not bind_task.done():
+            return False
+        if not bind_task.cancelled():
+            bind_task.exception()  # handed to its waiters already; seen, so never logged as lost
+        return True
 
     async def release(self) -> ReleaseResult:
         registry = self._cfg.registry
+        request_id = self._close_ids()[1]
         return await self._registry_call(
             "release",
-            lambda: registry.release(request_id=self._release_request_id, session_key=self._key),
+            lambda: registry.release(request_id=request_id, session_key=self._key),
         )

@@ -71,6 +71,10 @@ class SessionRuntime:
     on_closed: Callable[[Session], Awaitable[None]]
     #: The same middlewares ended by :class:`~agentic_lora.session.streaming.StreamEndpoint`.
     stream_chain: Dispatch | None = None
+    #: The whole registry side of a close (``begin_close``, ``release``, ``forget_sessions``) and
+    #: the end of the Session's record, in one synchronous step: ``(True, release result)``, or
+    #: ``(False, None)`` with nothing done when it cannot be had without waiting.
+    close_now: Callable[[Session], tuple[bool, ReleaseResult | None]] | None = None
 
 
 class Session:
@@ -289,11 +293,28 @@ class Session:
         if task is None or task.done():
             if self._phase in (SessionPhase.OPEN, SessionPhase.BOUND):
                 self._advance(SessionPhase.FINALIZING)
+            if self._close_now():
+                return self._release_result
             task = asyncio.get_running_loop().create_task(
                 self._finalize(), name=f"close {self._key}"
             )
             self._close_task = task
         return await asyncio.shield(task)
+
+    def _close_now(self) -> bool:
+        """The whole close without an await, when nothing is left to wait for: no request in
+        flight (nothing to abort or drain), no bind running, and a registry that answers at once.
+
+        No await means no point at which a cancelled caller could cut the close short, so it needs
+        no task of its own; and no other closer can be waiting (one would hold a close task).
+        """
+        close_now = self._rt.close_now
+        if close_now is None or self._in_flight or not self._binder.bind_settled():
+            return False
+        done, result = close_now(self)
+        if done:
+            self._closed(result)
+        return done
 
     async def _finalize(self) -> ReleaseResult | None:
         binder = self._binder
@@ -307,19 +328,22 @@ class Session:
             )
             self.close_waits.set()
         await self._drained.wait()
-        result = await binder.release()
+        self._closed(await binder.release())
+        await self._rt.on_closed(self)
+        return self._release_result
+
+    def _closed(self, result: ReleaseResult | None) -> None:
         self._release_result = result
         self._advance(SessionPhase.CLOSED)
-        logger.info(
-            "session closed",
-            extra={
-                "session": self._key,
-                "version": result.version_id if result is not None else None,
-                "released_now": result.released_now if result is not None else None,
-            },
-        )
-        await self._rt.on_closed(self)
-        return result
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "session closed",
+                extra={
+                    "session": self._key,
+                    "version": result.version_id if result is not None else None,
+                    "released_now": result.released_now if result is not None else None,
+                },
+            )
 
     async def _abort_in_flight(self) -> None:
         if not self._rt.dialect.can_abort:

@@ -55,7 +55,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.foundation.listeners import notify
 from agentic_lora.foundation.requests import Route
-from agentic_lora.registry.types import Binding, VersionStatus
+from agentic_lora.registry.types import Binding, DispatchView, VersionStatus
 
 __all__ = [
     "AdapterInFlight",
@@ -221,9 +221,10 @@ class DispatchGuard(Protocol):
 
 
 class PeekGuard:
-    """A DispatchGuard over a synchronous version read, e.g. ``LocalRegistry.peek_version``."""
+    """A DispatchGuard over a synchronous version read, e.g. ``LocalRegistry.peek_version`` (or
+    ``RegistryCore.dispatch_view``, the same fields without the rest of the status)."""
 
-    def __init__(self, peek: Callable[[str], VersionStatus | None]) -> None:
+    def __init__(self, peek: Callable[[str], VersionStatus | DispatchView | None]) -> None:
         self._peek = peek
 
     def check(self, binding: Binding) -> tuple[str, ...]:
@@ -263,8 +264,9 @@ class AdapterInFlight:
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
-        # One event per busy name, created when its count leaves zero and set when it returns
-        # there: a waiter never sees a later busy period's event, so it cannot miss its wake-up.
+        # At most one event per busy name, created by the first waiter of a busy period and set
+        # when the count returns to zero: a waiter never sees a later busy period's event, so it
+        # cannot miss its wake-up (and a busy period nobody waits for costs no event).
         self._drained: dict[str, asyncio.Event] = {}
         #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for busy
         #: requests (never when it returns at once); append listeners at any time.
@@ -290,10 +292,8 @@ class AdapterInFlight:
     def enter(self, lora_name: str) -> None:
         """Count one request on ``lora_name`` (pair it with :meth:`leave` in a ``finally``;
         :meth:`track` does both, at the cost of a generator per request)."""
-        n = self._counts.get(lora_name, 0)
-        if n == 0:
-            self._drained[lora_name] = asyncio.Event()
-        self._counts[lora_name] = n + 1
+        counts = self._counts
+        counts[lora_name] = counts.get(lora_name, 0) + 1
 
     def leave(self, lora_name: str) -> None:
         """The request counted by :meth:`enter` ended."""
@@ -302,7 +302,9 @@ class AdapterInFlight:
             self._counts[lora_name] = left
         else:
             del self._counts[lora_name]
-            self._drained.pop(lora_name).set()
+            drained = self._drained.pop(lora_name, None)
+            if drained is not None:
+                drained.set()
 
     async def wait_drained(self, lora_name: str) -> None:
         """Return at the first moment no request on ``lora_name`` is in flight (now if none is).
@@ -310,10 +312,12 @@ class AdapterInFlight:
         Call it once the version can no longer be dispatched (RECLAIMING): then no request on it
         starts after the call, and the return means every one of them ended.
         """
+        in_flight = self._counts.get(lora_name, 0)
+        if not in_flight:
+            return
         event = self._drained.get(lora_name)
         if event is None:
-            return
-        in_flight = self._counts.get(lora_name, 0)
+            event = self._drained[lora_name] = asyncio.Event()
         extra = {"version": lora_name, "in_flight": in_flight}
         logger.info("waiting for requests on %s to end", lora_name, extra=extra)
         notify(self.on_wait, lora_name, in_flight, logger=logger, what="on_wait", extra=extra)

@@ -22,7 +22,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.foundation.requests import new_rid
 from agentic_lora.leases import LeaseKeeper, OnRestart
-from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker
+from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker, session_closer
 from agentic_lora.registry.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.session.binder import (
@@ -62,6 +62,20 @@ def _revision_reader_of(registry: RegistryAPI) -> DefaultRevisionReader | None:
     core = in_process_core(registry)
     # In process: the core's revision is exact, never a stale copy.
     return CoreRevision(core) if core is not None else None
+
+
+def _guard_of(registry: RegistryAPI) -> DispatchGuard:
+    core = in_process_core(registry)
+    if core is not None:
+        # The same read as peek_version, without building a whole status per dispatch.
+        return PeekGuard(core.dispatch_view)
+    peek = peeker(registry)
+    if peek is None:
+        raise ConfigurationError(
+            f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
+            check="dispatch_guard",
+        )
+    return PeekGuard(peek.peek_version)
 
 
 class Versioning:
@@ -164,13 +178,7 @@ class Versioning:
                     "versioned publication is enabled but no registry was given", check="registry"
                 )
             if guard is None:
-                peek = peeker(registry)
-                if peek is None:
-                    raise ConfigurationError(
-                        f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
-                        check="dispatch_guard",
-                    )
-                guard = PeekGuard(peek.peek_version)
+                guard = _guard_of(registry)
             chain += [
                 Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
@@ -205,7 +213,9 @@ class Versioning:
             new_binder=self._new_binder,
             on_closed=self._on_closed,
             stream_chain=build_chain(StreamEndpoint(transport), chain),
+            close_now=self._close_now,
         )
+        self._closer = session_closer(registry) if enabled else None
         self._live: dict[str, Session] = {}
         self._keys: set[str] = set()  # registry keys of live Sessions (explicit keys stay unique)
         self._unforgotten: list[str] = []
@@ -414,10 +424,32 @@ class Versioning:
         s = self._live.get(session_id)
         return None if s is None else await s.close()
 
-    async def _on_closed(self, s: Session) -> None:
+    def _drop(self, s: Session) -> None:
         if self._live.get(s.session_id) is s:
             del self._live[s.session_id]
         self._keys.discard(s.key)
+
+    def _close_now(self, s: Session) -> tuple[bool, ReleaseResult | None]:
+        if not self._enabled:
+            self._drop(s)
+            return True, None
+        # Tombstones a failed forget left behind are retried by a close through the verbs.
+        if self._closer is None or self._unforgotten:
+            return False, None
+        try:
+            result = self._closer.close_session_now(s.key)
+        except Exception:
+            # Nothing was applied (see SessionCloser); the verbs meet the same refusal and
+            # report it as the close's error.
+            return False, None
+        if result is None:
+            return False, None
+        # The registry forgot the tombstone in the same step: nothing ran between it and here.
+        self._drop(s)
+        return True, result
+
+    async def _on_closed(self, s: Session) -> None:
+        self._drop(s)
         if self._registry is None or not self._enabled:
             return
         # Tombstones go only after the record is gone, so nothing can bind this key again.

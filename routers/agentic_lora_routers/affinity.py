@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +18,13 @@ def rendezvous_score(session_key: str, engine: str) -> int:
         f"{session_key}\x00{engine}".encode(), digest_size=8, person=b"agentic-lora"
     ).digest()
     return int.from_bytes(digest, "big")
+
+
+@functools.lru_cache(maxsize=4096)
+def _heaviest(session_key: str, engines: tuple[str, ...]) -> str:
+    # A pure function of its arguments, so a remembered answer is the answer: a Session's every
+    # dispatch after its first costs a lookup, not a hash per engine.
+    return max(engines, key=lambda e: (rendezvous_score(session_key, e), e))
 
 
 class SessionAffinityRouter(InFlightCounter):
@@ -36,4 +44,4 @@ class SessionAffinityRouter(InFlightCounter):
             raise ValueError("no engine to choose from")
         if session_key is None:
             return min(engines, key=lambda e: (self.in_flight(e), engines.index(e)))
-        return max(engines, key=lambda e: (rendezvous_score(session_key, e), e))
+        return _heaviest(session_key, engines if isinstance(engines, tuple) else tuple(engines))

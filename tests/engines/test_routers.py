@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from agentic_lora_routers import LeastInFlightRouter, SessionAffinityRouter
+from agentic_lora_routers.affinity import rendezvous_score
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -100,6 +101,18 @@ def test_affinity_moves_only_sessions_whose_engine_went_down(
         else:
             assert during in healthy
         assert router.choose(key, FLEET, {}) == home  # back when the engine returns
+
+
+def test_affinity_answers_by_its_definition_on_every_call_and_every_offer() -> None:
+    # Its answers are remembered per (Session, offered engines): a remembered one must be the
+    # one the weights give for exactly that offer.
+    router = SessionAffinityRouter()
+    for i in range(300):
+        key = f"session-{i}"
+        for offer in (FLEET, FLEET[1:], list(FLEET[:2]), FLEET):
+            heaviest = max(offer, key=lambda e, k=key: (rendezvous_score(k, e), e))
+            assert router.choose(key, offer, {}) == heaviest
+            assert router.choose(key, offer, {}) == heaviest
 
 
 def test_affinity_spreads_sessions_over_the_fleet() -> None:

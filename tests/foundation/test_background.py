@@ -59,3 +59,31 @@ async def test_stop_loop_cancels_the_loop_then_lets_started_work_finish() -> Non
     await stopping  # the broken one's error is not raised here
     assert started[0].result() == "done"
     await stop_loop(None)  # nothing running: nothing to do
+
+
+@pytest.mark.asyncio
+async def test_a_stop_in_the_loop_turn_of_a_poke_still_ends_the_wait() -> None:
+    rounds = Rounds()
+    waiting = asyncio.Event()
+
+    async def loop() -> None:
+        while True:
+            waiting.set()  # no await from here into the wait below
+            await rounds.wait(3600.0)
+            waiting.clear()
+
+    task = asyncio.create_task(loop())
+    await waiting.wait()
+    rounds.poke()  # wakes the wait ...
+    await stop_loop(task)  # ... and is cancelled in the same turn: the loop still ends
+    assert task.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_a_wait_returns_at_once_on_a_pending_poke_and_after_its_time_without_one() -> None:
+    rounds = Rounds()
+    rounds.poke()
+    await rounds.wait(3600.0)  # pending: no wait at all
+    rounds.wake.clear()
+    await rounds.wait(0.0)  # nothing pending: its time is up at once
+    assert not rounds.wake.is_set()

@@ -187,6 +187,25 @@ async def test_adapter_in_flight_counts_per_name_and_wakes_waiters_when_one_drai
 
 
 @pytest.mark.asyncio
+async def test_adapter_in_flight_wakes_the_waiters_of_a_busy_period_at_its_end_only() -> None:
+    counter = AdapterInFlight()
+    first_period, second_period = Calls(count=2), Calls(count=3)
+    counter.on_wait.extend([first_period, second_period])
+    counter.enter("a")
+    early = [asyncio.create_task(counter.wait_drained("a")) for _ in range(2)]
+    await first_period.wait()
+    counter.leave("a")  # the period both waited for ends ...
+    counter.enter("a")  # ... and the next one starts before either of them runs again
+    late = asyncio.create_task(counter.wait_drained("a"))
+    await second_period.wait()
+    await asyncio.gather(*early)  # woken by the end of their own period
+    assert not late.done()  # the next period has not ended
+    counter.leave("a")
+    await late
+    assert counter.busy() == {}
+
+
+@pytest.mark.asyncio
 async def test_adapter_in_flight_tells_its_listeners_when_a_drain_starts_to_wait(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -234,8 +234,7 @@ class Repairer(BackgroundLoop):
                     self._schedule(await self.probe_once())
                 except Exception:
                     logger.exception("repair round failed; retried next interval")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rounds.wake.wait(), self.probe_interval)
+            await self._rounds.wait(self.probe_interval)
 
     # --- repairs --------------------------------------------------------------------------------
 
