@@ -6,7 +6,8 @@ block (ABBA order, so a noisy neighbour or a slow drift hits both alike):
 * ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
   product uses) streaming ``POST /generate`` with the adapter named by hand, read line by line;
 * ``versioned``: :meth:`Session.stream` of a versioned Session (bind at its first turn, pin,
-  dispatch guard, router, the pump and its bounded buffer), every chunk carrying its version.
+  dispatch guard, router; the chain in a task of its own while the reader reads the engine's
+  answer inline), every chunk carrying its version.
 
 Engines: ``sglang`` is one real SGLang engine from the test harness, adapter A published through
 HTTP push; ``instant`` is ``bench/instant_engine.py`` in its own process streaming ``--tokens``
