@@ -38,24 +38,19 @@ from typing import Any
 
 import httpx
 from common import (
-    InstantEngine,
+    direct_client,
     engine_log_dir,
     fleet_settings,
+    instant_setup,
     interleaved_order,
     machine,
     print_table,
-    publish_in_registry,
     summarize,
     write_result,
 )
-from httpx_aiohttp import AiohttpTransport
 
-from agentic_lora.backends import EngineRef
-from agentic_lora.http_limits import engine_limits
-from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.requests import Route
 from agentic_lora.session import Versioning
-from agentic_lora.transport import EngineTransport
 
 US = 1e6
 VARIANTS = ("direct", "versioned")
@@ -176,17 +171,6 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
     return out
 
 
-def _direct_client() -> httpx.AsyncClient:
-    # The product's engine client (agentic_lora.engines.wire.make_engine_client) and the
-    # Versioning's transport defaults: same transport, pool limits and timeouts on both sides.
-    return httpx.AsyncClient(
-        transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
-        timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
-        follow_redirects=False,
-        trust_env=False,
-    )
-
-
 def _body(tokens: int) -> dict[str, Any]:
     return {
         "text": "Count from one to one hundred:",
@@ -197,17 +181,11 @@ def _body(tokens: int) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def instant_target(tokens: int) -> AsyncIterator[Target]:
     """The instant engine in its own process, a LocalRegistry with one committed version."""
-    with InstantEngine() as server:
-        registry = LocalRegistry(engines=("e0",), capacity=2)
-        lora_name = await publish_in_registry(registry, "e0")
-        transport = EngineTransport([EngineRef("e0", server.base_url)])
-        try:
-            async with _direct_client() as direct:
-                versioning = Versioning(transport=transport, registry=registry)
-                yield Target(server.base_url, lora_name, _body(tokens), versioning, direct)
-        finally:
-            await transport.aclose()
-            await registry.aclose()
+    async with instant_setup() as setup:
+        versioning = Versioning(transport=setup.transport, registry=setup.registry)
+        yield Target(
+            str(setup.engine.base_url), setup.lora_name, _body(tokens), versioning, setup.direct
+        )
 
 
 @contextlib.asynccontextmanager
@@ -224,7 +202,7 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
     fixture = await asyncio.to_thread(build_fixture)
     async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
         settings = fleet_settings(fleet)
-        direct = _direct_client()
+        direct = direct_client()
         with tempfile.TemporaryDirectory(prefix="bench-streaming-") as store:
             deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
             async with deployment, direct:
