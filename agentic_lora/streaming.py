@@ -243,7 +243,7 @@ class UpstreamStream:
         opened = await handoff.opened
         if opened is not None:
             # Read inline, one event per chunk asked for (see the module docstring): no task
-            # switch and no generator layer between the connection and the reader.
+            # switch and no queue between the connection and the reader.
             parse = opened.parse
             try:
                 async for line in opened.lines:
