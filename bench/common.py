@@ -8,7 +8,9 @@
 * :class:`InstantEngine` runs ``bench/instant_engine.py`` in its own process on a free loopback
   port: an engine that answers ``/generate`` at once, for pure-overhead measurements.
 * :func:`publish_in_registry` commits a version by registry verbs alone, for engines that
-  load nothing (the instant engine, respx).
+  load nothing (the instant engine, respx); :func:`instant_setup` is the instant engine with
+  such a registry, an engine transport to it and :func:`direct_client`, the product's engine
+  client with nothing of ours on top.
 * :func:`interleaved_order` gives the ABBA block order the scripts use so that slow drifts of a
   noisy machine (another job starting, thermal changes) hit every variant alike.
 """
@@ -25,14 +27,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Self
 
 import httpx
 import numpy as np
+from httpx_aiohttp import AiohttpTransport
 
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.testing.publish import publish_by_verbs
 
@@ -41,10 +47,13 @@ __all__ = [
     "OUT_DIR",
     "REPO_ROOT",
     "InstantEngine",
+    "InstantSetup",
     "Summary",
     "add_example_agents_to_path",
+    "direct_client",
     "engine_log_dir",
     "free_port",
+    "instant_setup",
     "interleaved_order",
     "machine",
     "max_gap",
@@ -290,6 +299,45 @@ async def publish_in_registry(
         registry, version_id, (engine,), digest="cd" * 32, incarnation="bench"
     )
     return r.lora_name
+
+
+def direct_client() -> httpx.AsyncClient:
+    """The client a direct variant uses: the transport, pool limits and timeouts EngineTransport
+    builds (idle connections dropped before the engine's keep-alive ends), nothing of ours on top."""
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
+        timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+@dataclass(frozen=True)
+class InstantSetup:
+    """What :func:`instant_setup` yields."""
+
+    engine: EngineRef
+    registry: LocalRegistry
+    lora_name: str
+    transport: EngineTransport
+    direct: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def instant_setup() -> AsyncIterator[InstantSetup]:
+    """The instant engine in its own process, a LocalRegistry with one committed version, an
+    EngineTransport to the engine and a :func:`direct_client`; all closed on exit."""
+    with InstantEngine() as server:
+        ref = EngineRef("e0", server.base_url)
+        registry = LocalRegistry(engines=("e0",), capacity=2)
+        lora_name = await publish_in_registry(registry, "e0")
+        transport = EngineTransport([ref])
+        try:
+            async with direct_client() as direct:
+                yield InstantSetup(ref, registry, lora_name, transport, direct)
+        finally:
+            await transport.aclose()
+            await registry.aclose()
 
 
 def fleet_settings(fleet: Any, **overrides: Any) -> Any:

@@ -50,9 +50,10 @@ import aiohttp
 import httpx
 from common import (
     OUT_DIR,
-    InstantEngine,
+    direct_client,
     engine_log_dir,
     fleet_settings,
+    instant_setup,
     interleaved_order,
     machine,
     print_table,
@@ -60,12 +61,11 @@ from common import (
     summarize,
     write_result,
 )
-from httpx_aiohttp import AiohttpTransport
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.routing import EngineHealth, load_router
 from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
+from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
 from agentic_lora.foundation.requests import Route, check_shape, new_rid, parse_request
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import new_request_id
@@ -502,19 +502,8 @@ async def breakdown(n: int = 20_000) -> dict[str, float]:
 # --- engine set-ups ----------------------------------------------------------------------------
 
 
-def _direct_client() -> httpx.AsyncClient:
-    # The same transport and pool limits EngineTransport builds (idle connections dropped before
-    # the engine's keep-alive ends), without anything of ours on top.
-    return httpx.AsyncClient(
-        transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
-        timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
-        follow_redirects=False,
-        trust_env=False,
-    )
-
-
 def _raw_client() -> aiohttp.ClientSession:
-    # The pool limit and keep-alive expiry of _direct_client, on aiohttp alone.
+    # The pool limit and keep-alive expiry of the direct client, on aiohttp alone.
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
         timeout=aiohttp.ClientTimeout(total=600.0, connect=5.0),
@@ -525,26 +514,17 @@ def _raw_client() -> aiohttp.ClientSession:
 @contextlib.asynccontextmanager
 async def instant_target() -> AsyncIterator[Target]:
     """The instant engine in its own process, a LocalRegistry with one committed version."""
-    with InstantEngine() as server:
-        ref = EngineRef("e0", server.base_url)
-        registry = LocalRegistry(engines=("e0",), capacity=2)
-        lora_name = await publish_in_registry(registry, "e0")
-        transport = EngineTransport([ref])
-        try:
-            async with _direct_client() as direct, _raw_client() as raw:
-                yield Target(
-                    name="instant",
-                    engine=ref,
-                    lora_name=lora_name,
-                    body=INSTANT_BODY,
-                    versioning=Versioning(transport=transport, registry=registry),
-                    passthrough=Versioning(transport=transport, enabled=False),
-                    direct=direct,
-                    raw=raw,
-                )
-        finally:
-            await transport.aclose()
-            await registry.aclose()
+    async with instant_setup() as setup, _raw_client() as raw:
+        yield Target(
+            name="instant",
+            engine=setup.engine,
+            lora_name=setup.lora_name,
+            body=INSTANT_BODY,
+            versioning=Versioning(transport=setup.transport, registry=setup.registry),
+            passthrough=Versioning(transport=setup.transport, enabled=False),
+            direct=setup.direct,
+            raw=raw,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -563,7 +543,7 @@ async def sglang_target() -> AsyncIterator[Target]:
         settings = fleet_settings(fleet)
         with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as store:
             deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
-            async with deployment, _direct_client() as direct:
+            async with deployment, direct_client() as direct:
                 result = await deployment.publish(
                     f"A-{uuid.uuid4().hex[:8]}",
                     AdapterSnapshot.from_peft_dir(fixture.adapter("A")),

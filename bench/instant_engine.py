@@ -1,8 +1,9 @@
 """A minimal engine for overhead measurements: answers SGLang's routes at once, generating nothing.
 
 It speaks just enough of SGLang's HTTP surface for a Session to dispatch to it: ``POST /generate``
-(the reply echoes the request's ``rid`` in a fixed ``meta_info``), ``POST /abort_request``,
-``GET /health`` and ``GET /get_server_info``. It runs in its own process (aiohttp, access log off)
+(the reply echoes the request's ``rid`` in a fixed ``meta_info``; with ``"stream": true`` it streams
+``sampling_params.max_new_tokens`` chunks as server-sent events, then ``[DONE]``, all at once),
+``POST /abort_request``, ``GET /health`` and ``GET /get_server_info``. It runs in its own process (aiohttp, access log off)
 so its work never shares the measuring client's event loop.
 
 Usage: python bench/instant_engine.py --port PORT
@@ -33,10 +34,27 @@ def _generate_reply(rid: Any) -> dict[str, Any]:
     }
 
 
-async def _generate(request: web.Request) -> web.Response:
+async def _generate(request: web.Request) -> web.StreamResponse:
     body = json.loads(await request.read())
     rid = body.get("rid") if isinstance(body, dict) else None
+    if isinstance(body, dict) and body.get("stream"):
+        return await _stream(request, rid, body)
     return web.json_response(_generate_reply(rid))
+
+
+async def _stream(request: web.Request, rid: Any, body: dict[str, Any]) -> web.StreamResponse:
+    params = body.get("sampling_params")
+    tokens = params.get("max_new_tokens", 8) if isinstance(params, dict) else 8
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    reply = _generate_reply(rid)
+    for i in range(1, int(tokens) + 1):
+        reply["output_ids"] = list(range(i))
+        reply["meta_info"]["completion_tokens"] = i
+        await response.write(b"data: " + json.dumps(reply).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 async def _abort(request: web.Request) -> web.Response:

@@ -6,15 +6,21 @@ block (ABBA order, so a noisy neighbour or a slow drift hits both alike):
 * ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
   product uses) streaming ``POST /generate`` with the adapter named by hand, read line by line;
 * ``versioned``: :meth:`Session.stream` of a versioned Session (bind at its first turn, pin,
-  dispatch guard, router, the pump and its bounded buffer), every chunk carrying its version.
+  dispatch guard, router; the chain in a task of its own while the reader reads the engine's
+  answer inline), every chunk carrying its version.
+
+Engines: ``sglang`` is one real SGLang engine from the test harness, adapter A published through
+HTTP push; ``instant`` is ``bench/instant_engine.py`` in its own process streaming ``--tokens``
+chunks at once (no generation: what is left is the client's own cost to the first chunk), with a
+LocalRegistry holding one committed version.
 
 Per stream: TTFT (from the call to the first chunk in hand) and every inter-chunk gap; TTFT is
 also kept apart for the streams that are not a Session's first ("later"), since a versioned
-Session's first stream carries its registry bind and an agent streams many turns per Session. One real
-SGLang engine from the test harness, adapter A published through HTTP push. Prints one table per
-concurrency and the versioned/direct ratios side by side; writes ``bench/out/streaming.json``.
+Session's first stream carries its registry bind and an agent streams many turns per Session; and the client process's CPU time
+per stream (``time.process_time`` over each block). Prints one table per concurrency and the versioned/direct ratios side by side; writes ``bench/out/streaming.json``.
 
-Usage: python bench/streaming.py [--concurrency 1,64] [--blocks 8] [--tokens 32]
+Usage: python bench/streaming.py [--engine sglang|instant] [--concurrency 1,64] [--blocks 8]
+       [--streams 4] [--streams-at-scale 2] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -32,17 +38,17 @@ from typing import Any
 
 import httpx
 from common import (
+    direct_client,
     engine_log_dir,
     fleet_settings,
+    instant_setup,
     interleaved_order,
     machine,
     print_table,
     summarize,
     write_result,
 )
-from httpx_aiohttp import AiohttpTransport
 
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.requests import Route
 from agentic_lora.session import Versioning
 
@@ -66,6 +72,8 @@ class Samples:
     #: TTFT of the streams after a worker's first in its block (a Session's later turns).
     ttft_later: list[float] = field(default_factory=list)
     chunks: int = 0
+    #: Client process CPU seconds spent in this variant's blocks.
+    cpu: float = 0.0
     failures: list[str] = field(default_factory=list)
 
 
@@ -121,7 +129,9 @@ async def _block(t: Target, variant: str, concurrency: int, streams: int, out: S
         except Exception as exc:  # counted and reported, never hidden
             out.failures.append(f"{type(exc).__name__}: {exc}")
 
+    cpu = time.process_time()
     await asyncio.gather(*(guarded(w) for w in range(concurrency)))
+    out.cpu += time.process_time() - cpu
 
 
 async def measure(t: Target, concurrency: int, blocks: int, streams: int) -> dict[str, Samples]:
@@ -141,6 +151,7 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
             "ttft_later_us": summarize(s.ttft_later).scaled(US).as_dict() if s.ttft_later else None,
             "gap_us": summarize(s.gaps).scaled(US).as_dict(),
             "chunks": s.chunks,
+            "cpu_per_stream_us": s.cpu / max(1, len(s.ttft)) * US,
             "failures": s.failures[:5],
             "failure_count": len(s.failures),
         }
@@ -155,8 +166,26 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
         ),
         "gap_p50": v["gap_us"]["p50"] / d["gap_us"]["p50"],
         "gap_p99": v["gap_us"]["p99"] / d["gap_us"]["p99"],
+        "cpu_per_stream": v["cpu_per_stream_us"] / d["cpu_per_stream_us"],
     }
     return out
+
+
+def _body(tokens: int) -> dict[str, Any]:
+    return {
+        "text": "Count from one to one hundred:",
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+
+
+@contextlib.asynccontextmanager
+async def instant_target(tokens: int) -> AsyncIterator[Target]:
+    """The instant engine in its own process, a LocalRegistry with one committed version."""
+    async with instant_setup() as setup:
+        versioning = Versioning(transport=setup.transport, registry=setup.registry)
+        yield Target(
+            str(setup.engine.base_url), setup.lora_name, _body(tokens), versioning, setup.direct
+        )
 
 
 @contextlib.asynccontextmanager
@@ -173,11 +202,7 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
     fixture = await asyncio.to_thread(build_fixture)
     async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
         settings = fleet_settings(fleet)
-        direct = httpx.AsyncClient(
-            transport=AiohttpTransport(retries=0, limits=engine_limits(512), trust_env=False),
-            timeout=httpx.Timeout(600.0, connect=5.0, pool=5.0),
-            trust_env=False,
-        )
+        direct = direct_client()
         with tempfile.TemporaryDirectory(prefix="bench-streaming-") as store:
             deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
             async with deployment, direct:
@@ -187,16 +212,12 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
                 )
                 if not result.ok or result.lora_name is None:
                     raise RuntimeError(f"publication failed: {result}")
-                body = {
-                    "text": "Count from one to one hundred:",
-                    "sampling_params": {
-                        "max_new_tokens": tokens,
-                        "temperature": 0.0,
-                        "ignore_eos": True,
-                    },
-                }
                 yield Target(
-                    fleet.engines[0][1], result.lora_name, body, deployment.versioning, direct
+                    fleet.engines[0][1],
+                    result.lora_name,
+                    _body(tokens),
+                    deployment.versioning,
+                    direct,
                 )
 
 
@@ -212,6 +233,7 @@ def _print(conc: int, report: dict[str, Any]) -> None:
                 f"{r['ttft_us']['p99']:.0f}",
                 f"{r['gap_us']['p50']:.0f}",
                 f"{r['gap_us']['p99']:.0f}",
+                f"{r['cpu_per_stream_us']:.0f}",
                 r["failure_count"],
             ]
         )
@@ -224,6 +246,7 @@ def _print(conc: int, report: dict[str, Any]) -> None:
             f"{ratio['ttft_p99']:.3f}",
             f"{ratio['gap_p50']:.3f}",
             f"{ratio['gap_p99']:.3f}",
+            f"{ratio['cpu_per_stream']:.3f}",
             "",
         ]
     )
@@ -235,7 +258,16 @@ def _print(conc: int, report: dict[str, Any]) -> None:
             f"{later[1]:.0f} us, ratio {ratio['ttft_later_p50']:.3f}"
         )
     print_table(
-        ["variant", "streams", "TTFT p50 us", "TTFT p99 us", "gap p50 us", "gap p99 us", "fail"],
+        [
+            "variant",
+            "streams",
+            "TTFT p50 us",
+            "TTFT p99 us",
+            "gap p50 us",
+            "gap p99 us",
+            "CPU/stream us",
+            "fail",
+        ],
         rows,
     )
 
@@ -246,6 +278,7 @@ def _split(values: str) -> list[int]:
 
 async def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--engine", choices=["sglang", "instant"], default="sglang")
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--streams", type=int, default=4, help="streams per worker per block")
@@ -258,7 +291,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args(argv)
     reports: dict[int, Any] = {}
-    async with sglang_target(args.tokens) as target:
+    target_of = instant_target if args.engine == "instant" else sglang_target
+    async with target_of(args.tokens) as target:
         for conc in _split(args.concurrency):
             t0 = time.perf_counter()
             streams = args.streams if conc == 1 else args.streams_at_scale
@@ -266,7 +300,7 @@ async def main(argv: Sequence[str] | None = None) -> None:
             reports[conc]["seconds"] = time.perf_counter() - t0
             _print(conc, reports[conc])
     path = write_result(
-        "streaming",
+        "streaming" if args.engine == "sglang" else f"streaming-{args.engine}",
         {"machine": machine(), "args": vars(args), "concurrency": reports},
     )
     print(f"\nwrote {path}")

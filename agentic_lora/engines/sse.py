@@ -4,18 +4,18 @@ SGLang's ``/generate`` and the OpenAI routes of SGLang and vLLM stream the same 
 ``data: <JSON object>`` event per chunk, a blank line after each, and ``data: [DONE]`` last. A
 failure the engine meets while streaming arrives as one more event, ``data: {"error": {...}}``
 (SGLang and vLLM both send ``[DONE]`` after it). :func:`parse_event` reads one payload into a
-:class:`StreamEvent`; :func:`data_payloads` picks the payloads out of a stream's lines.
+:class:`StreamEvent`; :func:`data_payload` picks the payload out of one of a stream's lines.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DONE", "StreamEvent", "StreamEventKind", "data_payloads", "error_status", "parse_event"]
+__all__ = ["DONE", "StreamEvent", "StreamEventKind", "data_payload", "error_status", "parse_event"]
 
 #: The payload of the event that ends a stream.
 DONE = "[DONE]"
@@ -65,9 +65,9 @@ def error_status(error: Mapping[str, Any]) -> int | None:
     return None
 
 
-async def data_payloads(lines: AsyncIterable[str]) -> AsyncIterator[str]:
-    """The ``data:`` payloads of an event stream's lines (comments, other fields and blank
-    lines skipped; the engines put every event on one ``data:`` line)."""
-    async for line in lines:
-        if line.startswith("data:"):
-            yield line[5:].removeprefix(" ")
+def data_payload(line: str) -> str | None:
+    """The ``data:`` payload of one of an event stream's lines; None for comments, other fields
+    and blank lines (the engines put every event on one ``data:`` line)."""
+    if line.startswith("data:"):
+        return line[5:].removeprefix(" ")
+    return None

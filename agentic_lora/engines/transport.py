@@ -259,6 +259,17 @@ class EngineTransport:
                 self._urls[(engine, path)] = url
         return url
 
+    def _request(self, method: str, engine: str, path: str, content: bytes | None) -> httpx.Request:
+        # What the client's build_request builds, without its per-request merging and URL
+        # parsing (test_transport checks the request is the same).
+        return httpx.Request(
+            method,
+            self._url(engine, path),
+            content=content,
+            headers=self._plain_headers if content is None else self._json_headers,
+            extensions={"timeout": self._timeout},
+        )
+
     async def _exchange(
         self,
         engine: str,
@@ -274,14 +285,9 @@ class EngineTransport:
         where = {"engine": engine, "path": path, "rid": rid}
         try:
             # Inside the try: a URL that cannot be requested fails here, before sending.
-            request = httpx.Request(
-                method,
-                self._url(engine, path),
-                content=content,
-                headers=self._plain_headers if content is None else self._json_headers,
-                extensions={"timeout": self._timeout},
+            response = await self._client.send(
+                self._request(method, engine, path, content), stream=True
             )
-            response = await self._client.send(request, stream=True)
         except WIRE_ERRORS as exc:
             outcome = classify_exception(exc)
             sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
@@ -367,14 +373,11 @@ class EngineTransport:
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
         content = _encode(body)
-        given_rid = body.get("rid")
-        where = {"engine": engine, "path": path, "rid": given_rid}
-        url = self._ref(engine).base_url.rstrip("/") + path
+        where = {"engine": engine, "path": path, "rid": body.get("rid")}
         try:
-            request = self._client.build_request(
-                "POST", url, content=content, headers={"content-type": "application/json"}
+            response = await self._client.send(
+                self._request("POST", engine, path, content), stream=True
             )
-            response = await self._client.send(request, stream=True)
         except WIRE_ERRORS as exc:
             raise _failure(
                 classify_exception(exc),

@@ -14,9 +14,9 @@ answer is ``text/event-stream``:
 * a client that disconnects ends the Session's stream, which aborts the engine request
   (:class:`SSEResponse` listens for the disconnect whatever the server's ASGI version, so a
   stream waiting on a slow engine notices it too);
-* one chunk at a time is written, and the Session's stream holds a bounded number more
-  (:data:`~agentic_lora.session.streaming.DEFAULT_STREAM_BUFFER`): a slow reader slows the engine
-  read instead of growing a buffer here.
+* one chunk at a time is written, and the Session's stream reads the engine's next chunk only
+  when asked for it (:mod:`agentic_lora.session.streaming`): a slow reader slows the engine read
+  instead of growing a buffer here.
 """
 
 from __future__ import annotations

@@ -229,16 +229,19 @@ class Session:
             can_abort=self._rt.dialect.can_abort,
         )
         provenance: TurnProvenance | None = None
+        path = route.value  # an enum's value is a property call: once, not per chunk
+        engine = ""
         first = True
         try:
             async for data in upstream:
-                engine = flight.engine or ""
                 if first:
+                    # Routed by now, and never again: the engine is the stream's for its life.
+                    engine = flight.engine or ""
                     # The turn's lag is recorded once, at its first chunk (as at a reply).
-                    head = EngineReply(engine, route.value, 200, None, flight.rid)
+                    head = EngineReply(engine, path, 200, None, flight.rid)
                     provenance = binder.after_reply(head, turn).provenance
                     first = False
-                yield StreamChunk(engine, route.value, data, flight.rid, provenance)
+                yield StreamChunk(engine, path, data, flight.rid, provenance)
         finally:
             await upstream.aclose(lambda: self._flight_ended(flight))
 

@@ -2,23 +2,29 @@
 
 A streamed dispatch runs the same middleware chain as any other (pin, dispatch guard, routing),
 ended by :class:`StreamEndpoint` instead of the one-shot transport endpoint. The chain runs in a
-task of its own, the *pump*, for as long as the engine streams, and hands each chunk to the
-reader through a :class:`StreamSink`, a bounded queue. So:
+task of its own, the *chain task*, for as long as the engine streams: the endpoint opens the
+engine's answer, hands it to the reader through a :class:`StreamHandoff`, and waits there for the
+reader's verdict. The reader reads the answer's events itself, inline, as it is iterated. So:
 
 * the version is held for the whole stream: the dispatch guard's in-flight count (the drain a
-  vLLM reclaim waits for) and the router's ``on_dispatch``/``on_complete`` bracket the pump, and
-  the Session's own in-flight record is dropped only once the pump has ended;
-* a slow reader never makes this process buffer more than ``buffer`` chunks: a full sink stops
-  the pump reading, and the engine's connection then stops at the socket's window;
+  vLLM reclaim waits for) and the router's ``on_dispatch``/``on_complete`` bracket the chain
+  task, which ends only after the reader's verdict, and the Session's own in-flight record is
+  dropped only once the chain task has ended;
+* nothing is read ahead of the reader: an event is read from the connection only when the reader
+  asks for the next chunk, so a slow reader makes the engine's connection stop at the socket's
+  window and this process holds no chunk for it (and no chunk pays a task switch);
 * a reader that stops early (``aclose``, cancellation) ends the engine request:
-  :func:`end_upstream` aborts it by id where the dialect can, then cancels the pump, which closes
-  the engine connection (all vLLM learns of it). The end runs in a task of its own, so a reader
-  cancelled again while it waits (Starlette cancels a disconnected response's scope) still
-  aborts, closes and releases;
+  :meth:`UpstreamStream.aclose` aborts it by id where the dialect can, then cancels the chain
+  task, which closes the engine connection (all vLLM learns of it). The end runs in a task of its
+  own, so a reader cancelled again while it waits (Starlette cancels a disconnected response's
+  scope) still aborts, closes and releases;
+* a failure the reader meets (the engine's error event, a cut stream, a lost connection) is its
+  verdict: the endpoint raises it, so the middlewares see it as any dispatch failure (the router
+  tells its ``on_refused`` listeners of a refusal) before the reader raises what the chain raised;
 * failures keep the dispatch path's classification until the first chunk was handed on
   (refused or indeterminate); after it every failure is indeterminate.
 
-The sink reaches the endpoint through a context variable set inside the pump task, so
+The hand-off reaches the endpoint through a context variable set inside the chain task, so
 :class:`~agentic_lora.session.middleware.EngineCall` and the middlewares are the non-streaming ones.
 """
 
@@ -30,9 +36,9 @@ import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-from agentic_lora.engines.sse import StreamEvent, StreamEventKind, data_payloads, error_status
+from agentic_lora.engines.sse import StreamEvent, StreamEventKind, data_payload, error_status
 from agentic_lora.engines.transport import EngineReply, EngineTransport
 from agentic_lora.engines.wire import Outcome, classify_status, error_detail
 from agentic_lora.errors import (
@@ -46,17 +52,13 @@ from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.session.middleware import Dispatch, EngineCall, InFlight
 
 __all__ = [
-    "DEFAULT_STREAM_BUFFER",
     "StreamChunk",
     "StreamEndpoint",
-    "StreamSink",
+    "StreamHandoff",
     "UpstreamStream",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Chunks a stream holds for a reader that has not taken them yet.
-DEFAULT_STREAM_BUFFER: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,41 +82,42 @@ class StreamChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class _End:
-    error: BaseException | None
+class _Opened:
+    """The engine's open answer, as the endpoint hands it to the reader."""
+
+    lines: AsyncIterator[str]
+    parse: Callable[[str], StreamEvent]
+    where: Mapping[str, Any]
 
 
-class StreamSink:
-    """The bounded hand-off from the pump to the reader (see module docstring)."""
+class StreamHandoff:
+    """Between the chain task and the reader (see module docstring).
 
-    def __init__(self, buffer: int = DEFAULT_STREAM_BUFFER) -> None:
-        if buffer < 1:
-            raise ConfigurationError("a stream buffer holds at least one chunk", check="buffer")
-        self._queue: asyncio.Queue[Mapping[str, Any] | _End] = asyncio.Queue(buffer)
-        self.buffer = buffer
-        #: Chunks handed to the queue so far: from the first one on, failures are indeterminate.
+    ``opened``: the engine's open answer, or None when the chain ended without opening one (it
+    failed before, or a middleware answered itself). ``verdict``: how the reader's read ended
+    (None: at ``[DONE]``, the answer read to its end).
+    """
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.opened: asyncio.Future[_Opened | None] = loop.create_future()
+        self.verdict: asyncio.Future[BaseException | None] = loop.create_future()
+        #: Chunks handed to the reader so far: from the first one on, failures are indeterminate.
         self.delivered = 0
-        #: Set while the pump waits for the reader (the buffer is full).
-        self.waiting = asyncio.Event()
 
-    async def put(self, chunk: Mapping[str, Any]) -> None:
-        """Hand on one chunk; waits while the reader is ``buffer`` chunks behind."""
-        if self._queue.full():
-            self.waiting.set()
-        await self._queue.put(chunk)
-        self.waiting.clear()
-        self.delivered += 1
+    def open(self, opened: _Opened | None) -> None:
+        # Done already: the reader left while waiting (its future was cancelled) and its end
+        # cancels the chain task.
+        if not self.opened.done():
+            self.opened.set_result(opened)
 
-    async def finish(self, error: BaseException | None) -> None:
-        """The stream ended (``error``: how it failed)."""
-        await self._queue.put(_End(error))
-
-    async def get(self) -> Mapping[str, Any] | _End:
-        return await self._queue.get()
+    def give_verdict(self, error: BaseException | None) -> None:
+        if not self.verdict.done():
+            self.verdict.set_result(error)
 
 
-_SINK: contextvars.ContextVar[StreamSink | None] = contextvars.ContextVar(
-    "agentic_lora_stream_sink", default=None
+_HANDOFF: contextvars.ContextVar[StreamHandoff | None] = contextvars.ContextVar(
+    "agentic_lora_stream_handoff", default=None
 )
 
 
@@ -148,44 +151,33 @@ def _event_failure(event: StreamEvent, delivered: int, where: Mapping[str, Any])
 
 
 class StreamEndpoint:
-    """The end of the streaming chain: one streamed send; each chunk goes to the pump's sink.
+    """The end of the streaming chain: opens one streamed send and hands it to the reader.
 
-    Returns (an :class:`~agentic_lora.engines.transport.EngineReply` without a body) only at
-    ``[DONE]``, so every middleware around it brackets the whole stream.
+    Returns (an :class:`~agentic_lora.engines.transport.EngineReply` without a body) only once the reader
+    read ``[DONE]``, and raises the failure the reader met, so every middleware around it
+    brackets the whole stream.
     """
 
     def __init__(self, transport: EngineTransport) -> None:
         self._transport = transport
 
     async def __call__(self, call: EngineCall) -> EngineReply:
-        sink = _SINK.get()
-        if sink is None or call.engine is None:
+        handoff = _HANDOFF.get()
+        if handoff is None or call.engine is None:
             raise ConfigurationError(
-                "a streamed dispatch reached the stream endpoint outside a pump, or unrouted",
+                "a streamed dispatch reached the stream endpoint outside a chain task, or unrouted",
                 check="stream_chain",
             )
         path = call.route.value
         rid = call.body.get("rid")
         where = {"engine": call.engine, "path": path, "rid": rid}
-        parse = self._transport.dialect.parse_stream_event
-        try:
-            async with self._transport.open_stream(call.engine, path, call.body) as lines:
-                async for payload in data_payloads(lines):
-                    event = parse(payload)
-                    if event.kind is StreamEventKind.CHUNK:
-                        assert event.data is not None
-                        await sink.put(event.data)
-                    elif event.kind is StreamEventKind.DONE:
-                        await _read_to_end(lines)
-                        return EngineReply(
-                            call.engine, path, 200, None, rid if isinstance(rid, str) else None
-                        )
-                    else:
-                        raise _event_failure(event, sink.delivered, where)
-        except RequestIndeterminateError as exc:
-            exc.details.setdefault("chunks", sink.delivered)
-            raise
-        raise _event_failure(StreamEvent(StreamEventKind.DONE), sink.delivered, where)
+        async with self._transport.open_stream(call.engine, path, call.body) as lines:
+            handoff.open(_Opened(lines, self._transport.dialect.parse_stream_event, where))
+            # The answer stays open (and the middlewares' brackets held) until the reader is done.
+            error = await handoff.verdict
+        if error is not None:
+            raise error
+        return EngineReply(call.engine, path, 200, None, rid if isinstance(rid, str) else None)
 
 
 #: Lines read after ``[DONE]`` at most (the engines send a blank line, then end the body).
@@ -206,14 +198,12 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
                 return
 
 
-async def _pump(chain: Dispatch, call: EngineCall, sink: StreamSink) -> None:
-    _SINK.set(sink)  # this task's own context: no other dispatch sees it
+async def _run_chain(chain: Dispatch, call: EngineCall, handoff: StreamHandoff) -> None:
+    _HANDOFF.set(handoff)  # this task's own context: no other dispatch sees it
     try:
         await chain(call)
-    except Exception as exc:
-        await sink.finish(exc)
-    else:
-        await sink.finish(None)
+    finally:
+        handoff.open(None)  # ended without an open answer: the reader reads the task's result
 
 
 # Ends still running after their reader left (cancelled): held here so none is collected.
@@ -221,7 +211,7 @@ _ENDING: set[asyncio.Task[None]] = set()
 
 
 class UpstreamStream:
-    """One streamed dispatch in flight: the pump task and its sink (see module docstring).
+    """One streamed dispatch in flight: the chain task and its hand-off (see module docstring).
 
     Iterate it for the engine's chunk objects; always :meth:`aclose` it (a generator's
     ``finally``), which ends the engine request unless it ended already.
@@ -234,63 +224,106 @@ class UpstreamStream:
         transport: EngineTransport,
         *,
         can_abort: bool,
-        buffer: int = DEFAULT_STREAM_BUFFER,
     ) -> None:
-        self._sink = StreamSink(buffer)
+        self._handoff = StreamHandoff()
         self._flight = call.ticket
         self._transport = transport
         self._can_abort = can_abort
         self._task = asyncio.get_running_loop().create_task(
-            _pump(chain, call, self._sink), name=f"stream {call.body.get('rid')}"
+            _run_chain(chain, call, self._handoff), name=f"stream {call.body.get('rid')}"
         )
 
     @property
-    def sink(self) -> StreamSink:
-        """The hand-off between the pump and the reader."""
-        return self._sink
+    def handoff(self) -> StreamHandoff:
+        """The hand-off between the chain task and the reader."""
+        return self._handoff
 
     async def __aiter__(self) -> AsyncIterator[Mapping[str, Any]]:
-        while True:
-            item = await self._sink.get()
-            if not isinstance(item, _End):
-                yield item
-                continue
-            if item.error is None:
-                return
-            raise self._classified(item.error)
+        handoff = self._handoff
+        opened = await handoff.opened
+        if opened is not None:
+            # Read inline, one event per chunk asked for (see the module docstring): no task
+            # switch and no queue between the connection and the reader.
+            parse = opened.parse
+            try:
+                async for line in opened.lines:
+                    payload = data_payload(line)
+                    if payload is None:
+                        continue
+                    event = parse(payload)
+                    if event.kind is StreamEventKind.CHUNK:
+                        assert event.data is not None
+                        handoff.delivered += 1
+                        yield event.data
+                    elif event.kind is StreamEventKind.DONE:
+                        await _read_to_end(opened.lines)
+                        break
+                    else:
+                        raise _event_failure(event, handoff.delivered, opened.where)
+                else:
+                    end = StreamEvent(StreamEventKind.DONE)
+                    raise _event_failure(end, handoff.delivered, opened.where)
+            except Exception as exc:
+                if isinstance(exc, RequestIndeterminateError):
+                    exc.details.setdefault("chunks", handoff.delivered)
+                handoff.give_verdict(exc)  # raised by the endpoint, through the middlewares
+            else:
+                handoff.give_verdict(None)
+        try:
+            # Shielded: a reader cancelled here leaves the chain task to aclose's end.
+            await asyncio.shield(self._task)
+        except Exception as exc:
+            error: BaseException = exc
+        else:
+            return
+        raise self._classified(error)
 
     def _classified(self, error: BaseException) -> BaseException:
-        if self._sink.delivered == 0 or isinstance(error, RequestIndeterminateError):
+        delivered = self._handoff.delivered
+        if delivered == 0 or isinstance(error, RequestIndeterminateError):
             return error
         # After the first chunk the engine had the request: nothing else can be said.
         code = error.code if isinstance(error, AgenticLoRAError) else type(error).__name__
         wrapped = RequestIndeterminateError(
-            f"the stream failed after {self._sink.delivered} chunk(s) ({code}); the generation "
+            f"the stream failed after {delivered} chunk(s) ({code}); the generation "
             "ran in part [indeterminate]",
             outcome=Outcome.INDETERMINATE.value,
-            chunks=self._sink.delivered,
+            chunks=delivered,
             cause=code,
         )
         wrapped.__cause__ = error
         return wrapped
 
     async def aclose(self, on_ended: Callable[[], None] | None = None) -> None:
-        """End the engine request if it still runs; ``on_ended()`` runs once the pump ended.
+        """End the engine request if it still runs; ``on_ended()`` runs once the chain ended.
 
         The work runs in a task of its own and is awaited shielded: a reader cancelled while it
         waits leaves it running to the end (abort sent, connection closed, ``on_ended`` called).
         """
+        if self._task.done():
+            # The common end (the reader read the chain's result): nothing left to stop.
+            self._settle()
+            if on_ended is not None:
+                on_ended()
+            return
         ending = asyncio.get_running_loop().create_task(self._end(on_ended))
         _ENDING.add(ending)
         ending.add_done_callback(_ENDING.discard)
         await asyncio.shield(ending)
 
+    def _settle(self) -> None:
+        # The chain's failure reached the reader, or nobody is left to hear it: retrieved here
+        # so that asyncio does not report it as never retrieved.
+        if not self._task.cancelled():
+            self._task.exception()
+
     async def _end(self, on_ended: Callable[[], None] | None) -> None:
         try:
             if not self._task.done():
-                await self._abort()
+                if not self._handoff.verdict.done():
+                    await self._abort()  # the reader left while the engine may still generate
                 self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         finally:
             if on_ended is not None:
@@ -299,7 +332,7 @@ class UpstreamStream:
     async def _abort(self) -> None:
         flight: InFlight | None = self._flight
         if not self._can_abort or flight is None or flight.engine is None or flight.rid is None:
-            return  # the pump's cancellation closes the connection: the engine's only signal
+            return  # the chain task's cancellation closes the connection: the engine's only signal
         try:
             await self._transport.abort(flight.engine, flight.rid)
         except AgenticLoRAError as exc:

@@ -202,6 +202,32 @@ async def test_body_goes_out_as_compact_json_with_the_json_content_type() -> Non
 
 
 @pytest.mark.asyncio
+async def test_a_streamed_request_goes_out_as_the_one_shot_request_does() -> None:
+    t = transport()
+    try:
+        with respx.mock(using="httpx") as mock:
+            route = mock.post(URL + "/generate").respond(200, json={})
+            body = {"text": "héllo", "rid": "r1"}
+            await t.send("e0", "/generate", body)
+            one_shot = route.calls.last.request
+            route.respond(200, text="data: [DONE]\n\n")
+            async with t.open_stream("e0", "/generate", {**body, "stream": True}) as lines:
+                assert [line async for line in lines] == ["data: [DONE]", ""]
+            streamed = route.calls.last.request
+
+            def headers(request: httpx.Request) -> list[tuple[bytes, bytes]]:
+                return [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+
+            # Built by the same fast path: the client's own headers, the JSON content type.
+            assert headers(streamed) == headers(one_shot)
+            assert json.loads(streamed.content) == {**body, "stream": True}
+            assert streamed.extensions["timeout"] == one_shot.extensions["timeout"]
+            assert route.call_count == 2
+    finally:
+        await t.aclose()
+
+
+@pytest.mark.asyncio
 async def test_abort_is_retried_on_transport_failures_but_not_on_a_4xx() -> None:
     async with transport(attempts=3) as t:
         with respx.mock(using="httpx") as mock:

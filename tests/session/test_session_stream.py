@@ -90,6 +90,9 @@ async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() 
         s = h.versioning.open_session("S")
         it = s.stream(Route.COMPLETIONS, {"prompt": "long"})
         first = await anext(it)
+        # The reader asks for the next chunk, which the engine holds back: the stream is open
+        # and waiting on the engine.
+        second = asyncio.ensure_future(anext(it))
         await held.held.wait()
         assert first.version_id == "A"
         assert h.versioning.in_flight(a.lora_name) == 1
@@ -100,7 +103,7 @@ async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() 
         finished_at_drain: list[bool] = []
         drained.add_done_callback(lambda _: finished_at_drain.append(held.finished.is_set()))
         held.gate.set()
-        rest = [c async for c in it]
+        rest = [await second] + [c async for c in it]
         await drained
         assert len(rest) == 2
         # The drain a vLLM reclaim waits for returned only once the engine's stream had ended.
@@ -272,7 +275,7 @@ async def test_close_aborts_an_open_sglang_stream_which_then_ends() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_slow_reader_bounds_what_is_buffered() -> None:
+async def test_nothing_is_read_ahead_of_the_reader() -> None:
     async with stream_harness() as h:
         await h.publish("A")
         engine = h.sglang
@@ -285,12 +288,19 @@ async def test_a_slow_reader_bounds_what_is_buffered() -> None:
 
         flight = InFlight("r1")
         call = EngineCall(Route.GENERATE, {"text": "x", "stream": True, "rid": "r1"}, ticket=flight)
-        upstream = UpstreamStream(chain, call, h.transport, can_abort=True, buffer=4)  # type: ignore[arg-type]
+        upstream = UpstreamStream(chain, call, h.transport, can_abort=True)  # type: ignore[arg-type]
         it = upstream.__aiter__()
         await anext(it)
-        await upstream.sink.waiting.wait()  # the pump waits for the reader: the buffer is full
-        # One taken, four buffered, one in the pump's hand, at most one line ahead in httpx.
-        assert many.sent <= 1 + 4 + 2
+        # Other work on the loop while the reader holds back: a reader-side read-ahead (a task
+        # filling a buffer) would run meanwhile; here nothing reads until the reader asks.
+        other = h.versioning.open_session("other")
+        reply = await other.dispatch(Route.GENERATE, {"text": "y"})
+        assert reply.status_code == 200
+        await other.close()
+        # One taken, at most one line ahead in httpx.
+        assert many.sent <= 2
+        assert upstream.handoff.delivered == 1
         rest = [c async for c in it]
         assert len(rest) == 199
+        assert many.sent == 200
         await upstream.aclose()
