@@ -7,6 +7,7 @@ manager never leaves its loop running behind the block.
 
 from __future__ import annotations
 
+import abc
 from typing import Self
 
 from agentic_lora.foundation.background import Rounds
@@ -14,16 +15,18 @@ from agentic_lora.foundation.background import Rounds
 __all__ = ["BackgroundLoop"]
 
 
-class BackgroundLoop:
+class BackgroundLoop(abc.ABC):
     """``start()``/``stop()`` as an async context manager, and the rounds finished so far."""
 
     _rounds: Rounds
 
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the loop's task (idempotent)."""
 
+    @abc.abstractmethod
     async def stop(self) -> None:
-        raise NotImplementedError
+        """Stop the loop and wait for its task to end."""
 
     @property
     def rounds(self) -> int:
