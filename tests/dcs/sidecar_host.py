@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,7 +193,16 @@ class Host:
         )
 
 
+def _exit_with(parent: int) -> None:
+    # An interrupted test run (pytest killed) cannot stop this host; once it is re-parented, its
+    # test is gone, so it goes too instead of holding a port and a store for ever.
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def main() -> int:
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
     parser.add_argument("--store-dir", required=True, type=Path)
