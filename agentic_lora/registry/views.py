@@ -37,25 +37,24 @@ __all__ = [
 
 
 def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
-    # The dispatch guard's read (peek_version) builds this once per dispatch: positional
-    # arguments, and no walk over the fleet for an engine set that is empty or whole.
     engines = state.engines
     return VersionStatus(
-        v.version_id,
-        v.digest,
-        v.lora_name,
-        v.state,
-        v.attempt,
-        v.session_refs,
-        _in_fleet_order(engines, v.ready),
-        _in_fleet_order(engines, v.cleaned),
-        v.reclaim_id,
-        _in_fleet_order(engines, v.reclaimed),
-        v.commit_receipt.default_revision if v.commit_receipt else None,
+        version_id=v.version_id,
+        digest=v.digest,
+        lora_name=v.lora_name,
+        state=v.state,
+        attempt=v.attempt,
+        session_refs=v.session_refs,
+        ready_engines=_in_fleet_order(engines, v.ready),
+        cleaned_engines=_in_fleet_order(engines, v.cleaned),
+        reclaim_id=v.reclaim_id,
+        reclaimed_engines=_in_fleet_order(engines, v.reclaimed),
+        published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
     )
 
 
 def dispatch_view(state: RegistryState, v: VersionRecord) -> DispatchView:
+    # Read once per dispatch by the in-process guard: three fields, not a whole status.
     return DispatchView(v.state, v.lora_name, _in_fleet_order(state.engines, v.ready))
 
 

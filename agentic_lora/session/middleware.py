@@ -55,6 +55,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.foundation.listeners import notify
 from agentic_lora.foundation.requests import Route
+from agentic_lora.registry.api import in_process_core, peeker
 from agentic_lora.registry.types import Binding, DispatchView, VersionStatus
 
 __all__ = [
@@ -226,6 +227,17 @@ class PeekGuard:
 
     def __init__(self, peek: Callable[[str], VersionStatus | DispatchView | None]) -> None:
         self._peek = peek
+
+    @classmethod
+    def of(cls, registry: object) -> PeekGuard | None:
+        """The guard over ``registry``'s cheapest synchronous read: the core's
+        ``dispatch_view`` in process (no whole status per dispatch), else ``peek_version``; None
+        when it has neither."""
+        core = in_process_core(registry)
+        if core is not None:
+            return cls(core.dispatch_view)
+        peek = peeker(registry)
+        return None if peek is None else cls(peek.peek_version)
 
     def check(self, binding: Binding) -> tuple[str, ...]:
         """Raise unless the bound version is PUBLISHED or RETIRED (and is the same content);

@@ -7,7 +7,6 @@ sits below, with the engines.
 from __future__ import annotations
 
 from agentic_lora.engines.pd import PDFleet, members_holding
-from agentic_lora.registry.api import peeker
 from agentic_lora.registry.types import Binding
 from agentic_lora.session.middleware import DispatchGuard, PeekGuard
 
@@ -44,8 +43,9 @@ class PDGuard:
 
 
 def pd_guard(registry: object, fleet: PDFleet) -> PDGuard | None:
-    """The dispatch guard of a fleet with PD groups: the registry's version read (``peek_version``)
-    folded into members by :class:`PDGuard`; None when the registry has no synchronous read (then
-    :class:`~agentic_lora.session.Versioning` refuses to start without an explicit guard)."""
-    peek = peeker(registry)
-    return None if peek is None else PDGuard(PeekGuard(peek.peek_version), fleet)
+    """The dispatch guard of a fleet with PD groups: the registry's version read
+    (:meth:`PeekGuard.of`) folded into members by :class:`PDGuard`; None when the registry has no
+    synchronous read (then :class:`~agentic_lora.session.Versioning` refuses to start without an
+    explicit guard)."""
+    inner = PeekGuard.of(registry)
+    return None if inner is None else PDGuard(inner, fleet)

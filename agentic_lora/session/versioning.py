@@ -22,7 +22,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.foundation.requests import new_rid
 from agentic_lora.leases import LeaseKeeper, OnRestart
-from agentic_lora.registry.api import RegistryAPI, in_process_core, peeker, session_closer
+from agentic_lora.registry.api import RegistryAPI, in_process_core, session_closer
 from agentic_lora.registry.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.session.binder import (
@@ -65,17 +65,13 @@ def _revision_reader_of(registry: RegistryAPI) -> DefaultRevisionReader | None:
 
 
 def _guard_of(registry: RegistryAPI) -> DispatchGuard:
-    core = in_process_core(registry)
-    if core is not None:
-        # The same read as peek_version, without building a whole status per dispatch.
-        return PeekGuard(core.dispatch_view)
-    peek = peeker(registry)
-    if peek is None:
+    guard = PeekGuard.of(registry)
+    if guard is None:
         raise ConfigurationError(
             f"{type(registry).__name__} has no peek_version; pass a DispatchGuard",
             check="dispatch_guard",
         )
-    return PeekGuard(peek.peek_version)
+    return guard
 
 
 class Versioning:
