@@ -47,6 +47,7 @@ from agentic_lora.errors import (
     DispatchError,
     RequestIndeterminateError,
     RequestRefusedError,
+    error_code,
 )
 from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.session.middleware import Dispatch, EngineCall, InFlight
@@ -283,7 +284,7 @@ class UpstreamStream:
         if delivered == 0 or isinstance(error, RequestIndeterminateError):
             return error
         # After the first chunk the engine had the request: nothing else can be said.
-        code = error.code if isinstance(error, AgenticLoRAError) else type(error).__name__
+        code = error_code(error)
         wrapped = RequestIndeterminateError(
             f"the stream failed after {delivered} chunk(s) ({code}); the generation "
             "ran in part [indeterminate]",
