@@ -8,25 +8,48 @@ manager never leaves its loop running behind the block.
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Iterable
 from typing import Self
 
-from agentic_lora.foundation.background import Rounds
+from agentic_lora.foundation.background import Rounds, stop_loop
 
 __all__ = ["BackgroundLoop"]
 
 
 class BackgroundLoop(abc.ABC):
-    """``start()``/``stop()`` as an async context manager, and the rounds finished so far."""
+    """One background task running :meth:`_run` between ``start()`` and ``stop()``, as an async
+    context manager, and the rounds finished so far."""
 
     _rounds: Rounds
+    _loop_task: asyncio.Task[None] | None = None
+    #: The background task's name (in task dumps and asyncio's debug reports).
+    _loop_name: str = "agentic-lora background loop"
 
     @abc.abstractmethod
+    async def _run(self) -> None:
+        """The loop itself: rounds until cancelled."""
+
+    def _starting(self) -> None:
+        """Runs just before a new loop task starts (e.g. to make its first round due at once)."""
+        return None
+
+    def _finishing(self) -> Iterable[asyncio.Task[object]]:
+        """Work the loop started that ``stop()`` lets finish after the loop ended."""
+        return ()
+
     def start(self) -> None:
-        """Start the loop's task (idempotent)."""
+        """Run rounds in the background until :meth:`stop` (nothing if already running)."""
+        if self._loop_task is None or self._loop_task.done():
+            self._starting()
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._run(), name=self._loop_name
+            )
 
-    @abc.abstractmethod
     async def stop(self) -> None:
-        """Stop the loop and wait for its task to end."""
+        """Stop the background loop; work it started (:meth:`_finishing`) finishes first."""
+        task, self._loop_task = self._loop_task, None
+        await stop_loop(task, then=self._finishing())
 
     @property
     def rounds(self) -> int:

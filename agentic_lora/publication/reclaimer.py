@@ -41,7 +41,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tenacity.wait import wait_base
@@ -49,7 +49,7 @@ from tenacity.wait import wait_base
 from agentic_lora.engines.backends import Backend, EngineRef
 from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
-from agentic_lora.foundation.background import Rounds, delay_after, stop_loop
+from agentic_lora.foundation.background import Rounds, delay_after
 from agentic_lora.foundation.background import backoff as default_backoff
 from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
 from agentic_lora.foundation.replay import RegistryRetry
@@ -101,6 +101,8 @@ class ReclaimReport:
 class Reclaimer(BackgroundLoop):
     """Reclaims retired versions through ``backend`` on the fixed fleet ``engines``."""
 
+    _loop_name = "agentic-lora reclaimer"
+
     def __init__(
         self,
         registry: RegistryAPI,
@@ -125,7 +127,6 @@ class Reclaimer(BackgroundLoop):
         self._clock = clock
         self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
         self._rounds = Rounds()
-        self._loop_task: asyncio.Task[None] | None = None
         # version -> (unconfirmed rounds in a row, clock() before which the loop does not retry)
         self._retry_at: dict[str, tuple[int, float]] = {}
 
@@ -183,15 +184,9 @@ class Reclaimer(BackgroundLoop):
         """Ask the background loop for a round (after a commit or a Session release)."""
         self._rounds.poke()
 
-    def start(self) -> None:
-        """Run rounds in the background until :meth:`stop`."""
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        """Stop the background loop (an unload in flight finishes; its result is kept)."""
-        task, self._loop_task = self._loop_task, None
-        await stop_loop(task, then=self._inflight.values())
+    def _finishing(self) -> Iterable[asyncio.Task[object]]:
+        # stop(): an unload in flight finishes; its result is kept.
+        return self._inflight.values()
 
     async def settled(self) -> None:
         """Return once no poke is pending and no background round is running (a backoff wait in

@@ -59,7 +59,6 @@ from agentic_lora.foundation.background import (
     Rounds,
     backoff,
     delay_after,
-    stop_loop,
 )
 from agentic_lora.foundation.listeners import notify
 from agentic_lora.publication.loop import BackgroundLoop
@@ -111,6 +110,8 @@ class Resolver(BackgroundLoop):
     (default :func:`backoff`); ``sleep`` waits that long (inject one to step it in tests).
     """
 
+    _loop_name = "agentic-lora resolver"
+
     def __init__(
         self,
         publisher: Publisher,
@@ -126,7 +127,6 @@ class Resolver(BackgroundLoop):
         self._sleep = sleep
         self._at_start = False
         self._rounds = Rounds()
-        self._loop_task: asyncio.Task[None] | None = None
         #: Rounds in a row that left a publication blocked (0: nothing is waiting for a retry).
         self.failures = 0
         #: Seconds until the next retry round (None: the loop waits for a poke).
@@ -168,24 +168,12 @@ class Resolver(BackgroundLoop):
         """Ask for a round now (after a BLOCKED result); cuts a backoff wait short."""
         self._rounds.poke()
 
-    def start(self) -> None:
-        """Run rounds in the background until :meth:`stop`; the first one runs at once."""
-        if self._loop_task is None or self._loop_task.done():
-            self._at_start = self.resolve_loading_at_start
-            self._rounds.poke()
-            self._loop_task = asyncio.get_running_loop().create_task(
-                self._run(), name="agentic-lora resolver"
-            )
-
-    async def stop(self) -> None:
-        """Stop the background loop.
-
-        A round cut short is safe to repeat: each abort and each confirmation is one registry
-        step, so the version is left LOADING or ABORTED with its slot held, and resolved again by
-        the next start or an operator.
-        """
-        task, self._loop_task = self._loop_task, None
-        await stop_loop(task)
+    def _starting(self) -> None:
+        # The first round runs at once. A round a stop() cut short is safe to repeat: each abort
+        # and each confirmation is one registry step, so the version is left LOADING or ABORTED
+        # with its slot held, and resolved again by the next start or an operator.
+        self._at_start = self.resolve_loading_at_start
+        self._rounds.poke()
 
     async def settled(self, *, rounds: int = 0) -> None:
         """Return once no poke is pending, no round is running and ``rounds`` rounds finished.

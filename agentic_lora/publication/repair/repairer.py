@@ -9,7 +9,7 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
@@ -25,7 +25,7 @@ from agentic_lora.errors import (
     UnknownVersionError,
     error_code,
 )
-from agentic_lora.foundation.background import Rounds, stop_loop
+from agentic_lora.foundation.background import Rounds
 from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.loop import BackgroundLoop
@@ -110,6 +110,8 @@ class Repairer(BackgroundLoop):
     probe and readiness are its :class:`~agentic_lora.publication.repair.probe.EngineProbe`'s.
     """
 
+    _loop_name = "lora-repairer"
+
     def __init__(
         self,
         registry: RegistryAPI,
@@ -159,7 +161,6 @@ class Repairer(BackgroundLoop):
         self._unavailable: set[str] = set()  # versions whose missing content was reported
         self._repairs: dict[str, asyncio.Task[list[RepairResult]]] = {}
         self._rounds = Rounds()
-        self._loop_task: asyncio.Task[None] | None = None
 
     # --- what it knows --------------------------------------------------------------------------
 
@@ -199,18 +200,13 @@ class Repairer(BackgroundLoop):
             self._poked_by.add(engine)
         self._rounds.poke()
 
-    def start(self) -> None:
-        """Probe at once, then every ``probe_interval`` and on every poke, until :meth:`stop`."""
-        if self._loop_task is None or self._loop_task.done():
-            self._rounds.poke()  # the start-up probe is pending: settled() waits for it
-            self._loop_task = asyncio.get_running_loop().create_task(
-                self._run(), name="lora-repairer"
-            )
+    def _starting(self) -> None:
+        # Probe at once (settled() waits for it), then every probe_interval and on every poke.
+        self._rounds.poke()
 
-    async def stop(self) -> None:
-        """Stop probing; a repair already loading finishes (its READY is recorded or cleaned)."""
-        task, self._loop_task = self._loop_task, None
-        await stop_loop(task, then=self._repairs.values())
+    def _finishing(self) -> Iterable[asyncio.Task[object]]:
+        # stop(): a repair already loading finishes (its READY is recorded or cleaned).
+        return self._repairs.values()
 
     async def settled(self) -> None:
         """Return once no poke is pending, no round runs and no repair is loading."""
