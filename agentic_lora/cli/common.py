@@ -1,12 +1,16 @@
 """What every ``agentic-lora`` command shares: exit codes, the one-line error parser, the
-CLI's own environment variables and the admin client of a running server."""
+declaration of a command and its arguments, the CLI's own environment variables and the admin
+client of a running server."""
 
 from __future__ import annotations
 
 import argparse
+import enum
 import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,14 +27,20 @@ __all__ = [
     "EXIT_NOT_PUBLISHED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "JSON",
+    "SERVER_ARGUMENTS",
+    "TOKEN_ARGUMENTS",
+    "Argument",
     "CliEnvironment",
+    "Command",
+    "Handler",
+    "Needs",
     "Parser",
     "UsageError",
     "absolute_path",
-    "add_admin_token_arguments",
-    "add_client_arguments",
     "admin_client",
     "admin_token",
+    "argument",
     "one_line",
 ]
 
@@ -115,18 +125,69 @@ def admin_client(args: argparse.Namespace) -> AdminClient:
     return AdminClient(server, token=admin_token(args))
 
 
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--server`` and the admin token: every command that talks to a running server."""
-    parser.add_argument(
+@dataclass(frozen=True)
+class Argument:
+    """One ``add_argument`` call: the name or flags, and argparse's keyword options."""
+
+    names: tuple[str, ...]
+    options: Mapping[str, Any]
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(*self.names, **self.options)
+
+
+def argument(*names: str, **options: Any) -> Argument:
+    """An :class:`Argument`, written the way ``add_argument`` is called."""
+    return Argument(names, options)
+
+
+#: ``--json``: the command prints its report as JSON instead of text.
+JSON = argument("--json", action="store_true", help="print JSON")
+
+#: ``--admin-token-file`` (and the refused ``--admin-token``, hidden from the help).
+TOKEN_ARGUMENTS = (
+    argument(
+        "--admin-token-file", help=f"file holding the admin token (else ${ENV_PREFIX}ADMIN_TOKEN)"
+    ),
+    argument("--admin-token", help=argparse.SUPPRESS),
+)
+
+#: ``--server`` and the admin token: every command that talks to a running server.
+SERVER_ARGUMENTS = (
+    argument(
         "--server", help=f"gateway base URL (env {ENV_PREFIX}SERVER; default {DEFAULT_SERVER})"
-    )
-    add_admin_token_arguments(parser)
+    ),
+    *TOKEN_ARGUMENTS,
+)
+
+Handler = Callable[[argparse.Namespace, IO[str]], Awaitable[int]]
 
 
-def add_admin_token_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--admin-token-file`` (and the refused ``--admin-token``, hidden from the help)."""
-    parser.add_argument(
-        "--admin-token-file",
-        help=f"file holding the admin token (else ${ENV_PREFIX}ADMIN_TOKEN)",
-    )
-    parser.add_argument("--admin-token", help=argparse.SUPPRESS)
+class Needs(enum.Enum):
+    """What a command reads, so which arguments every command of its kind takes first."""
+
+    #: A running server: ``--server`` and the admin token (:data:`SERVER_ARGUMENTS`).
+    SERVER = "server"
+    #: The settings: ``--config`` and every framework flag.
+    SETTINGS = "settings"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``agentic-lora`` subcommand, as ``--help`` shows it and as it runs."""
+
+    name: str
+    needs: Needs
+    run: Handler
+    arguments: tuple[Argument, ...]
+    help: str
+    description: str
+
+    def add_to(self, sub: Any, parent: argparse.ArgumentParser) -> None:
+        """Add this command to ``sub`` (``add_subparsers``), after ``parent``'s arguments."""
+        parser = sub.add_parser(
+            self.name, parents=[parent], help=self.help, description=self.description
+        )
+        for arg in self.arguments:
+            arg.add_to(parser)
+        parser.set_defaults(handler=self.run)

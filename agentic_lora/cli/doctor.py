@@ -20,14 +20,14 @@ from typing import IO, Any, Literal
 import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.cli.common import EXIT_OK, one_line
+from agentic_lora.cli.common import EXIT_OK, Command, Needs, argument, one_line
 from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
 from agentic_lora.config import AgenticLoRASettings, check_engine_server_info
 from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendError, ConfigurationError
 
-__all__ = ["CheckStatus", "DoctorCheck", "add_parser", "run", "run_doctor"]
+__all__ = ["COMMAND", "CheckStatus", "DoctorCheck", "run", "run_doctor"]
 
 CheckStatus = Literal["ok", "fail", "skip"]
 
@@ -253,14 +253,15 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, configured: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "doctor",
-        parents=[configured],
-        help="check every engine against the settings",
-        description="Check each engine (reachable, LoRA on with enough slots for the capacity, "
-        "served model, max rank) and the router's retry assertion.",
-    )
-    p.add_argument("--adapter", help="also check this adapter directory fits the engines")
-    p.add_argument("--json", action="store_true", help="print the checks as JSON")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "doctor",
+    Needs.SETTINGS,
+    run,
+    arguments=(
+        argument("--adapter", help="also check this adapter directory fits the engines"),
+        argument("--json", action="store_true", help="print the checks as JSON"),
+    ),
+    help="check every engine against the settings",
+    description="Check each engine (reachable, LoRA on with enough slots for the capacity, "
+    "served model, max rank) and the router's retry assertion.",
+)

@@ -13,16 +13,42 @@ from agentic_lora.cli.common import (
     ENV_PREFIX,
     EXIT_ERROR,
     EXIT_USAGE,
+    SERVER_ARGUMENTS,
     CliEnvironment,
+    Command,
+    Needs,
     Parser,
     UsageError,
-    add_client_arguments,
     one_line,
 )
 from agentic_lora.config import add_arguments
 from agentic_lora.errors import AgenticLoRAError, ConfigurationError
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["COMMANDS", "build_parser", "main", "run"]
+
+#: Every subcommand, in the order ``agentic-lora --help`` lists them.
+COMMANDS: tuple[Command, ...] = (
+    serve.COMMAND,
+    publish.COMMAND,
+    status.COMMAND,
+    reclaim.COMMAND,
+    resolve.COMMAND,
+    doctor.COMMAND,
+)
+
+
+def _parents() -> dict[Needs, Parser]:
+    server = Parser(add_help=False)
+    for arg in SERVER_ARGUMENTS:
+        arg.add_to(server)
+    settings = Parser(add_help=False)
+    settings.add_argument(
+        "--config",
+        default=CliEnvironment().config,
+        help=f"config file, TOML or JSON (env {ENV_PREFIX}CONFIG)",
+    )
+    add_arguments(settings)
+    return {Needs.SERVER: server, Needs.SETTINGS: settings}
 
 
 def build_parser() -> Parser:
@@ -33,22 +59,9 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--debug", action="store_true", help="print tracebacks of failures")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    client = Parser(add_help=False)
-    add_client_arguments(client)
-
-    configured = Parser(add_help=False)
-    configured.add_argument(
-        "--config",
-        default=CliEnvironment().config,
-        help=f"config file, TOML or JSON (env {ENV_PREFIX}CONFIG)",
-    )
-    add_arguments(configured)
-
-    serve.add_parser(sub, configured)
-    for command in (publish, status, reclaim, resolve):
-        command.add_parser(sub, client)
-    doctor.add_parser(sub, configured)
+    parents = _parents()
+    for command in COMMANDS:
+        command.add_to(sub, parents[command.needs])
     return parser
 
 

@@ -11,13 +11,16 @@ from typing import IO, Any
 from agentic_lora.cli.common import (
     EXIT_NOT_PUBLISHED,
     EXIT_OK,
+    Command,
+    Needs,
     absolute_path,
     admin_client,
+    argument,
     one_line,
 )
 from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
 
-__all__ = ["add_parser", "report_publication", "run"]
+__all__ = ["COMMAND", "report_publication", "run"]
 
 
 def _seconds(value: Any) -> str:
@@ -108,19 +111,20 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return report_publication(result, out, quiet=args.json)
 
 
-def add_parser(sub: Any, client: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "publish",
-        parents=[client],
-        help="publish an adapter directory as a new version",
-        description="Publish a PEFT adapter directory (read by the gateway's host) as a version.",
-    )
-    p.add_argument(
-        "adapter_dir",
-        metavar="ADAPTER_DIR",
-        type=absolute_path,
-        help="PEFT adapter directory (the gateway reads it; give a path on its host)",
-    )
-    p.add_argument("--version-id", required=True, help="the new version's id")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "publish",
+    Needs.SERVER,
+    run,
+    arguments=(
+        argument(
+            "adapter_dir",
+            metavar="ADAPTER_DIR",
+            type=absolute_path,
+            help="PEFT adapter directory (the gateway reads it; give a path on its host)",
+        ),
+        argument("--version-id", required=True, help="the new version's id"),
+        argument("--json", action="store_true", help="print the result as JSON"),
+    ),
+    help="publish an adapter directory as a new version",
+    description="Publish a PEFT adapter directory (read by the gateway's host) as a version.",
+)

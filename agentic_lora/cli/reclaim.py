@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import IO, Any
+from typing import IO
 
-from agentic_lora.cli.common import EXIT_OK, admin_client
+from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 
 async def run(args: argparse.Namespace, out: IO[str]) -> int:
@@ -34,12 +34,11 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, client: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "reclaim",
-        parents=[client],
-        help="reclaim retired versions without Sessions now",
-        description="Run one reclaim round now (the server also does this on its own).",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "reclaim",
+    Needs.SERVER,
+    run,
+    arguments=(JSON,),
+    help="reclaim retired versions without Sessions now",
+    description="Run one reclaim round now (the server also does this on its own).",
+)

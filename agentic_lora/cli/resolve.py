@@ -7,10 +7,10 @@ import json
 from collections.abc import Mapping
 from typing import IO, Any
 
-from agentic_lora.cli.common import EXIT_OK, admin_client, one_line
+from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client, argument, one_line
 from agentic_lora.errors import BackendAmbiguousError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 
 def _print_result(r: Mapping[str, Any], out: IO[str]) -> None:
@@ -48,15 +48,16 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, client: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "resolve",
-        parents=[client],
-        help="finish blocked or abandoned publications now",
-        description="Abort and clean up a publication left LOADING or ABORTED (its cleanup "
-        "unconfirmed on some engine), freeing its capacity slot once every engine confirmed. "
-        "Without VERSION: every such publication. The server also retries on its own.",
-    )
-    p.add_argument("version", metavar="VERSION", nargs="?", help="the version id to resolve")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "resolve",
+    Needs.SERVER,
+    run,
+    arguments=(
+        argument("version", metavar="VERSION", nargs="?", help="the version id to resolve"),
+        JSON,
+    ),
+    help="finish blocked or abandoned publications now",
+    description="Abort and clean up a publication left LOADING or ABORTED (its cleanup "
+    "unconfirmed on some engine), freeing its capacity slot once every engine confirmed. "
+    "Without VERSION: every such publication. The server also retries on its own.",
+)

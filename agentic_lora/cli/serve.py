@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from agentic_lora.cli.common import EXIT_OK, add_admin_token_arguments, admin_token
+from agentic_lora.cli.common import EXIT_OK, TOKEN_ARGUMENTS, Command, Needs, admin_token, argument
 from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
 from agentic_lora.cli.logs import configure_logging
 from agentic_lora.errors import ConfigurationError
@@ -20,7 +20,7 @@ from agentic_lora.gateway.serve import DEFAULT_HOST, DEFAULT_PORT, ServeOptions
 if TYPE_CHECKING:
     from agentic_lora.gateway.serve import Served
 
-__all__ = ["add_parser", "options_from", "serve_options"]
+__all__ = ["COMMAND", "options_from", "serve_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,38 +93,39 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, configured: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "serve",
-        parents=[configured],
-        help="run registry, publisher, reclaimer and gateway",
-        description="Run the registry, publisher, background reclaimer and the Session gateway.",
-    )
-    p.add_argument("--host", help=f"listen address (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, help=f"listen port (default {DEFAULT_PORT}; 0: any)")
-    add_admin_token_arguments(p)
-    p.add_argument(
-        "--backend-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="backend plugin option, e.g. store_root=/srv/adapters (repeatable)",
-    )
-    p.add_argument(
-        "--idle-timeout",
-        type=float,
-        help="close Sessions idle this many seconds (default: gateway_idle_timeout, 900)",
-    )
-    p.add_argument(
-        "--reuse-closed-ids",
-        action="store_true",
-        help="let a closed Session id open a new Session (default: refused)",
-    )
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    p.add_argument(
-        "--skip-engine-check",
-        action="store_true",
-        help="do not check the engines' LoRA settings at start-up",
-    )
-    p.add_argument("--log-level", help="logging level (default INFO)")
-    p.add_argument("--log-format", choices=["text", "json"], default="text", help="log format")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "serve",
+    Needs.SETTINGS,
+    run,
+    arguments=(
+        argument("--host", help=f"listen address (default {DEFAULT_HOST})"),
+        argument("--port", type=int, help=f"listen port (default {DEFAULT_PORT}; 0: any)"),
+        *TOKEN_ARGUMENTS,
+        argument(
+            "--backend-option",
+            action="append",
+            metavar="KEY=VALUE",
+            help="backend plugin option, e.g. store_root=/srv/adapters (repeatable)",
+        ),
+        argument(
+            "--idle-timeout",
+            type=float,
+            help="close Sessions idle this many seconds (default: gateway_idle_timeout, 900)",
+        ),
+        argument(
+            "--reuse-closed-ids",
+            action="store_true",
+            help="let a closed Session id open a new Session (default: refused)",
+        ),
+        argument("--access-log", action="store_true", help="log every HTTP request"),
+        argument(
+            "--skip-engine-check",
+            action="store_true",
+            help="do not check the engines' LoRA settings at start-up",
+        ),
+        argument("--log-level", help="logging level (default INFO)"),
+        argument("--log-format", choices=["text", "json"], default="text", help="log format"),
+    ),
+    help="run registry, publisher, reclaimer and gateway",
+    description="Run the registry, publisher, background reclaimer and the Session gateway.",
+)

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from agentic_lora.cli.common import EXIT_OK, admin_client
+from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client, argument
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.registry.journal import Journal
 from agentic_lora.registry.types import RegistryStatus
 
-__all__ = ["add_parser", "journal_status", "run"]
+__all__ = ["COMMAND", "journal_status", "run"]
 
 _DIGEST_SHOWN = 12
 _FINAL_STATES = ("RECLAIMED", "FAILED_CLEAN")
@@ -119,15 +119,16 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any, client: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "status",
-        parents=[client],
-        help="versions, Sessions and per-engine readiness",
-        description="Show versions (state, digest, Session refs, per-engine readiness) and the "
-        "default. With --journal, read a journaled registry directly (read-only, no server).",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--all", action="store_true", help="also list reclaimed/failed versions")
-    p.add_argument("--journal", help="read this registry journal instead of a server")
-    p.set_defaults(handler=run)
+COMMAND = Command(
+    "status",
+    Needs.SERVER,
+    run,
+    arguments=(
+        JSON,
+        argument("--all", action="store_true", help="also list reclaimed/failed versions"),
+        argument("--journal", help="read this registry journal instead of a server"),
+    ),
+    help="versions, Sessions and per-engine readiness",
+    description="Show versions (state, digest, Session refs, per-engine readiness) and the "
+    "default. With --journal, read a journaled registry directly (read-only, no server).",
+)
