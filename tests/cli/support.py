@@ -21,6 +21,7 @@ from agentic_lora import cli
 from agentic_lora.gateway.serve import serve
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
+from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from tests.gateway.test_gateway import BASE_MODEL, OpenAIRoutes, lora_server_info
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "agentic-lora"
@@ -83,6 +84,11 @@ def write_config(path: Path, engines: list[str], **extra: Any) -> Path:
     return path
 
 
+def scripted_fleet_config(path: Path, fleet: ScriptedFleet, **extra: Any) -> Path:
+    """A config naming ``fleet``'s scripted engines; ``extra`` as :func:`write_config`."""
+    return write_config(path, [f"{e.name}={e.base_url}" for e in fleet.refs], **extra)
+
+
 async def run_cli(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = await cli.run(list(args), stdout=out, stderr=err)
@@ -108,6 +114,20 @@ class Running:
         token_file = str(self.root / "token.txt")
         return await run_cli(*args, "--server", self.url, "--admin-token-file", token_file)
 
+    async def publish_refused(
+        self, seed: int, version: str, *, lost_cleanups: int = 0
+    ) -> tuple[str, str]:
+        """``publish`` while e1 refuses the load and e0's cleanup of the aborted attempt is lost
+        ``lost_cleanups`` times (FAILED_CLEAN without a lost one, BLOCKED with): its output and
+        its one error line, after exit 1."""
+        self.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
+        lost = [Fault(FaultKind.UNREACHABLE) for _ in range(lost_cleanups)]
+        if lost:
+            self.fleet["e0"].script(EngineOp.UNLOAD, *lost)
+        code, out, err = await self.cli("publish", self.adapter(seed), "--version-id", version)
+        assert code == cli.EXIT_ERROR
+        return out, only_line(err)
+
 
 @asynccontextmanager
 async def running_server(root: Path) -> AsyncIterator[Running]:
@@ -115,9 +135,9 @@ async def running_server(root: Path) -> AsyncIterator[Running]:
     with ScriptedFleet() as fleet:
         lora_server_info(fleet)
         routes = OpenAIRoutes(fleet)
-        config = write_config(
+        config = scripted_fleet_config(
             root / "agentic-lora.toml",
-            [f"{e.name}={e.base_url}" for e in fleet.refs],
+            fleet,
             settings={"http_transport": "httpx", "journal_path": "registry.sqlite"},
             backend_options={"store_root": "store"},
             gateway={"port": 0, "admin_token_file": "token.txt"},

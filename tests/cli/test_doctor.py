@@ -5,7 +5,9 @@ served model, an adapter's rank and modules, the router's retries and the store 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,30 +16,37 @@ from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from tests.cli.support import (
     assert_one_error_line,
-    closed_port,
+    fleet_config,
     only_line,
     run_cli,
     run_script,
-    write_config,
+    scripted_fleet_config,
 )
 from tests.gateway.test_gateway import lora_server_info
 
 
-def test_doctor_with_an_unreachable_engine_names_it_and_fails(tmp_path: Path) -> None:
-    port = closed_port()
-    config = write_config(tmp_path / "c.toml", [f"e0=http://127.0.0.1:{port}"])
+async def doctor(
+    tmp_path: Path, *flags: str, info: Mapping[str, Any] | None = None, **config: Any
+) -> tuple[int, str, str]:
+    """``agentic-lora doctor`` on a config of two scripted engines whose server info carries
+    ``info`` (over :func:`lora_server_info`'s healthy fields); ``config`` as ``write_config`` takes it."""
+    with ScriptedFleet() as fleet:
+        lora_server_info(fleet, **(info or {}))
+        path = scripted_fleet_config(tmp_path / "c.toml", fleet, **config)
+        return await run_cli("doctor", "--config", str(path), *flags)
+
+
+def test_doctor_with_unreachable_engines_names_them_and_fails(tmp_path: Path) -> None:
+    config = fleet_config(tmp_path / "c.toml")
     proc = run_script("doctor", "--config", str(config), cwd=tmp_path)
     assert_one_error_line(proc, "CONFIG_ERROR")
-    assert "e0\n  FAIL  reachable" in proc.stdout
-    assert "Connect" in proc.stdout
+    for engine in ("e0", "e1"):
+        assert f"{engine}\n  FAIL  reachable       {engine} server_info: Connect" in proc.stdout
 
 
 @pytest.mark.asyncio
 async def test_doctor_catches_an_engine_with_too_few_slots(tmp_path: Path) -> None:
-    with ScriptedFleet() as fleet:
-        lora_server_info(fleet, max_loaded_loras=2)
-        config = write_config(tmp_path / "c.toml", [f"{e.name}={e.base_url}" for e in fleet.refs])
-        code, out, err = await run_cli("doctor", "--config", str(config))
+    code, out, err = await doctor(tmp_path, info={"max_loaded_loras": 2})
     assert code == cli.EXIT_ERROR
     # The rule serve enforces at start-up (config.check_engine_server_info), once per engine.
     assert (
@@ -56,23 +65,17 @@ async def test_doctor_passes_a_healthy_fleet_and_checks_an_adapter_against_it(
     small, large = tmp_path / "small", tmp_path / "large"
     tiny_snapshot(1, rank=4).write_peft_dir(small)
     tiny_snapshot(1, rank=16).write_peft_dir(large)
-    with ScriptedFleet() as fleet:
-        lora_server_info(fleet)
-        config = write_config(
-            tmp_path / "c.toml",
-            [f"{e.name}={e.base_url}" for e in fleet.refs],
-            backend_options={"store_root": str(tmp_path)},
-        )
-        code, out, err = await run_cli("doctor", "--config", str(config), "--adapter", str(small))
-        assert (code, err) == (0, ""), out
-        assert out.strip().endswith("all checks passed")
-        assert "  ok    max lora rank   adapter rank 4 <= max_lora_rank 8" in out
-        assert "  skip  retries off     no gateway_url" in out
-        assert f"  ok    store root      {tmp_path} is writable" in out
+    store = {"store_root": str(tmp_path)}
+    code, out, err = await doctor(tmp_path, "--adapter", str(small), backend_options=store)
+    assert (code, err) == (0, ""), out
+    assert out.strip().endswith("all checks passed")
+    assert "  ok    max lora rank   adapter rank 4 <= max_lora_rank 8" in out
+    assert "  skip  retries off     no gateway_url" in out
+    assert f"  ok    store root      {tmp_path} is writable" in out
 
-        code, out, err = await run_cli(
-            "doctor", "--config", str(config), "--adapter", str(large), "--json"
-        )
+    code, out, err = await doctor(
+        tmp_path, "--adapter", str(large), "--json", backend_options=store
+    )
     assert code == cli.EXIT_ERROR
     checks = json.loads(out)
     failed = {(c["scope"], c["name"]) for c in checks if c["status"] == "fail"}
@@ -81,19 +84,24 @@ async def test_doctor_passes_a_healthy_fleet_and_checks_an_adapter_against_it(
 
 @pytest.mark.asyncio
 async def test_doctor_reports_a_router_whose_retries_are_not_asserted_off(tmp_path: Path) -> None:
-    with ScriptedFleet() as fleet:
-        lora_server_info(fleet, enable_lora=False)
-        config = write_config(
-            tmp_path / "c.toml",
-            [f"{e.name}={e.base_url}" for e in fleet.refs],
-            settings={"gateway_url": "http://127.0.0.1:29000"},
-        )
-        code, out, _ = await run_cli("doctor", "--config", str(config))
+    code, out, _ = await doctor(
+        tmp_path,
+        "--json",
+        info={"enable_lora": False},
+        settings={"gateway_url": "http://127.0.0.1:29000"},
+    )
     assert code == cli.EXIT_ERROR
-    assert "config\n  FAIL  settings        " in out
-    assert "--disable-retries" in out
-    assert "router\n  FAIL  retries off" in out
-    assert "  FAIL  lora settings   engine e0 runs without --enable-lora" in out
+    failed = {
+        (c["scope"], c["name"]): c["detail"] for c in json.loads(out) if c["status"] == "fail"
+    }
+    assert set(failed) == {
+        ("config", "settings"),
+        ("e0", "lora settings"),
+        ("e1", "lora settings"),
+        ("router", "retries off"),
+    }
+    assert "--disable-retries" in failed["router", "retries off"]
+    assert failed["e0", "lora settings"].startswith("engine e0 runs without --enable-lora")
 
 
 @pytest.mark.asyncio
@@ -129,19 +137,17 @@ async def test_doctor_still_checks_engines_with_invalid_settings_and_skips_the_u
 
 @pytest.mark.asyncio
 async def test_doctor_flags_declared_slots_the_engines_do_not_run_with(tmp_path: Path) -> None:
-    with ScriptedFleet() as fleet:
-        lora_server_info(fleet, max_loaded_loras=4, max_loras_per_batch=3)
-        config = write_config(
-            tmp_path / "c.toml",
-            [f"{e.name}={e.base_url}" for e in fleet.refs],
-            settings={
-                "engine_max_loaded_loras": 5,
-                "engine_max_loras_per_batch": 3,
-                "gateway_url": "http://127.0.0.1:29000",
-                "gateway_retries_disabled": True,
-            },
-        )
-        code, out, err = await run_cli("doctor", "--config", str(config), "--json")
+    code, out, err = await doctor(
+        tmp_path,
+        "--json",
+        info={"max_loaded_loras": 4, "max_loras_per_batch": 3},
+        settings={
+            "engine_max_loaded_loras": 5,
+            "engine_max_loras_per_batch": 3,
+            "gateway_url": "http://127.0.0.1:29000",
+            "gateway_retries_disabled": True,
+        },
+    )
     assert code == cli.EXIT_ERROR
     checks = json.loads(out)
     failed = [(c["scope"], c["name"], c["detail"]) for c in checks if c["status"] == "fail"]
@@ -168,14 +174,7 @@ async def test_doctor_flags_declared_slots_the_engines_do_not_run_with(tmp_path:
 async def test_doctor_fails_a_store_root_that_is_not_a_writable_directory(tmp_path: Path) -> None:
     occupied = tmp_path / "a-file"
     occupied.write_text("")
-    with ScriptedFleet() as fleet:
-        lora_server_info(fleet)
-        config = write_config(
-            tmp_path / "c.toml",
-            [f"{e.name}={e.base_url}" for e in fleet.refs],
-            backend_options={"store_root": str(occupied / "store")},
-        )
-        code, out, _ = await run_cli("doctor", "--config", str(config))
+    code, out, _ = await doctor(tmp_path, backend_options={"store_root": str(occupied / "store")})
     assert code == cli.EXIT_ERROR
     assert (
         f"backend\n  FAIL  store root      {occupied / 'store'} is not a writable directory" in out
