@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+import pytest_asyncio
+
+from tests.cli.support import Running, running_server
 
 
 @pytest.fixture
@@ -25,3 +29,14 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("AGENTIC_LORA_"):
             monkeypatch.delenv(name)
+
+
+@pytest_asyncio.fixture
+async def srv(tmp_path: Path) -> AsyncIterator[Running]:
+    """A served gateway whose background reclaimer and resolver are stopped, so every reclaim
+    and resolve round is one a command runs (a background round would race the command for a
+    version, and settle a BLOCKED publication on its own)."""
+    async with running_server(tmp_path) as srv:
+        await srv.served.gateway.deployment.reclaimer.stop()
+        await srv.served.gateway.deployment.resolver.stop()
+        yield srv

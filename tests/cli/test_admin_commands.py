@@ -16,6 +16,7 @@ from agentic_lora import cli
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from tests.cli.support import (
+    Running,
     assert_one_error_line,
     closed_port,
     engine_lines,
@@ -148,148 +149,131 @@ async def test_serve_publish_status_reclaim_and_an_openai_agent_over_real_http(
 
 @pytest.mark.asyncio
 async def test_publication_outcomes_and_reclaim_rounds_as_the_commands_report_them(
-    tmp_path: Path,
+    srv: Running,
 ) -> None:
-    async with running_server(tmp_path) as srv:
-        # Reclaim rounds are this test's to run: stop the background ones. D below stays
-        # blocked only while the background resolver is stopped too.
-        await srv.served.gateway.deployment.reclaimer.stop()
-        await srv.served.gateway.deployment.resolver.stop()
+    code, out, _ = await srv.cli("status")
+    assert code == 0
+    assert out.splitlines() == [
+        "default none (revision 0) | capacity 0/2 slots in use | pending none | epoch 0 | "
+        "Sessions: 0 in the registry, 0 open in the gateway",
+        "no versions yet",
+    ]
 
-        code, out, _ = await srv.cli("status")
-        assert code == 0
-        assert out.splitlines() == [
-            "default none (revision 0) | capacity 0/2 slots in use | pending none | epoch 0 | "
-            "Sessions: 0 in the registry, 0 open in the gateway",
-            "no versions yet",
-        ]
+    code, out, err = await srv.cli("publish", srv.adapter(1), "--version-id", "A", "--json")
+    assert (code, err) == (0, "")
+    result = json.loads(out)  # the whole output is the JSON result, no progress lines
+    assert (result["outcome"], result["ok"], result["version_id"]) == ("PUBLISHED", True, "A")
+    assert result["digest"] == tiny_snapshot(1).digest
+    assert result["commit"]["default_revision"] == 1
+    assert [(e["engine"], e["ready"]) for e in result["engines"]] == [
+        ("e0", True),
+        ("e1", True),
+    ]
 
-        code, out, err = await srv.cli("publish", srv.adapter(1), "--version-id", "A", "--json")
-        assert (code, err) == (0, "")
-        result = json.loads(out)  # the whole output is the JSON result, no progress lines
-        assert (result["outcome"], result["ok"], result["version_id"]) == ("PUBLISHED", True, "A")
-        assert result["digest"] == tiny_snapshot(1).digest
-        assert result["commit"]["default_revision"] == 1
-        assert [(e["engine"], e["ready"]) for e in result["engines"]] == [
-            ("e0", True),
-            ("e1", True),
-        ]
+    loads = srv.fleet.calls(EngineOp.LOAD)
+    code, out, _ = await srv.cli("publish", srv.adapter(1), "--version-id", "A")
+    assert code == 0
+    assert out.splitlines()[-1] == (
+        "ALREADY_PUBLISHED A: the same id and content was published before; nothing changed"
+    )
+    assert srv.fleet.calls(EngineOp.LOAD) == loads  # nothing transferred again
 
-        loads = srv.fleet.calls(EngineOp.LOAD)
-        code, out, _ = await srv.cli("publish", srv.adapter(1), "--version-id", "A")
-        assert code == 0
-        assert out.splitlines()[-1] == (
-            "ALREADY_PUBLISHED A: the same id and content was published before; nothing changed"
-        )
-        assert srv.fleet.calls(EngineOp.LOAD) == loads  # nothing transferred again
+    code, out, _ = await srv.cli("publish", srv.adapter(2), "--version-id", "B")
+    assert code == 0
+    assert "(default revision 2, previous default A)" in out.splitlines()[-1]
 
-        code, out, _ = await srv.cli("publish", srv.adapter(2), "--version-id", "B")
-        assert code == 0
-        assert "(default revision 2, previous default A)" in out.splitlines()[-1]
+    # A is retired and unbound; e1's unload never arrives: the round leaves A pending.
+    srv.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
+    code, out, _ = await srv.cli("reclaim")
+    assert (code, out) == (
+        0,
+        "A  PENDING  unconfirmed on e1; slot held, retried later (e1 BACKEND_AMBIGUOUS)\n",
+    )
+    code, out, _ = await srv.cli("reclaim", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["reclaimed"], report["pending"]) == (["A"], [])
+    (again,) = report["results"]
+    assert (again["version_id"], again["outcome"]) == ("A", "RECLAIMED")
+    assert again["confirmed"] == ["e0", "e1"]
 
-        # A is retired and unbound; e1's unload never arrives: the round leaves A pending.
-        srv.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
-        code, out, _ = await srv.cli("reclaim")
-        assert (code, out) == (
-            0,
-            "A  PENDING  unconfirmed on e1; slot held, retried later (e1 BACKEND_AMBIGUOUS)\n",
-        )
-        code, out, _ = await srv.cli("reclaim", "--json")
-        assert code == 0
-        report = json.loads(out)
-        assert (report["reclaimed"], report["pending"]) == (["A"], [])
-        (again,) = report["results"]
-        assert (again["version_id"], again["outcome"]) == ("A", "RECLAIMED")
-        assert again["confirmed"] == ["e0", "e1"]
+    # e1 refuses C's load: every engine cleans up, the default stays B.
+    out, error = await srv.publish_refused(3, "C")
+    assert error == (
+        "error: BACKEND_REFUSED: publication of C ended FAILED_CLEAN (prepare failed "
+        "(e1: BACKEND_REFUSED)): every engine confirmed its cleanup and the default did "
+        "not change"
+    )
+    (failed_phase,) = [line.split() for line in out.splitlines() if "FAILED" in line]
+    assert failed_phase[:3] == ["e1", "prepare", "FAILED"]
+    assert failed_phase[-1] == "BACKEND_REFUSED"
+    lines = engine_lines(out)
+    assert lines["e0"] == "ready, cleaned"
+    assert lines["e1"].startswith("not ready, cleaned")
+    assert "e1 load_lora_adapter: no room" in lines["e1"]
 
-        # e1 refuses C's load: every engine cleans up, the default stays B.
-        srv.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
-        code, out, err = await srv.cli("publish", srv.adapter(3), "--version-id", "C")
-        assert code == cli.EXIT_ERROR
-        assert only_line(err) == (
-            "error: BACKEND_REFUSED: publication of C ended FAILED_CLEAN (prepare failed "
-            "(e1: BACKEND_REFUSED)): every engine confirmed its cleanup and the default did "
-            "not change"
-        )
-        (failed_phase,) = [line.split() for line in out.splitlines() if "FAILED" in line]
-        assert failed_phase[:3] == ["e1", "prepare", "FAILED"]
-        assert failed_phase[-1] == "BACKEND_REFUSED"
-        lines = engine_lines(out)
-        assert lines["e0"] == "ready, cleaned"
-        assert lines["e1"].startswith("not ready, cleaned")
-        assert "e1 load_lora_adapter: no room" in lines["e1"]
+    # e1 refuses D's load and e0's cleanup is lost: D keeps its slot, exit 1, ambiguous.
+    out, error = await srv.publish_refused(4, "D", lost_cleanups=1)
+    assert error == (
+        "error: BACKEND_AMBIGUOUS: publication of D ended BLOCKED (prepare failed (e1: "
+        "BACKEND_REFUSED); cleanup unconfirmed on e0): a cleanup or the commit is "
+        "unconfirmed, so its capacity slot stays held and later publications are blocked "
+        "until it is resolved"
+    )
+    lines = engine_lines(out)
+    assert lines["e0"].startswith("ready, cleanup UNCONFIRMED")
+    assert lines["e1"].startswith("not ready, cleaned")
 
-        # e1 refuses D's load and e0's cleanup is lost: D keeps its slot, exit 1, ambiguous.
-        srv.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
-        srv.fleet["e0"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
-        code, out, err = await srv.cli("publish", srv.adapter(4), "--version-id", "D")
-        assert code == cli.EXIT_ERROR
-        assert only_line(err) == (
-            "error: BACKEND_AMBIGUOUS: publication of D ended BLOCKED (prepare failed (e1: "
-            "BACKEND_REFUSED); cleanup unconfirmed on e0): a cleanup or the commit is "
-            "unconfirmed, so its capacity slot stays held and later publications are blocked "
-            "until it is resolved"
-        )
-        lines = engine_lines(out)
-        assert lines["e0"].startswith("ready, cleanup UNCONFIRMED")
-        assert lines["e1"].startswith("not ready, cleaned")
-
-        code, out, _ = await srv.cli("status", "--all")
-        assert code == 0
-        head, *table = out.splitlines()
-        assert head.startswith("default B (revision 2) | capacity 2/2 slots in use | pending D")
-        rows = {row.split()[0]: row.split() for row in table[1:]}
-        assert rows["A"][1:2] + rows["A"][-2:] == ["RECLAIMED", "unloaded", "unloaded"]
-        assert rows["B"][1:3] + rows["B"][-2:] == ["*", "PUBLISHED", "ready", "ready"]
-        assert rows["C"][1:2] + rows["C"][-2:] == ["FAILED_CLEAN", "cleaned", "cleaned"]
-        # D's e0 cleanup is unconfirmed: still cleaning there, done on e1.
-        assert rows["D"][1:2] + rows["D"][-2:] == ["ABORTED", "cleaning", "cleaned"]
-        code, out, _ = await srv.cli("status")
-        assert out.splitlines()[-1] == (
-            "(2 reclaimed or failed-clean version(s) hidden; --all shows them)"
-        )
+    code, out, _ = await srv.cli("status", "--all")
+    assert code == 0
+    head, *table = out.splitlines()
+    assert head.startswith("default B (revision 2) | capacity 2/2 slots in use | pending D")
+    rows = {row.split()[0]: row.split() for row in table[1:]}
+    assert rows["A"][1:2] + rows["A"][-2:] == ["RECLAIMED", "unloaded", "unloaded"]
+    assert rows["B"][1:3] + rows["B"][-2:] == ["*", "PUBLISHED", "ready", "ready"]
+    assert rows["C"][1:2] + rows["C"][-2:] == ["FAILED_CLEAN", "cleaned", "cleaned"]
+    # D's e0 cleanup is unconfirmed: still cleaning there, done on e1.
+    assert rows["D"][1:2] + rows["D"][-2:] == ["ABORTED", "cleaning", "cleaned"]
+    code, out, _ = await srv.cli("status")
+    assert out.splitlines()[-1] == (
+        "(2 reclaimed or failed-clean version(s) hidden; --all shows them)"
+    )
 
 
 @pytest.mark.asyncio
 async def test_resolve_reports_a_blocked_publication_until_every_engine_confirmed(
-    tmp_path: Path,
+    srv: Running,
 ) -> None:
-    async with running_server(tmp_path) as srv:
-        # The command is what is tested: the background resolver would settle B on its own.
-        await srv.served.gateway.deployment.resolver.stop()
-        code, out, _ = await srv.cli("resolve")
-        assert (code, out) == (0, "nothing to resolve (no blocked or abandoned publication)\n")
-        assert (await srv.cli("publish", srv.adapter(1), "--version-id", "A"))[0] == 0
+    code, out, _ = await srv.cli("resolve")
+    assert (code, out) == (0, "nothing to resolve (no blocked or abandoned publication)\n")
+    assert (await srv.cli("publish", srv.adapter(1), "--version-id", "A"))[0] == 0
 
-        # e1 refuses B; e0's cleanup does not arrive, twice: B is BLOCKED, then still BLOCKED.
-        srv.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE, "no room"))
-        srv.fleet["e0"].script(EngineOp.UNLOAD, *(Fault(FaultKind.UNREACHABLE) for _ in range(2)))
-        code, _, err = await srv.cli("publish", srv.adapter(2), "--version-id", "B")
-        assert code == cli.EXIT_ERROR
-        assert only_line(err).startswith("error: BACKEND_AMBIGUOUS: publication of B ended BLOCKED")
-        code, out, err = await srv.cli("resolve", "B")
-        assert code == cli.EXIT_ERROR
-        assert only_line(err) == (
-            "error: BACKEND_AMBIGUOUS: B is still BLOCKED (resolved by operator; cleanup "
-            "unconfirmed on e0): its capacity slot stays held; the server keeps retrying the "
-            "cleanup in the background"
-        )
-        head, detail = out.splitlines()
-        assert head == "B  BLOCKED  resolved by operator; cleanup unconfirmed on e0"
-        assert detail.startswith("  e0: cleanup UNCONFIRMED (BACKEND_AMBIGUOUS: ")
+    # e1 refuses B; e0's cleanup does not arrive, twice: B is BLOCKED, then still BLOCKED.
+    _, error = await srv.publish_refused(2, "B", lost_cleanups=2)
+    assert error.startswith("error: BACKEND_AMBIGUOUS: publication of B ended BLOCKED")
+    code, out, err = await srv.cli("resolve", "B")
+    assert code == cli.EXIT_ERROR
+    assert only_line(err) == (
+        "error: BACKEND_AMBIGUOUS: B is still BLOCKED (resolved by operator; cleanup "
+        "unconfirmed on e0): its capacity slot stays held; the server keeps retrying the "
+        "cleanup in the background"
+    )
+    head, detail = out.splitlines()
+    assert head == "B  BLOCKED  resolved by operator; cleanup unconfirmed on e0"
+    assert detail.startswith("  e0: cleanup UNCONFIRMED (BACKEND_AMBIGUOUS: ")
 
-        # e0 answers now: resolving everything frees B's slot.
-        code, out, err = await srv.cli("resolve")
-        assert (code, err) == (0, "")
-        assert out == "B  FAILED_CLEAN  resolved by operator: cleanup confirmed on e0\n"
-        code, out, _ = await srv.cli("resolve", "B", "--json")
-        assert code == 0
-        report = json.loads(out)
-        assert (report["resolved"], report["blocked"]) == (["B"], [])
-        assert report["results"][0]["reason"] == "nothing to resolve: FAILED_CLEAN"
-        code, _, err = await srv.cli("resolve", "nope")
-        assert code == cli.EXIT_ERROR
-        assert only_line(err).startswith("error: UNKNOWN_VERSION: ")
-        code, out, _ = await srv.cli("publish", srv.adapter(3), "--version-id", "C")
-        assert code == 0
-        assert "PUBLISHED C" in out.splitlines()[-1]
+    # e0 answers now: resolving everything frees B's slot.
+    code, out, err = await srv.cli("resolve")
+    assert (code, err) == (0, "")
+    assert out == "B  FAILED_CLEAN  resolved by operator: cleanup confirmed on e0\n"
+    code, out, _ = await srv.cli("resolve", "B", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["resolved"], report["blocked"]) == (["B"], [])
+    assert report["results"][0]["reason"] == "nothing to resolve: FAILED_CLEAN"
+    code, _, err = await srv.cli("resolve", "nope")
+    assert code == cli.EXIT_ERROR
+    assert only_line(err).startswith("error: UNKNOWN_VERSION: ")
+    code, out, _ = await srv.cli("publish", srv.adapter(3), "--version-id", "C")
+    assert code == 0
+    assert "PUBLISHED C" in out.splitlines()[-1]
