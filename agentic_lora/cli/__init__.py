@@ -1,4 +1,6 @@
-"""The ``agentic-lora`` command line: one thin module per command.
+"""The ``agentic-lora`` command line: one thin module per command, each declaring itself once as
+its ``COMMAND`` (:class:`~agentic_lora.cli.common.Command`: name, what it reads, handler,
+arguments, help), registered from the one table :data:`agentic_lora.cli.main.COMMANDS`.
 
 ::
 
