@@ -9,10 +9,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from agentic_lora.errors import SessionExpiredError
 from agentic_lora.registry.types import LeaseGrant
+
+if TYPE_CHECKING:
+    from agentic_lora.leases.keeper import LeaseKeeper
 
 __all__ = [
     "LeaseEvent",
@@ -20,7 +23,6 @@ __all__ = [
     "LeaseListener",
     "LeaseState",
     "LeaseTerm",
-    "TermKeeper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,32 +71,10 @@ class LeaseEvent:
 LeaseListener = Callable[[LeaseEvent], None]
 
 
-class TermKeeper(Protocol):
-    """What a :class:`LeaseTerm` needs of the :class:`~agentic_lora.leases.LeaseKeeper` that
-    drives it: the owner, the keeper's clock, and its renewer and listeners."""
-
-    clock: Callable[[], float]
-
-    @property
-    def owner(self) -> str: ...
-
-    def _touch(self, term: LeaseTerm) -> None: ...
-
-    def _emit(
-        self,
-        kind: LeaseEventKind,
-        term: LeaseTerm,
-        *,
-        reason: str | None = None,
-        released: tuple[str, ...] = (),
-        adopted: tuple[str, ...] = (),
-    ) -> None: ...
-
-
 class LeaseTerm:
     """One incarnation's lease as this process sees it; a Session keeps the one it bound under."""
 
-    def __init__(self, keeper: TermKeeper, incarnation: str) -> None:
+    def __init__(self, keeper: LeaseKeeper, incarnation: str) -> None:
         self._keeper = keeper
         self.incarnation: Final = incarnation
         #: ``"<owner>/<incarnation>"``, the id Sessions bind under.
