@@ -61,6 +61,10 @@ class LeaseKeeper:
     that cannot get a lease is refused with nothing sent, and the next one tries again) and of
     ``close_lease``; renewals are replayed until the local deadline. ``clock`` (monotonic seconds)
     and ``sleep`` are injectable so tests step time deterministically.
+
+    ``owner``, ``owner_configured``, ``ttl``, ``renew_interval`` and ``on_restart`` are fixed for
+    the keeper's life; the incarnation, lease id and state are those of :attr:`current`, the term
+    new Sessions bind under (``keeper.current.lease_id``).
     """
 
     def __init__(
