@@ -4,6 +4,9 @@ bindings, capacity and reclaim eligibility.
 * :class:`RegistryCore`: the I/O-free state machine.
 * :class:`LocalRegistry`: the core behind the async :class:`RegistryAPI`, optionally journaled.
 * :mod:`agentic_lora.registry.ray_actor`: the same registry as a named, detached Ray actor.
+
+Every value the registry takes and returns (:mod:`agentic_lora.registry.types`) is importable
+from here too.
 """
 
 from agentic_lora.registry import types
