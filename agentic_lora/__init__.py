@@ -63,4 +63,4 @@ __all__ = [
     "load_settings",
     "new_request_id",
 ]
-__all__ += errors.__all__  # every error class, and error_code / error_from_code
+__all__ += errors.__all__  # one list of the public errors: errors.__all__
