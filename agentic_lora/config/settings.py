@@ -8,9 +8,9 @@ Every rule is checked at construction, and each failure is a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,6 +24,8 @@ from agentic_lora.foundation.identity import is_plain_token
 from agentic_lora.leases import check_lease_timing, check_owner
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
+
+_ItemT = TypeVar("_ItemT")
 
 
 def _parse_engine(value: Any, index: int) -> EngineRef:
@@ -45,6 +47,18 @@ def _parse_engine(value: Any, index: int) -> EngineRef:
     if not ref.base_url.startswith(("http://", "https://")):
         raise ValueError(f"engine {ref.name!r}: base URL {ref.base_url!r} is not http(s)")
     return EngineRef(ref.name, ref.base_url.rstrip("/"))
+
+
+def _one_or_many(
+    value: Any, item: type[_ItemT], parse: Callable[[Any, int], _ItemT]
+) -> tuple[_ItemT, ...]:
+    """A list setting given as a list, as one item (an ``item``, its string or its mapping) or
+    as None (none); each entry parsed with its index, which names it in an error."""
+    if value is None:
+        return ()
+    if isinstance(value, str | Mapping | item):
+        value = [value]
+    return tuple(parse(v, i) for i, v in enumerate(value))
 
 
 class AgenticLoRASettings(BaseSettings):
@@ -152,20 +166,12 @@ class AgenticLoRASettings(BaseSettings):
     @field_validator("engines", mode="before")
     @classmethod
     def _engines(cls, value: Any) -> tuple[EngineRef, ...]:
-        if value is None:
-            return ()
-        if isinstance(value, str | Mapping | EngineRef):
-            value = [value]
-        return tuple(_parse_engine(v, i) for i, v in enumerate(value))
+        return _one_or_many(value, EngineRef, _parse_engine)
 
     @field_validator("pd_groups", mode="before")
     @classmethod
     def _pd_groups(cls, value: Any) -> tuple[PDGroup, ...]:
-        if value is None:
-            return ()
-        if isinstance(value, str | Mapping | PDGroup):
-            value = [value]
-        return tuple(parse_pd_group(v, i) for i, v in enumerate(value))
+        return _one_or_many(value, PDGroup, parse_pd_group)
 
     @property
     def fleet(self) -> PDFleet:

@@ -61,6 +61,10 @@ class LeaseKeeper:
     that cannot get a lease is refused with nothing sent, and the next one tries again) and of
     ``close_lease``; renewals are replayed until the local deadline. ``clock`` (monotonic seconds)
     and ``sleep`` are injectable so tests step time deterministically.
+
+    ``owner``, ``owner_configured``, ``ttl``, ``renew_interval`` and ``on_restart`` are fixed for
+    the keeper's life; the incarnation, lease id and state are those of :attr:`current`, the term
+    new Sessions bind under (``keeper.current.lease_id``).
     """
 
     def __init__(
@@ -85,16 +89,20 @@ class LeaseKeeper:
         if open_attempts < 1:
             raise ConfigurationError("open_attempts must be at least 1", check="open_attempts")
         self._registry = registry
-        self._owner_given = owner is not None
-        self._owner = check_owner(owner if owner is not None else default_owner())
-        self._ttl = float(ttl)
-        self._renew_interval = float(renew_interval) if renew_interval is not None else ttl / 3
-        self._on_restart: OnRestart = on_restart
+        self.owner: Final = check_owner(owner if owner is not None else default_owner())
+        #: False when the owner is the default ``hostname-pid`` (then only the TTL frees a dead
+        #: worker's Sessions: no restart reuses the id).
+        self.owner_configured: Final = owner is not None
+        self.ttl: Final = float(ttl)
+        self.renew_interval: Final = (
+            float(renew_interval) if renew_interval is not None else ttl / 3
+        )
+        self.on_restart: Final[OnRestart] = on_restart
         self._open_attempts = open_attempts
         self._retry_wait = (
             retry_wait
             if retry_wait is not None
-            else wait_exponential(multiplier=0.05, max=min(2.0, self._renew_interval / 2))
+            else wait_exponential(multiplier=0.05, max=min(2.0, self.renew_interval / 2))
         )
         self.clock = clock
         self._sleep = sleep
@@ -131,44 +139,10 @@ class LeaseKeeper:
     # --- what it is --------------------------------------------------------------------------
 
     @property
-    def owner(self) -> str:
-        return self._owner
-
-    @property
-    def owner_configured(self) -> bool:
-        """False when the owner is the default ``hostname-pid`` (then only the TTL frees a dead
-        worker's Sessions: no restart reuses the id)."""
-        return self._owner_given
-
-    @property
-    def ttl(self) -> float:
-        return self._ttl
-
-    @property
-    def renew_interval(self) -> float:
-        return self._renew_interval
-
-    @property
-    def on_restart(self) -> OnRestart:
-        return self._on_restart
-
-    @property
     def current(self) -> LeaseTerm:
         """The incarnation new Sessions bind under (replaced once it is lost, see
         :mod:`agentic_lora.leases`)."""
         return self._term
-
-    @property
-    def incarnation(self) -> str:
-        return self._term.incarnation
-
-    @property
-    def lease_id(self) -> str:
-        return self._term.lease_id
-
-    @property
-    def state(self) -> LeaseState:
-        return self._term.state
 
     @property
     def superseded(self) -> bool:
@@ -212,7 +186,7 @@ class LeaseKeeper:
         while True:
             if self._closed or self._superseded:
                 raise LeaseExpiredError(
-                    f"the lease keeper of {self._owner!r} is "
+                    f"the lease keeper of {self.owner!r} is "
                     f"{'closed' if self._closed else 'superseded by a newer incarnation'}",
                     lease=self._term.lease_id,
                     reason="closed" if self._closed else _SUPERSEDED,
@@ -227,7 +201,7 @@ class LeaseKeeper:
                 successors += 1
                 if successors > 3:
                     raise LeaseExpiredError(
-                        f"no live lease for {self._owner!r} after {successors} incarnations",
+                        f"no live lease for {self.owner!r} after {successors} incarnations",
                         lease=term.lease_id,
                         reason=term.lost_reason,
                     )
@@ -255,7 +229,7 @@ class LeaseKeeper:
             # process's lease, so ask first. A transport error propagates: try again later.
             try:
                 await self._registry.renew_lease(
-                    request_id=new_request_id(), owner=self._owner, incarnation=lost.incarnation
+                    request_id=new_request_id(), owner=self.owner, incarnation=lost.incarnation
                 )
             except LeaseExpiredError as exc:
                 if exc.details.get("reason") == _SUPERSEDED:
@@ -270,7 +244,7 @@ class LeaseKeeper:
                 "lease lost; new Sessions bind under a new incarnation",
                 extra={
                     "lease": lost.lease_id,
-                    "owner": self._owner,
+                    "owner": self.owner,
                     "incarnation": self._term.incarnation,
                     "reason": lost.lost_reason,
                 },
@@ -282,7 +256,7 @@ class LeaseKeeper:
             logger.error(
                 "a newer incarnation of this owner holds its lease; this process opens no new "
                 "Sessions (is the worker slot running twice?)",
-                extra={"lease": lost.lease_id, "owner": self._owner},
+                extra={"lease": lost.lease_id, "owner": self.owner},
             )
 
     def _retrying(self, stop: stop_base) -> AsyncRetrying:
@@ -300,10 +274,10 @@ class LeaseKeeper:
                     log_replay("open_lease", term.lease_id, attempt.retry_state)
                     grant = await self._registry.open_lease(
                         request_id=request_id,
-                        owner=self._owner,
+                        owner=self.owner,
                         incarnation=term.incarnation,
-                        ttl=self._ttl,
-                        on_restart=self._on_restart,
+                        ttl=self.ttl,
+                        on_restart=self.on_restart,
                     )
         except LeaseExpiredError as exc:
             term._lose(str(exc.details.get("reason") or "expired"))
@@ -315,8 +289,8 @@ class LeaseKeeper:
             "lease opened",
             extra={
                 "lease": term.lease_id,
-                "owner": self._owner,
-                "ttl": self._ttl,
+                "owner": self.owner,
+                "ttl": self.ttl,
                 "released": len(grant.released),
                 "adopted": len(grant.adopted),
             },
@@ -324,7 +298,7 @@ class LeaseKeeper:
         self._emit(LeaseEventKind.OPENED, term, released=grant.released, adopted=grant.adopted)
         if self._renewer is None and not self._closed:
             self._renewer = asyncio.get_running_loop().create_task(
-                self._run(), name=f"renew lease {self._owner}"
+                self._run(), name=f"renew lease {self.owner}"
             )
             self._renewer.add_done_callback(self._renewer_ended)
         self._wake.set()  # the renewer follows the new term
@@ -337,7 +311,7 @@ class LeaseKeeper:
         if term is not self._term or term._state is not _HELD or self._renewing:
             return
         # HELD always has a renewal time; an overdue one means the renewer's timer is late.
-        if now - term._renewed_at >= self._renew_interval:
+        if now - term._renewed_at >= self.renew_interval:
             self._wake.set()
 
     def _renewer_ended(self, task: asyncio.Task[None]) -> None:
@@ -348,7 +322,7 @@ class LeaseKeeper:
         logger.error(
             "lease renewer stopped; the lease will be lost at its deadline",
             exc_info=task.exception(),
-            extra={"lease": self._term.lease_id, "owner": self._owner},
+            extra={"lease": self._term.lease_id, "owner": self.owner},
         )
 
     async def _run(self) -> None:
@@ -360,7 +334,7 @@ class LeaseKeeper:
                 await self._wake.wait()
                 self._wake.clear()
                 continue
-            delay = term._renewed_at + self._renew_interval - self.clock()
+            delay = term._renewed_at + self.renew_interval - self.clock()
             if delay > 0:
                 await self._nap(delay)
                 continue
@@ -400,7 +374,7 @@ class LeaseKeeper:
                         sent_at = self.clock()
                     log_replay("renew_lease", term.lease_id, attempt.retry_state)
                     grant = await self._registry.renew_lease(
-                        request_id=request_id, owner=self._owner, incarnation=term.incarnation
+                        request_id=request_id, owner=self.owner, incarnation=term.incarnation
                     )
         except LeaseExpiredError as exc:
             term._lose(str(exc.details.get("reason") or "expired"))
@@ -408,7 +382,7 @@ class LeaseKeeper:
         except Exception as exc:
             logger.warning(
                 "lease renewal not confirmed before the local deadline",
-                extra={"lease": term.lease_id, "owner": self._owner, "error": repr(exc)},
+                extra={"lease": term.lease_id, "owner": self.owner, "error": repr(exc)},
             )
             term._lose("renew_failed")
             return
@@ -440,7 +414,7 @@ class LeaseKeeper:
         Idempotent; concurrent calls share one close."""
         if self._closing is None:
             self._closing = asyncio.get_running_loop().create_task(
-                self._close(), name=f"close lease {self._owner}"
+                self._close(), name=f"close lease {self.owner}"
             )
         await asyncio.shield(self._closing)
 
@@ -460,12 +434,12 @@ class LeaseKeeper:
                     with attempt:
                         log_replay("close_lease", term.lease_id, attempt.retry_state)
                         released = await self._registry.close_lease(
-                            request_id=request_id, owner=self._owner, incarnation=term.incarnation
+                            request_id=request_id, owner=self.owner, incarnation=term.incarnation
                         )
             except Exception as exc:
                 logger.warning(
                     "close_lease not confirmed; the lease ends with its TTL",
-                    extra={"lease": term.lease_id, "owner": self._owner, "error": repr(exc)},
+                    extra={"lease": term.lease_id, "owner": self.owner, "error": repr(exc)},
                 )
         term._close()
         if released:

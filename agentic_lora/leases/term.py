@@ -9,10 +9,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from agentic_lora.errors import SessionExpiredError
 from agentic_lora.registry.types import LeaseGrant
+
+if TYPE_CHECKING:
+    from agentic_lora.leases.keeper import LeaseKeeper
 
 __all__ = [
     "LeaseEvent",
@@ -20,7 +23,6 @@ __all__ = [
     "LeaseListener",
     "LeaseState",
     "LeaseTerm",
-    "TermKeeper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,35 +71,14 @@ class LeaseEvent:
 LeaseListener = Callable[[LeaseEvent], None]
 
 
-class TermKeeper(Protocol):
-    """What a :class:`LeaseTerm` needs of the :class:`~agentic_lora.leases.LeaseKeeper` that
-    drives it: the owner, the keeper's clock, and its renewer and listeners."""
-
-    clock: Callable[[], float]
-
-    @property
-    def owner(self) -> str: ...
-
-    def _touch(self, term: LeaseTerm) -> None: ...
-
-    def _emit(
-        self,
-        kind: LeaseEventKind,
-        term: LeaseTerm,
-        *,
-        reason: str | None = None,
-        released: tuple[str, ...] = (),
-        adopted: tuple[str, ...] = (),
-    ) -> None: ...
-
-
 class LeaseTerm:
     """One incarnation's lease as this process sees it; a Session keeps the one it bound under."""
 
-    def __init__(self, keeper: TermKeeper, incarnation: str) -> None:
+    def __init__(self, keeper: LeaseKeeper, incarnation: str) -> None:
         self._keeper = keeper
-        self._incarnation = incarnation
-        self._lease_id = f"{keeper.owner}/{incarnation}"
+        self.incarnation: Final = incarnation
+        #: ``"<owner>/<incarnation>"``, the id Sessions bind under.
+        self.lease_id: Final = f"{keeper.owner}/{incarnation}"
         self._state = LeaseState.PENDING
         # Set by the first grant; only read while HELD (the hot path compares floats directly).
         self._deadline = math.inf
@@ -106,15 +87,6 @@ class LeaseTerm:
         self._opening: asyncio.Task[None] | None = None
         # An open_lease for it may have reached the registry: close_lease is owed at shutdown.
         self._sent = False
-
-    @property
-    def incarnation(self) -> str:
-        return self._incarnation
-
-    @property
-    def lease_id(self) -> str:
-        """``"<owner>/<incarnation>"``, the id Sessions bind under."""
-        return self._lease_id
 
     @property
     def state(self) -> LeaseState:
@@ -139,7 +111,7 @@ class LeaseTerm:
         return self._reason
 
     def __repr__(self) -> str:
-        return f"LeaseTerm({self._lease_id!r}, {self._state.value})"
+        return f"LeaseTerm({self.lease_id!r}, {self._state.value})"
 
     def check(self, *, session: str | None = None) -> None:
         """Raise SessionExpiredError unless this lease still holds (sync, no I/O: hot path).
@@ -152,10 +124,10 @@ class LeaseTerm:
             return
         reason = self._reason if state is LeaseState.LOST else "closed"
         raise SessionExpiredError(
-            f"session {session or '?'}: lease {self._lease_id!r} is {state.value} ({reason}); "
+            f"session {session or '?'}: lease {self.lease_id!r} is {state.value} ({reason}); "
             "nothing was sent, the Session can only be closed",
             session=session,
-            lease=self._lease_id,
+            lease=self.lease_id,
             reason=reason,
         )
 
@@ -203,7 +175,7 @@ class LeaseTerm:
         self._reason = reason
         logger.warning(
             "lease lost; its Sessions are refused from now on and can only be closed",
-            extra={"lease": self._lease_id, "owner": self._keeper.owner, "reason": reason},
+            extra={"lease": self.lease_id, "owner": self._keeper.owner, "reason": reason},
         )
         self._keeper._emit(LeaseEventKind.LOST, self, reason=reason)
 

@@ -260,11 +260,11 @@ class RegistryCore(RegistryState):
         if v.state is not VersionState.LOADING:
             advance(version_id, v.state, VersionEvent.COMMIT)  # raises InvalidStateError
         self._attempt(v, attempt)
-        if expected_default_revision != self._default_revision:
+        if expected_default_revision != self.default_revision:
             raise RevisionConflictError(
-                f"default revision is {self._default_revision}, not {expected_default_revision}",
+                f"default revision is {self.default_revision}, not {expected_default_revision}",
                 version=version_id,
-                default_revision=self._default_revision,
+                default_revision=self.default_revision,
             )
         missing = [
             e
@@ -278,17 +278,17 @@ class RegistryCore(RegistryState):
                 attempt=attempt,
                 missing=missing,
             )
-        previous = self._default
+        previous = self.default_version
         new_state = advance(version_id, v.state, VersionEvent.COMMIT)
         if previous is not None:
             old = self._versions[previous]
             old.state = advance(previous, old.state, VersionEvent.SUPERSEDE)
         v.state = new_state
-        self._default = version_id
-        self._default_revision += 1
+        self.default_version = version_id
+        self.default_revision += 1
         self._pending = None
         v.commit_receipt = CommitReceipt(
-            ref=v.ref, default_revision=self._default_revision, previous_default=previous
+            ref=v.ref, default_revision=self.default_revision, previous_default=previous
         )
         return v.commit_receipt
 
@@ -429,19 +429,6 @@ class RegistryCore(RegistryState):
     def lease(self, lease_id: str) -> LeaseStatus | None:
         lease = self._leases.get(lease_id)
         return None if lease is None else lease_status(lease)
-
-    @property
-    def now(self) -> float:
-        """The latest time a timed verb brought (the registry's notion of "now" for replay)."""
-        return self._now
-
-    @property
-    def default_revision(self) -> int:
-        return self._default_revision
-
-    @property
-    def default_version(self) -> str | None:
-        return self._default
 
     @property
     def session_count(self) -> int:

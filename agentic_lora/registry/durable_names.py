@@ -81,7 +81,7 @@ def tombstone(state: RegistryState, name: str, why: str) -> None:
     rec = state._names.get(name)
     if rec is None or rec.closed_at is not None:
         return
-    rec.closed_at = state._now
+    rec.closed_at = state.now
     rec.why = why
     if rec.lease is not None and (lease := state._leases.get(rec.lease)) is not None:
         lease.names.discard(name)

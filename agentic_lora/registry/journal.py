@@ -35,7 +35,7 @@ import os
 import socket
 import sqlite3
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -162,18 +162,21 @@ def _backup(source: Path, target: Path) -> None:
         src = sqlite3.connect(f"{source.resolve().as_uri()}?{mode}", uri=True)
     except sqlite3.Error as exc:
         raise JournalForeignError(f"{source} cannot be opened: {exc}", path=str(source)) from exc
+    with (
+        _foreign_unless_read(source, "a readable SQLite journal"),
+        contextlib.closing(src),
+        contextlib.closing(sqlite3.connect(target)) as dst,
+    ):
+        src.backup(dst)
+
+
+@contextlib.contextmanager
+def _foreign_unless_read(source: Path, what: str) -> Iterator[None]:
+    """Reading ``source`` inside: an SQLite error says it is not ``what`` (JournalForeignError)."""
     try:
-        dst = sqlite3.connect(target)
-        try:
-            src.backup(dst)
-        finally:
-            dst.close()
+        yield
     except sqlite3.DatabaseError as exc:
-        raise JournalForeignError(
-            f"{source} is not a readable SQLite journal: {exc}", path=str(source)
-        ) from exc
-    finally:
-        src.close()
+        raise JournalForeignError(f"{source} is not {what}: {exc}", path=str(source)) from exc
 
 
 class Journal:
@@ -197,15 +200,11 @@ class Journal:
         """
         source, target = Path(source), Path(target)
         _backup(source, target)
-        conn = sqlite3.connect(target)
-        try:
+        with (
+            _foreign_unless_read(source, "an agentic-lora journal"),
+            contextlib.closing(sqlite3.connect(target)) as conn,
+        ):
             _, meta = _checked_meta(conn, source)
-        except sqlite3.DatabaseError as exc:
-            raise JournalForeignError(
-                f"{source} is not an agentic-lora journal: {exc}", path=str(source)
-            ) from exc
-        finally:
-            conn.close()
         try:
             identity = json.loads(meta.get("identity", ""))
         except ValueError:

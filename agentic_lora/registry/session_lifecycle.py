@@ -48,12 +48,12 @@ def bind_first(state: RegistryState, session_key: str, lease: str | None = None)
             raise name_refusal(name, rec)
         lease = rec.lease
     owner = state._live_lease(lease) if lease is not None else None
-    if state._default is None:
+    if state.default_version is None:
         raise NoPublishedVersionError("no version has been published yet", session=session_key)
-    v = state._versions[state._default]
+    v = state._versions[state.default_version]
     v.session_refs += 1
     # The default is committed, so its attempt is final: the ref names exactly what serves.
-    binding = Binding(session_key=session_key, ref=v.ref, default_revision=state._default_revision)
+    binding = Binding(session_key=session_key, ref=v.ref, default_revision=state.default_revision)
     state._sessions[session_key] = SessionRecord(SessionState.BOUND, binding, lease)
     if owner is not None:
         owner.sessions.add(session_key)

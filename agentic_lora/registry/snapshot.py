@@ -27,8 +27,8 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
     """A JSON-able image of everything, including remembered results of recent calls."""
     return {
         "seq": state.seq,
-        "default": state._default,
-        "default_revision": state._default_revision,
+        "default": state.default_version,
+        "default_revision": state.default_revision,
         "pending": state._pending,
         "incarnations": state._incarnations,
         "versions": [
@@ -50,7 +50,7 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
         "sessions": [
             [k, s.state.value, to_wire(s.binding), s.lease] for k, s in state._sessions.items()
         ],
-        "now": state._now,
+        "now": state.now,
         "leases": [
             [
                 lease.owner,
@@ -75,8 +75,8 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
 def load_state(state: RegistryState, image: dict[str, Any]) -> None:
     """Inverse of :func:`dump_state` (on a fresh state with the same fleet and capacity)."""
     state.seq = int(image["seq"])
-    state._default = image["default"]
-    state._default_revision = int(image["default_revision"])
+    state.default_version = image["default"]
+    state.default_revision = int(image["default_revision"])
     state._pending = image["pending"]
     state._incarnations = dict(image["incarnations"])
     state._versions = {}
@@ -103,7 +103,7 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
         k: SessionRecord(SessionState(st), from_wire(b, known), lease)
         for k, st, b, lease in image["sessions"]
     }
-    state._now = float(image["now"])
+    state.now = float(image["now"])
     state._leases = {}
     for owner, incarnation, ttl, expires_at, sessions, names in image["leases"]:
         lease = LeaseRecord(owner, incarnation, float(ttl), float(expires_at))

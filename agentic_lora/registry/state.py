@@ -176,8 +176,9 @@ class RegistryState:
         make_lora_name(prefix, deployment_epoch, "probe", "0" * 64)  # validates the prefix early
         self._versions: dict[str, VersionRecord] = {}
         self._sessions: dict[str, SessionRecord] = {}
-        self._default: str | None = None
-        self._default_revision = 0
+        #: The default version (None before the first commit), and how many commits moved it.
+        self.default_version: str | None = None
+        self.default_revision = 0
         self._pending: str | None = None
         self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
         self._leases: dict[str, LeaseRecord] = {}  # live leases by id
@@ -185,9 +186,9 @@ class RegistryState:
         self._dead_leases: OrderedDict[str, str] = OrderedDict()  # lease id -> why it ended
         self._names: dict[str, NameRecord] = {}
         self._name_of: dict[str, str] = {}  # session key -> name
-        # The latest ``now`` any timed verb brought: the time of untimed transitions (a close
-        # tombstones a name at this time). Never goes backwards.
-        self._now = 0.0
+        #: The latest ``now`` any timed verb brought: the time of untimed transitions (a close
+        #: tombstones a name at this time). Never goes backwards.
+        self.now = 0.0
         self._done = IdempotencyWindow(idempotency_window)
         #: Number of state-changing calls applied so far (the journal's sequence number).
         self.seq = 0
@@ -228,7 +229,7 @@ class RegistryState:
     def _tick(self, now: float) -> None:
         # Called only once the verb can no longer be refused: a refused call is not journaled, so
         # if it moved the clock, a replay would tombstone names at another time than the live run.
-        self._now = max(self._now, now)
+        self.now = max(self.now, now)
 
     def _cleaned(self, v: VersionRecord, engine: str) -> None:
         v.cleaned.add(engine)

@@ -553,7 +553,7 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
             await chat(stack.agent("before"))
             lease = stack.gateway.versioning.lease
             assert lease is not None
-            old = lease.lease_id
+            old = lease.current.lease_id
             # The registry's clock runs past the TTL (the gateway was partitioned, say); the
             # keeper's own clock did not, so it still believes it holds the lease.
             clock.now += 31.0
@@ -565,10 +565,10 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
                 model=BASE_MODEL, messages=[{"role": "user", "content": "x"}]
             )
             assert raw.headers["x-agentic-version"] == "A"
-            assert lease.lease_id != old
+            assert lease.current.lease_id != old
             named = registry.core.named("after")
             assert named is not None
-            assert named.lease == lease.lease_id
+            assert named.lease == lease.current.lease_id
             # The expired one is refused with a typed error, never re-bound.
             with pytest.raises(openai.ConflictError) as err:
                 await chat(stack.agent("before"), "late")
@@ -687,7 +687,7 @@ async def test_gateway_id_and_session_name_ttl_settings(
             lease = stack.gateway.versioning.lease
             assert lease is not None
             assert (lease.owner, lease.on_restart) == ("gw-a", "adopt")
-            assert lease.lease_id.startswith("gw-a/")
+            assert lease.current.lease_id.startswith("gw-a/")
         finally:
             await stack.gateway.aclose()
 

@@ -213,7 +213,7 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         t.advance(1)
         swept = await h.inner.sweep_if_due()
         assert swept is not None
-        assert swept.expired_leases == (h.lease.lease_id,)
+        assert swept.expired_leases == (h.lease.current.lease_id,)
         assert sorted(swept.expired_sessions) == sorted([s1.key, s2.key])
         assert refs(h, "A") == 0
         claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
@@ -226,7 +226,7 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         with pytest.raises(SessionExpiredError) as err:
             await s1.generate(turn("s1", 2))
         assert err.value.code == "SESSION_EXPIRED"
-        assert err.value.details["lease"] == h.lease.lease_id
+        assert err.value.details["lease"] == h.lease.current.lease_id
         assert (sent(h, "s1"), reg.calls["bind_first"]) == before
 
         # Close after expiry works: nothing left to release, and the local record is freed.
@@ -257,7 +257,7 @@ async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() 
         assert err.value.details["reason"] == "local_deadline"
         assert sent(h, "s") == 2
         # The registry has not swept: for it the lease and the ref still exist.
-        assert lease_status(h.inner, h.lease.lease_id) is not None
+        assert lease_status(h.inner, h.lease.current.lease_id) is not None
         assert refs(h, "A") == 1
         swept = await h.inner.sweep_if_due()
         assert swept is not None
@@ -323,7 +323,7 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() ->
         assert refs(h, "A") == 0
         opened = log.of(LeaseEventKind.OPENED)[0]
         assert sorted(opened.released) == sorted([s1.key, s2.key])
-        assert term.incarnation != h.lease.incarnation
+        assert term.incarnation != h.lease.current.incarnation
         assert (await reg.claim_reclaim(request_id=new_request_id(), version_id="A")).reclaim_id
         await successor.aclose()
 
@@ -339,7 +339,7 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
         await successor.acquire()
         survivor = await h.inner.bind_first(
-            request_id=new_request_id(), session_key="survivor", lease=successor.lease_id
+            request_id=new_request_id(), session_key="survivor", lease=successor.current.lease_id
         )
         # The old process was only hung; its next renewal learns it was superseded.
         log = Events(h.lease)
@@ -355,8 +355,8 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
         assert err.value.details["reason"] == "owner_restarted"
         assert h.lease.superseded
         assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
-        assert successor.state is LeaseState.HELD
-        assert lease_status(h.inner, successor.lease_id) is not None
+        assert successor.current.state is LeaseState.HELD
+        assert lease_status(h.inner, successor.current.lease_id) is not None
         assert refs(h, survivor.version_id) == 1
         assert sent(h, "s") == 1
         assert sent(h, "newcomer") == 0
@@ -404,7 +404,7 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
         await reg.called("renew_lease")
         await t.sleeping()  # the retry waits on fake time
         t.advance(TTL)
-        assert h.lease.state is LeaseState.LOST
+        assert h.lease.current.state is LeaseState.LOST
         # Meanwhile the orchestrator restarted the worker slot elsewhere.
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
         await successor.acquire()
@@ -414,7 +414,7 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
         assert err.value.details["reason"] == "owner_restarted"
         assert h.lease.superseded
         assert reg.calls["open_lease"] == 1
-        assert successor.state is LeaseState.HELD
+        assert successor.current.state is LeaseState.HELD
         await successor.aclose()
 
 
@@ -439,10 +439,10 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
         assert t.now - start == 10 * TTL
         assert refs(h, "A") == 1
         assert sent(h, "s") == 31
-        assert h.lease.state is LeaseState.HELD
+        assert h.lease.current.state is LeaseState.HELD
         ids = reg.request_ids("renew_lease")
         assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
-        status = lease_status(h.inner, h.lease.lease_id)
+        status = lease_status(h.inner, h.lease.current.lease_id)
         assert status is not None
         assert status.expires_at == clock() + TTL
 
@@ -505,7 +505,7 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
         renews = reg.request_ids("renew_lease")
         assert len(renews) == 3
         assert len(set(renews)) == 1
-        status = lease_status(h.inner, h.lease.lease_id)
+        status = lease_status(h.inner, h.lease.current.lease_id)
         assert status is not None
         assert status.expires_at == clock() + TTL
 
@@ -632,7 +632,7 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
     t = FakeTime()
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
-        assert h.lease.state is LeaseState.PENDING
+        assert h.lease.current.state is LeaseState.PENDING
         assert not {"open_lease", "renew_lease"} & set(reg.calls)  # no I/O at construction
         await publish(reg, "A")
         gate = reg.gate("open_lease")
@@ -645,7 +645,7 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
         assert isinstance(results[0], asyncio.CancelledError)
         assert reg.calls["open_lease"] == 1
         assert {s.lease for s in sessions[1:]} == {h.lease.current}
-        status = lease_status(h.inner, h.lease.lease_id)
+        status = lease_status(h.inner, h.lease.current.lease_id)
         assert status is not None
         assert status.sessions == 10  # the cancelled waiter's Session bound too (shared bind)
 
@@ -676,7 +676,7 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
         reg, v = h.registry, h.versioning
         await v.open_session("a").generate(turn("a"))
         v.open_session("b")  # never dispatched
-        lease_id = h.lease.lease_id
+        lease_id = h.lease.current.lease_id
         log = Events(h.lease)
         await v.aclose()
         verbs = [verb for _, verb, _ in reg.log]
@@ -688,7 +688,7 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
         assert lease_status(h.inner, lease_id) is None
         assert refs(h, "A") == 0
         assert h.lease.closed
-        assert h.lease.state is LeaseState.CLOSED
+        assert h.lease.current.state is LeaseState.CLOSED
         t.advance(10 * TTL)  # nothing renews any more
         await v.aclose()  # idempotent
         assert reg.calls["close_lease"] == 1
@@ -730,9 +730,9 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
             await h.lease.aclose()
         # Told once, by the keeper, naming the lease the TTL will end.
         [warned] = [r for r in caplog.records if r.name == "agentic_lora.leases.keeper"]
-        assert (warned.levelno, warned.lease) == (logging.WARNING, h.lease.lease_id)  # type: ignore[attr-defined]
-        assert lease_status(h.inner, h.lease.lease_id) is not None  # the TTL will end it
-        assert h.lease.state is LeaseState.CLOSED
+        assert (warned.levelno, warned.lease) == (logging.WARNING, h.lease.current.lease_id)  # type: ignore[attr-defined]
+        assert lease_status(h.inner, h.lease.current.lease_id) is not None  # the TTL will end it
+        assert h.lease.current.state is LeaseState.CLOSED
 
 
 async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
@@ -750,8 +750,8 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
             await h.versioning.open_session("s").generate(turn("s"))
         failed = [r for r in caplog.records if r.exc_info is not None]
         assert [r.exc_info[0] for r in failed] == [RuntimeError]  # type: ignore[index]
-        assert failed[0].lease == h.lease.lease_id  # type: ignore[attr-defined]
-        assert h.lease.state is LeaseState.HELD
+        assert failed[0].lease == h.lease.current.lease_id  # type: ignore[attr-defined]
+        assert h.lease.current.state is LeaseState.HELD
 
 
 # --- construction ----------------------------------------------------------------------------
@@ -787,16 +787,16 @@ async def test_defaults_minutes_ttl_a_third_renew_interval_and_a_hostname_pid_ow
     assert keeper.owner == default_owner()
     assert not keeper.owner_configured
     assert keeper.on_restart == "release"
-    assert keeper.lease_id == f"{keeper.owner}/{keeper.incarnation}"
-    assert len(keeper.incarnation) == 32
-    assert keeper.state is LeaseState.PENDING
+    assert keeper.current.lease_id == f"{keeper.owner}/{keeper.current.incarnation}"
+    assert len(keeper.current.incarnation) == 32
+    assert keeper.current.state is LeaseState.PENDING
     keeper.check()  # nothing bound under a pending lease: nothing to refuse
     keeper.touch()
     assert repr(keeper).startswith("LeaseKeeper(")
     named = LeaseKeeper(object(), owner="rollout-worker-3", on_restart="adopt")  # type: ignore[arg-type]
     assert named.owner_configured
     assert named.on_restart == "adopt"
-    assert LeaseKeeper(object()).incarnation != keeper.incarnation  # type: ignore[arg-type]
+    assert LeaseKeeper(object()).current.incarnation != keeper.current.incarnation  # type: ignore[arg-type]
 
 
 async def test_a_versioning_needs_the_flag_on_for_a_lease() -> None:

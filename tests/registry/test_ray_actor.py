@@ -153,7 +153,7 @@ async def test_workers_keep_leases_through_the_actor_restarts_release_and_the_sw
     w1b = _client("leases", journal)
     restarted = LeaseKeeper(w1b, owner="worker-1", ttl=60)
     await restarted.acquire()
-    assert restarted.incarnation != dead.incarnation
+    assert restarted.current.incarnation != dead.current.incarnation
     assert (await w1b.version("A")).session_refs == 1
 
     # A worker that stops renewing: the actor's own sweeper expires its lease after the TTL.

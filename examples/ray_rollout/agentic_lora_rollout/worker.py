@@ -258,7 +258,7 @@ class RolloutWorker:
             "owner": cfg.owner,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
-            "lease_id": keeper.lease_id if keeper is not None else None,
+            "lease_id": keeper.current.lease_id if keeper is not None else None,
             "released": released,
         }
 
