@@ -13,14 +13,11 @@ would hold their version for as long as this gateway renews its lease, so
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError
-from agentic_lora.gateway.replay import replayed
+from agentic_lora.gateway.replay import SessionReplay
 from agentic_lora.leases import LeaseEvent, LeaseEventKind
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
@@ -29,8 +26,6 @@ from agentic_lora.session import Versioning
 __all__ = ["AdoptedSession", "AdoptedSessions", "key_prefix"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 def key_prefix(session_key: str) -> str:
@@ -56,7 +51,7 @@ class AdoptedSessions:
 
     * ``versioning`` tells which adopted keys this process holds itself (not adopted leftovers).
     * ``clock`` stamps the adoption: an adopted Session counts as used when it was adopted.
-    * ``tag``, ``attempts`` and ``wait`` replay the close's registry calls as the gateway's own.
+    * ``replay`` replays the close's registry calls as the gateway replays its own.
     """
 
     def __init__(
@@ -65,16 +60,12 @@ class AdoptedSessions:
         versioning: Versioning,
         *,
         clock: Callable[[], float],
-        tag: Callable[[str], str],
-        attempts: int,
-        wait: wait_base,
+        replay: SessionReplay,
     ) -> None:
         self._registry = registry
         self._versioning = versioning
         self._clock = clock
-        self._tag = tag
-        self._attempts = attempts
-        self._wait = wait
+        self._replay = replay
         self._by_prefix: dict[str, AdoptedSession] = {}
 
     def __len__(self) -> int:
@@ -129,14 +120,14 @@ class AdoptedSessions:
         adopted.closing = True
         key = adopted.session_key
         try:
-            await self._replayed(
+            await self._replay(
                 "begin_close",
                 prefix,
                 lambda: self._registry.begin_close(
                     request_id=adopted.begin_close_id, session_key=key
                 ),
             )
-            result = await self._replayed(
+            result = await self._replay(
                 "release",
                 prefix,
                 lambda: self._registry.release(request_id=adopted.release_id, session_key=key),
@@ -162,8 +153,3 @@ class AdoptedSessions:
             extra={"session": key, "version": result.version_id, "why": "idle"},
         )
         return True
-
-    async def _replayed(self, verb: str, prefix: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        return await replayed(
-            verb, self._tag(prefix), call, attempts=self._attempts, wait=self._wait
-        )
