@@ -20,6 +20,7 @@ from agentic_lora.errors import (
     SessionReleaseError,
     SessionStateError,
 )
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.requests import new_rid
 from agentic_lora.leases import LeaseKeeper, OnRestart
 from agentic_lora.registry.api import RegistryAPI, in_process_core, session_closer
@@ -189,13 +190,16 @@ class Versioning:
                 Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
             ]
-            self._binder_config = BinderConfig.of(
-                registry,
-                resolved,
-                registry_attempts,
-                registry_wait
+            retry = RegistryRetry(
+                attempts=registry_attempts,
+                wait=registry_wait
                 if registry_wait is not None
                 else wait_exponential(multiplier=0.05, max=2.0),
+            )
+            self._binder_config = BinderConfig(
+                registry,
+                resolved,
+                retry,
                 lease=lease,
                 max_version_lag=max_version_lag,
                 revision=revision_reader,
