@@ -432,13 +432,11 @@ async def scenario(fleet: EngineFleet, fixture: Fixture, opts: Options, store: P
     try:
         await verify_fleet(settings, transport)
         versioning = Versioning.from_settings(settings, transport=transport)
-        assert versioning.registry is not None
         backend = HttpPushBackend(str(store), client=client)
         async with Deployment(
             settings=settings,
             versioning=versioning,
             backend=backend,
-            registry=versioning.registry,
             on_progress=tl.on_progress,
         ) as d:
             # 1. A, the first version.

@@ -99,7 +99,11 @@ class _SessionDrain:
 
 
 class Deployment:
-    """Registry + :class:`Versioning` + :class:`Publisher` + background :class:`Reclaimer`."""
+    """Registry + :class:`Versioning` + :class:`Publisher` + background :class:`Reclaimer`.
+
+    The registry is the one ``versioning``'s Sessions bind through: one Deployment never
+    publishes into a registry its Sessions do not read.
+    """
 
     def __init__(
         self,
@@ -107,13 +111,19 @@ class Deployment:
         settings: AgenticLoRASettings,
         versioning: Versioning,
         backend: Backend,
-        registry: RegistryAPI,
         on_progress: Callable[[PhaseEvent], None] | None = None,
         owns_backend: bool = True,
     ) -> None:
+        registry = versioning.registry
+        if registry is None:
+            raise ConfigurationError(
+                "a Deployment publishes versions: its Versioning needs a registry "
+                "(versioned publication on)",
+                check="registry",
+            )
         self.settings = settings
         self.versioning = versioning
-        self.registry = registry
+        self.registry: RegistryAPI = registry
         self.backend = backend
         self._owns_backend = owns_backend
         # With PD groups, every role server is an engine for publication, readiness, repair and
@@ -204,12 +214,10 @@ class Deployment:
         )
         if drain is not None:
             drain.bind(versioning.wait_drained)
-        assert versioning.registry is not None
         return cls(
             settings=settings,
             versioning=versioning,
             backend=backend,
-            registry=versioning.registry,
             on_progress=on_progress,
             owns_backend=owns_backend,
         )

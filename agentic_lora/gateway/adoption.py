@@ -13,14 +13,11 @@ would hold their version for as long as this gateway renews its lease, so
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
-
-from tenacity.wait import wait_base
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from agentic_lora.errors import AgenticLoRAError
-from agentic_lora.gateway.replay import replayed
+from agentic_lora.gateway.replay import SessionReplay
 from agentic_lora.leases import LeaseEvent, LeaseEventKind
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
@@ -29,8 +26,6 @@ from agentic_lora.session import Versioning
 __all__ = ["AdoptedSession", "AdoptedSessions", "key_prefix"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 def key_prefix(session_key: str) -> str:
@@ -51,31 +46,21 @@ class AdoptedSession:
     release_id: str = field(default_factory=new_request_id)
 
 
+@dataclass(eq=False)
 class AdoptedSessions:
     """The adopted Sessions of one gateway, by key prefix.
 
     * ``versioning`` tells which adopted keys this process holds itself (not adopted leftovers).
     * ``clock`` stamps the adoption: an adopted Session counts as used when it was adopted.
-    * ``tag``, ``attempts`` and ``wait`` replay the close's registry calls as the gateway's own.
+    * ``replay`` replays the close's registry calls as the gateway replays its own.
     """
 
-    def __init__(
-        self,
-        registry: RegistryAPI,
-        versioning: Versioning,
-        *,
-        clock: Callable[[], float],
-        tag: Callable[[str], str],
-        attempts: int,
-        wait: wait_base,
-    ) -> None:
-        self._registry = registry
-        self._versioning = versioning
-        self._clock = clock
-        self._tag = tag
-        self._attempts = attempts
-        self._wait = wait
-        self._by_prefix: dict[str, AdoptedSession] = {}
+    registry: RegistryAPI
+    versioning: Versioning
+    _: KW_ONLY
+    clock: Callable[[], float]
+    replay: SessionReplay
+    _by_prefix: dict[str, AdoptedSession] = field(init=False, default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._by_prefix)
@@ -102,8 +87,8 @@ class AdoptedSessions:
         """The gateway lease's listener: remember the Sessions a new incarnation adopted."""
         if event.kind is not LeaseEventKind.OPENED or not event.adopted:
             return
-        now = self._clock()
-        held = {s.key for s in self._versioning.live_sessions()}
+        now = self.clock()
+        held = {s.key for s in self.versioning.live_sessions()}
         for key in event.adopted:
             if key not in held:  # held: this process's own (its lease was lost and reopened)
                 self._by_prefix[key_prefix(key)] = AdoptedSession(key, now)
@@ -129,17 +114,17 @@ class AdoptedSessions:
         adopted.closing = True
         key = adopted.session_key
         try:
-            await self._replayed(
+            await self.replay(
                 "begin_close",
                 prefix,
-                lambda: self._registry.begin_close(
+                lambda: self.registry.begin_close(
                     request_id=adopted.begin_close_id, session_key=key
                 ),
             )
-            result = await self._replayed(
+            result = await self.replay(
                 "release",
                 prefix,
-                lambda: self._registry.release(request_id=adopted.release_id, session_key=key),
+                lambda: self.registry.release(request_id=adopted.release_id, session_key=key),
             )
         except AgenticLoRAError as exc:
             logger.warning(
@@ -150,7 +135,7 @@ class AdoptedSessions:
         if self._by_prefix.get(prefix) is adopted:
             del self._by_prefix[prefix]
         try:
-            await self._registry.forget_sessions(request_id=new_request_id(), session_keys=[key])
+            await self.registry.forget_sessions(request_id=new_request_id(), session_keys=[key])
         except Exception as exc:
             # Only memory: the record is closed; the name stays a tombstone either way.
             logger.warning(
@@ -162,8 +147,3 @@ class AdoptedSessions:
             extra={"session": key, "version": result.version_id, "why": "idle"},
         )
         return True
-
-    async def _replayed(self, verb: str, prefix: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        return await replayed(
-            verb, self._tag(prefix), call, attempts=self._attempts, wait=self._wait
-        )

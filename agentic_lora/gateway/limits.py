@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from agentic_lora.config import AgenticLoRASettings
@@ -43,15 +43,8 @@ class GatewayLimits:
 
     @classmethod
     def from_settings(cls, settings: AgenticLoRASettings) -> GatewayLimits:
-        """The limits the settings give (``gateway_max_*``)."""
-        return cls(
-            max_body_bytes=settings.gateway_max_body_bytes,
-            max_json_depth=settings.gateway_max_json_depth,
-            max_messages=settings.gateway_max_messages,
-            max_n=settings.gateway_max_n,
-            max_tokens=settings.gateway_max_tokens,
-            max_sessions=settings.gateway_max_sessions,
-        )
+        """The limits the settings give: each limit ``<name>`` is the setting ``gateway_<name>``."""
+        return cls(**{f.name: getattr(settings, f"gateway_{f.name}") for f in fields(cls)})
 
     def with_context_length(self, context_length: int | None) -> GatewayLimits:
         """These limits with ``max_tokens`` at most ``context_length`` (None, or not a positive

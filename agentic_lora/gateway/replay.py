@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
@@ -18,7 +19,7 @@ from tenacity.wait import wait_base
 from agentic_lora.errors import AgenticLoRAError, RequestRefusedError
 from agentic_lora.foundation.replay import is_lost_reply
 
-__all__ = ["replayed"]
+__all__ = ["SessionReplay", "replayed"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,21 @@ async def replayed(
     except Exception as exc:
         _refused(verb, tag, exc)
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReplay:
+    """How one gateway replays its Sessions' registry calls: the same ``tag`` names a Session in
+    logs and errors, and every call gets ``attempts`` tries ``wait`` apart (see :func:`replayed`).
+    """
+
+    tag: Callable[[str], str]
+    attempts: int
+    wait: wait_base
+
+    async def __call__(self, verb: str, name: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``call()`` replayed as :func:`replayed` does, the Session named by ``tag(name)``."""
+        return await replayed(verb, self.tag(name), call, attempts=self.attempts, wait=self.wait)
 
 
 def _refused(verb: str, tag: str, exc: Exception) -> NoReturn:

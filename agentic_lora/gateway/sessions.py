@@ -47,9 +47,8 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from tenacity import wait_exponential
 from tenacity.wait import wait_base
@@ -66,7 +65,7 @@ from agentic_lora.errors import (
 )
 from agentic_lora.gateway.adoption import AdoptedSessions
 from agentic_lora.gateway.closed_elsewhere import closed_elsewhere
-from agentic_lora.gateway.replay import replayed
+from agentic_lora.gateway.replay import SessionReplay
 from agentic_lora.gateway.security import (
     MAX_SESSION_ID_LENGTH,
     SESSION_HEADER,
@@ -90,8 +89,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,25 +149,21 @@ class GatewaySessions:
         self._clock = clock
         self._reuse = reuse_closed_ids
         self._epoch = deployment_epoch
-        self._attempts = max(1, registry_attempts)
         self._tag = (tagger if tagger is not None else SessionTagger()).tag
         self._max_sessions = max_sessions
         self._retry_after = retry_after
-        self._wait = (
-            registry_wait if registry_wait is not None else wait_exponential(multiplier=0.05, max=1)
+        self._replay = SessionReplay(
+            self._tag,
+            max(1, registry_attempts),
+            registry_wait
+            if registry_wait is not None
+            else wait_exponential(multiplier=0.05, max=1),
         )
         # A synchronous read of the names, where the registry lives in this process.
         self._core: RegistryCore | None = in_process_core(registry)
         self._cached: dict[str, _Cached] = {}
         # Sessions adopted at a restart, by key prefix: the tag of their id (see SessionTagger).
-        self._adopted = AdoptedSessions(
-            registry,
-            versioning,
-            clock=clock,
-            tag=self._tag,
-            attempts=self._attempts,
-            wait=self._wait,
-        )
+        self._adopted = AdoptedSessions(registry, versioning, clock=clock, replay=self._replay)
         self._opening: dict[str, asyncio.Task[Session]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         if lease is not None:
@@ -339,7 +332,7 @@ class GatewaySessions:
             lease_id = await self._lease_id(session_id)
             request_id = new_request_id()  # every replay of this call reuses it
             try:
-                named = await self._replayed(
+                named = await self._replay(
                     "open_named",
                     session_id,
                     functools.partial(
@@ -381,11 +374,6 @@ class GatewaySessions:
                 session=session_id,
                 stage="lease",
             ) from exc
-
-    async def _replayed(self, verb: str, session_id: str, call: Callable[[], Awaitable[_T]]) -> _T:
-        return await replayed(
-            verb, self._tag(session_id), call, attempts=self._attempts, wait=self._wait
-        )
 
     # --- use ------------------------------------------------------------------------------------
 

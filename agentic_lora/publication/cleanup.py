@@ -93,8 +93,6 @@ class CleanupSteps:
             return run.result(
                 PublicationOutcome.BLOCKED,
                 reason=f"{reason}; abort unconfirmed ({type(exc).__name__})",
-                attempt=target.attempt,
-                lora_name=target.lora_name,
             )
         skipped = skip or set()
         todo = [e for e in self.engines if e.name not in skipped]
@@ -121,15 +119,11 @@ class CleanupSteps:
             return run.result(
                 PublicationOutcome.BLOCKED,
                 reason=f"{reason}; cleanup unconfirmed on {', '.join(unconfirmed)}",
-                attempt=target.attempt,
-                lora_name=target.lora_name,
             )
         logger.info("%s failed clean: %s", target.version_id, reason, extra=extra)
         return run.result(
             PublicationOutcome.FAILED_CLEAN,
             reason=reason,
-            attempt=target.attempt,
-            lora_name=target.lora_name,
         )
 
     async def _clean_one(

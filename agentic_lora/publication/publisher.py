@@ -170,7 +170,7 @@ class Publisher(CleanupSteps):
             reservation = await self._reserve(run)
             if reservation is None:
                 return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
-            run.reservation = reservation
+            run.target = reservation.ref
             # A fleet mismatch is for a human: the resolver could not clean that fleet either.
             self._check_fleet(reservation.engines)
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
@@ -208,6 +208,7 @@ class Publisher(CleanupSteps):
                 status.digest,
                 bootstrap=False,
                 recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
+                target=status.ref,
             )
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
                 self.abandoned.discard(version_id)
@@ -216,12 +217,9 @@ class Publisher(CleanupSteps):
                     if status.state is VersionState.FAILED_CLEAN
                     else PublicationOutcome.ALREADY_PUBLISHED,
                     reason=f"nothing to resolve: {status.state.value}",
-                    attempt=status.attempt,
-                    lora_name=status.lora_name,
                 )
-            target = status.ref
             result = await self._abort_and_clean(
-                run, target, reason=reason, skip=set(status.cleaned_engines), observe_first=True
+                run, status.ref, reason=reason, skip=set(status.cleaned_engines), observe_first=True
             )
             if result.outcome is not PublicationOutcome.BLOCKED:
                 self.abandoned.discard(version_id)

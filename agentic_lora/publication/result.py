@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.phases import Phase, PhaseRecorder, PhaseTiming
-from agentic_lora.registry.types import CommitReceipt, Reservation
+from agentic_lora.registry.types import CommitReceipt
 
 __all__ = ["EngineReport", "PublicationOutcome", "PublicationResult", "PublicationRun"]
 
@@ -70,7 +71,8 @@ class PublicationRun:
     digest: str
     bootstrap: bool
     recorder: PhaseRecorder
-    reservation: Reservation | None = None
+    #: The attempt this call publishes or resolves, once known: the result names it.
+    target: VersionRef | None = None
     reports: dict[str, EngineReport] = field(default_factory=dict)
 
     def result(
@@ -79,17 +81,15 @@ class PublicationRun:
         *,
         reason: str | None = None,
         commit: CommitReceipt | None = None,
-        attempt: int | None = None,
-        lora_name: str | None = None,
     ) -> PublicationResult:
-        res = self.reservation
+        target = self.target
         return PublicationResult(
             version_id=self.version_id,
             digest=self.digest,
             outcome=outcome,
             bootstrap=self.bootstrap,
-            lora_name=lora_name or (res.lora_name if res else None),
-            attempt=attempt or (res.attempt if res else None),
+            lora_name=target.lora_name if target else None,
+            attempt=target.attempt if target else None,
             commit=commit,
             reason=reason,
             engines=tuple(self.reports[name] for name in sorted(self.reports)),

@@ -16,8 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from tenacity.wait import wait_base
-
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import (
@@ -168,17 +166,6 @@ class BinderConfig:
     max_version_lag: int | None = None
     revision: DefaultRevisionReader | None = None
     staleness: Sequence[StalenessListener] = ()
-
-    @classmethod
-    def of(
-        cls,
-        registry: RegistryAPI,
-        dialect: EngineDialect,
-        attempts: int,
-        wait: wait_base,
-        **kw: Any,
-    ) -> BinderConfig:
-        return cls(registry, dialect, RegistryRetry(attempts=attempts, wait=wait), **kw)
 
 
 class RegistryBinder:

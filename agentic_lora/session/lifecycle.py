@@ -7,7 +7,7 @@ import enum
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.transport import EngineReply, EngineTransport
@@ -82,8 +82,10 @@ class Session:
     :meth:`~agentic_lora.session.Versioning.open_session`."""
 
     def __init__(self, session_id: str, session_key: str, runtime: SessionRuntime) -> None:
-        self._id = session_id
-        self._key = session_key
+        self.session_id: Final = session_id
+        """The framework's id for this Session (reused ids are new lifecycles)."""
+        self.key: Final = session_key
+        """The registry key: session id plus a nonce unique to this lifecycle."""
         self._rt = runtime
         self._phase = SessionPhase.OPEN
         self._binder = runtime.new_binder(session_key, self._on_bound)
@@ -97,16 +99,6 @@ class Session:
         self.close_waits = asyncio.Event()
 
     # --- what it is ------------------------------------------------------------------------------
-
-    @property
-    def session_id(self) -> str:
-        """The framework's id for this Session (reused ids are new lifecycles)."""
-        return self._id
-
-    @property
-    def key(self) -> str:
-        """The registry key: session id plus a nonce unique to this lifecycle."""
-        return self._key
 
     @property
     def phase(self) -> SessionPhase:
@@ -136,10 +128,10 @@ class Session:
     def __repr__(self) -> str:
         binding = self._binder.binding
         version = binding.version_id if binding else None
-        return f"Session({self._key!r}, {self._phase.value}, version={version!r})"
+        return f"Session({self.key!r}, {self._phase.value}, version={version!r})"
 
     def _advance(self, target: SessionPhase) -> None:
-        self._phase = next_phase(self._phase, target, session=self._key)
+        self._phase = next_phase(self._phase, target, session=self.key)
 
     def _on_bound(self) -> None:
         # Close may have begun while the bind ran: then the Session stays FINALIZING.
@@ -149,8 +141,8 @@ class Session:
     def _require_dispatchable(self) -> None:
         if self._phase in (SessionPhase.FINALIZING, SessionPhase.CLOSED):
             raise SessionClosedError(
-                f"session {self._key!r} is {self._phase.value}; no new dispatch",
-                session=self._key,
+                f"session {self.key!r} is {self._phase.value}; no new dispatch",
+                session=self.key,
                 phase=self._phase.value,
             )
 
@@ -189,7 +181,7 @@ class Session:
                 EngineCall(
                     route=route,
                     body=body,
-                    session_key=self._key,
+                    session_key=self.key,
                     binding=turn.binding if turn is not None else None,
                     ticket=flight,
                 )
@@ -224,7 +216,7 @@ class Session:
         binding = turn.binding if turn is not None else None
         upstream = UpstreamStream(
             chain,
-            EngineCall(route, body, self._key, binding, ticket=flight),
+            EngineCall(route, body, self.key, binding, ticket=flight),
             self._rt.transport,
             can_abort=self._rt.dialect.can_abort,
         )
@@ -259,7 +251,7 @@ class Session:
         not say the current revision); ``turns`` is their count. ``too_stale_lag`` is the lag
         of the ``VERSION_TOO_STALE`` refusal that ended the Session's dispatching, else None.
         """
-        return self._binder.provenance(self._id)
+        return self._binder.provenance(self.session_id)
 
     async def abort(self, rid: str) -> bool:
         """Abort this Session's in-flight request ``rid`` on its engine; the binding stays.
@@ -274,7 +266,7 @@ class Session:
             try:
                 dialect.abort_request(rid)  # the dialect's own refusal, in its words
             except InvalidRequestError as exc:
-                raise InvalidRequestError(exc.message, session=self._key, **exc.details) from exc
+                raise InvalidRequestError(exc.message, session=self.key, **exc.details) from exc
         for flight in list(self._in_flight):
             if flight.rid == rid and flight.engine is not None:
                 await self._rt.transport.abort(flight.engine, rid)
@@ -299,7 +291,7 @@ class Session:
             if self._close_now():
                 return self._release_result
             task = asyncio.get_running_loop().create_task(
-                self._finalize(), name=f"close {self._key}"
+                self._finalize(), name=f"close {self.key}"
             )
             self._close_task = task
         return await asyncio.shield(task)
@@ -327,7 +319,7 @@ class Session:
         if self._in_flight:
             logger.info(
                 "close waits for in-flight requests to end",
-                extra={"session": self._key, "in_flight": len(self._in_flight)},
+                extra={"session": self.key, "in_flight": len(self._in_flight)},
             )
             self.close_waits.set()
         await self._drained.wait()
@@ -342,7 +334,7 @@ class Session:
             logger.info(
                 "session closed",
                 extra={
-                    "session": self._key,
+                    "session": self.key,
                     "version": result.version_id if result is not None else None,
                     "released_now": result.released_now if result is not None else None,
                 },
@@ -359,5 +351,5 @@ class Session:
                 # The request still ends (answer or client timeout); draining waits for it.
                 logger.warning(
                     "abort on close failed",
-                    extra={"session": self._key, "engine": engine, "rid": rid, "error": str(exc)},
+                    extra={"session": self.key, "engine": engine, "rid": rid, "error": str(exc)},
                 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from tenacity import wait_exponential
 from tenacity.wait import wait_base
@@ -20,6 +20,7 @@ from agentic_lora.errors import (
     SessionReleaseError,
     SessionStateError,
 )
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.requests import new_rid
 from agentic_lora.leases import LeaseKeeper, OnRestart
 from agentic_lora.registry.api import RegistryAPI, in_process_core, session_closer
@@ -123,14 +124,20 @@ class Versioning:
                 "registry_attempts must be at least 1", check="registry_attempts"
             )
         resolved: EngineDialect = dialect or load_dialect(engine_kind)
-        self._enabled = enabled
-        self._dialect = resolved
+        # Read-only after construction (Final: mypy refuses a later assignment).
+        self.enabled: Final = enabled
+        """Whether versioned publication is on (off: pass-through Sessions)."""
+        self.dialect: Final = resolved
+        """The engine dialect (its ``name``: ``"sglang"``, ``"vllm"``, ...): routes, adapter naming,
+        abort by id."""
         self._adapter_requests = AdapterInFlight()
         #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for this
         #: manager's requests on an adapter (the drain of a reclaim); append listeners any time.
         self.on_drain_wait: list[DrainWaitListener] = self._adapter_requests.on_wait
-        self._registry = registry
-        self._transport = transport
+        self.registry: Final = registry
+        """The registry Sessions bind through (None in pass-through mode)."""
+        self.transport: Final = transport
+        """The engine transport (e.g. for :func:`agentic_lora.config.verify_fleet` at start-up)."""
         self._owns_transport = owns_transport
         self._owns_registry = owns_registry
         self._epoch = deployment_epoch
@@ -139,7 +146,8 @@ class Versioning:
                 "a lease keeper needs versioned publication (pass-through Sessions bind nothing)",
                 check="lease",
             )
-        self._lease = lease
+        self.lease: Final = lease
+        """The owner lease Sessions bind under (None: lease-free Sessions)."""
         if revision_reader is None and enabled and registry is not None:
             revision_reader = _revision_reader_of(registry)
         if max_version_lag is not None:
@@ -159,13 +167,16 @@ class Versioning:
                     "default revision can be read without I/O (pass revision_reader)",
                     check="max_version_lag",
                 )
-        self._max_version_lag = max_version_lag
+        self.max_version_lag: Final = max_version_lag
+        """The staleness bound of this manager's Sessions (None: off)."""
         #: Told the lag of every versioned dispatch and every VERSION_TOO_STALE refusal (the
         #: metrics hook, see :meth:`agentic_lora.assembly.metrics.Metrics.watch_staleness`); append any time.
         self.staleness_listeners: list[StalenessListener] = []
         engines = [e.name for e in transport.engines]
-        self._health = EngineHealth(engines)
-        self._router = router if router is not None else load_router("session-affinity")
+        self.health: Final = EngineHealth(engines)
+        """Engine health: mark an engine unhealthy to stop routing new dispatches to it."""
+        self.router: Final = router if router is not None else load_router("session-affinity")
+        """The router plugin in the chain."""
         chain: list[Middleware] = list(middleware)
         self._binder_config: BinderConfig | None = None
         if enabled:
@@ -179,13 +190,16 @@ class Versioning:
                 Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
             ]
-            self._binder_config = BinderConfig.of(
-                registry,
-                resolved,
-                registry_attempts,
-                registry_wait
+            retry = RegistryRetry(
+                attempts=registry_attempts,
+                wait=registry_wait
                 if registry_wait is not None
                 else wait_exponential(multiplier=0.05, max=2.0),
+            )
+            self._binder_config = BinderConfig(
+                registry,
+                resolved,
+                retry,
                 lease=lease,
                 max_version_lag=max_version_lag,
                 revision=revision_reader,
@@ -197,8 +211,8 @@ class Versioning:
         chain.append(
             Middleware(
                 RoutingMiddleware,
-                router=self._router,
-                health=self._health,
+                router=self.router,
+                health=self.health,
                 on_refused=self.on_refused,
             )
         )
@@ -285,39 +299,9 @@ class Versioning:
             ),
         )
 
-    @property
-    def enabled(self) -> bool:
-        """Whether versioned publication is on (off: pass-through Sessions)."""
-        return self._enabled
-
-    @property
-    def engine_kind(self) -> str:
-        """The engine dialect's name (``"sglang"`` or ``"vllm"``)."""
-        return self._dialect.name
-
-    @property
-    def dialect(self) -> EngineDialect:
-        """The engine dialect: routes, adapter naming, abort by id."""
-        return self._dialect
-
     def _new_binder(self, key: str, on_bound: Callable[[], None]) -> SessionBinder:
         config = self._binder_config
         return PASS_THROUGH if config is None else RegistryBinder(key, config, on_bound)
-
-    @property
-    def registry(self) -> RegistryAPI | None:
-        """The registry Sessions bind through (None in pass-through mode)."""
-        return self._registry
-
-    @property
-    def lease(self) -> LeaseKeeper | None:
-        """The owner lease Sessions bind under (None: lease-free Sessions)."""
-        return self._lease
-
-    @property
-    def max_version_lag(self) -> int | None:
-        """The staleness bound of this manager's Sessions (None: off)."""
-        return self._max_version_lag
 
     def in_flight(self, lora_name: str) -> int:
         """Requests of this manager's Sessions in flight on adapter ``lora_name``."""
@@ -337,22 +321,7 @@ class Versioning:
     @property
     def engines(self) -> tuple[EngineRef, ...]:
         """The fixed engine fleet."""
-        return self._transport.engines
-
-    @property
-    def transport(self) -> EngineTransport:
-        """The engine transport (e.g. for :func:`agentic_lora.config.verify_fleet` at start-up)."""
-        return self._transport
-
-    @property
-    def router(self) -> Router:
-        """The router plugin in the chain."""
-        return self._router
-
-    @property
-    def health(self) -> EngineHealth:
-        """Engine health: mark an engine unhealthy to stop routing new dispatches to it."""
-        return self._health
+        return self.transport.engines
 
     def live_sessions(self) -> tuple[Session, ...]:
         """Sessions not yet closed (including ones whose release failed)."""
@@ -426,7 +395,7 @@ class Versioning:
         self._keys.discard(s.key)
 
     def _close_now(self, s: Session) -> tuple[bool, ReleaseResult | None]:
-        if not self._enabled:
+        if not self.enabled:
             self._drop(s)
             return True, None
         # Tombstones a failed forget left behind are retried by a close through the verbs.
@@ -446,13 +415,13 @@ class Versioning:
 
     async def _on_closed(self, s: Session) -> None:
         self._drop(s)
-        if self._registry is None or not self._enabled:
+        if self.registry is None or not self.enabled:
             return
         # Tombstones go only after the record is gone, so nothing can bind this key again.
         self._unforgotten.append(s.key)
         keys = list(self._unforgotten)
         try:
-            await self._registry.forget_sessions(request_id=new_rid(), session_keys=keys)
+            await self.registry.forget_sessions(request_id=new_rid(), session_keys=keys)
         except Exception as exc:
             # Not a correctness problem (a tombstone only costs memory): retried with the next.
             logger.warning(
@@ -479,10 +448,10 @@ class Versioning:
                 errors.append(exc)
         if errors:
             raise errors[0]
-        if self._lease is not None:
-            await self._lease.aclose()
+        if self.lease is not None:
+            await self.lease.aclose()
         if self._owns_transport:
-            await self._transport.aclose()
-        closer = getattr(self._registry, "aclose", None) if self._owns_registry else None
+            await self.transport.aclose()
+        closer = getattr(self.registry, "aclose", None) if self._owns_registry else None
         if closer is not None:
             await closer()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import respx
+from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
 from agentic_lora.assembly.deployment import Deployment
@@ -23,6 +24,7 @@ from agentic_lora.errors import ConfigurationError, InvalidRequestError, Version
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.session import Versioning
 from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
@@ -89,6 +91,21 @@ async def test_a_deployment_needs_the_flag_on(tmp_path: Path) -> None:
         with pytest.raises(ConfigurationError) as err:
             Deployment.from_settings(off, backend_options={"store_root": str(tmp_path)})
         assert err.value.details["check"] == "flag"
+
+
+async def test_a_deployment_over_pass_through_sessions_is_refused(tmp_path: Path) -> None:
+    # Its registry is its Sessions' registry: a pass-through Versioning has none to publish into.
+    with ScriptedFleet() as fleet:
+        off = load_settings(engines=[f"{e.name}={e.base_url}" for e in fleet.refs])
+        versioning = Versioning.from_settings(off)
+        backend = HttpPushBackend(str(tmp_path))
+        try:
+            with pytest.raises(ConfigurationError) as err:
+                Deployment(settings=off, versioning=versioning, backend=backend)
+            assert err.value.details["check"] == "registry"
+        finally:
+            await backend.aclose()
+            await versioning.aclose()
 
 
 async def test_closing_stops_the_reclaimer_before_the_registry(

@@ -737,9 +737,7 @@ async def ray_topology(
         )
         versioning = Versioning.from_settings(settings, registry=registry)
         backend = HttpPushBackend(workdir / "adapter-store")
-        deployment = Deployment(
-            settings=settings, versioning=versioning, backend=backend, registry=registry
-        )
+        deployment = Deployment(settings=settings, versioning=versioning, backend=backend)
         worker_config = {
             "ray_address": ray.get_runtime_context().gcs_address,
             "namespace": RAY_NAMESPACE,

@@ -275,7 +275,7 @@ async def test_versioning_from_settings_with_the_flag_on_and_off(tmp_path: Path)
     assert off.registry is None
     await off.aclose()
     vllm = Versioning.from_settings(AgenticLoRASettings(**on(engine_kind="vllm", backend="vllm")))
-    assert vllm.engine_kind == "vllm"
+    assert vllm.dialect.name == "vllm"
     await vllm.aclose()
 
 

@@ -184,4 +184,4 @@ async def test_an_unknown_engine_kind_is_a_configuration_error() -> None:
         with pytest.raises(ConfigurationError) as err:
             Versioning(transport=h.transport, registry=h.registry, engine_kind="trt")  # type: ignore[arg-type]
         assert err.value.details["check"] == "engine_kind"
-        assert h.versioning.engine_kind == "sglang"
+        assert h.versioning.dialect.name == "sglang"

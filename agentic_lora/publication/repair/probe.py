@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 
 from agentic_lora.engines.backends import Backend, EngineRef
 from agentic_lora.engines.routing import EngineHealth
@@ -50,6 +50,7 @@ class ProbeResult:
     restarted: tuple[str, ...]
 
 
+@dataclass(eq=False)
 class EngineProbe:
     """Reads every engine's incarnation for a :class:`~agentic_lora.publication.repair.Repairer` and keeps
     what follows from it: which engines answer, the registry's last status read, readiness.
@@ -60,34 +61,21 @@ class EngineProbe:
     engine's incarnation read. ``clock`` feeds phase timings; ``monotonic`` readiness ages.
     """
 
-    def __init__(
-        self,
-        registry: RegistryAPI,
-        backend: Backend,
-        engines: Sequence[EngineRef],
-        *,
-        probe_interval: float,
-        probe_timeout: float,
-        health: EngineHealth | None,
-        retry: RegistryRetry,
-        on_progress: Callable[[PhaseEvent], None] | None,
-        clock: Callable[[], float] = time.perf_counter,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.registry = registry
-        self.backend = backend
-        self.engines: tuple[EngineRef, ...] = tuple(engines)
-        self.probe_interval = probe_interval
-        self.probe_timeout = probe_timeout
-        self.health = health
-        self.retry = retry
-        self.on_progress = on_progress
-        self._clock = clock
-        self._monotonic = monotonic
-        self._engine_ok: dict[str, bool] = {}
-        self._marked_down: set[str] = set()
-        self._status_at: float | None = None
-        self._status_error: str | None = None
+    registry: RegistryAPI
+    backend: Backend
+    engines: tuple[EngineRef, ...]
+    _: KW_ONLY
+    probe_interval: float
+    probe_timeout: float
+    health: EngineHealth | None
+    retry: RegistryRetry
+    on_progress: Callable[[PhaseEvent], None] | None
+    clock: Callable[[], float] = time.perf_counter
+    monotonic: Callable[[], float] = time.monotonic
+    _engine_ok: dict[str, bool] = field(init=False, default_factory=dict)
+    _marked_down: set[str] = field(init=False, default_factory=set)
+    _status_at: float | None = field(init=False, default=None)
+    _status_error: str | None = field(init=False, default=None)
 
     # --- what it knows --------------------------------------------------------------------------
 
@@ -109,7 +97,7 @@ class EngineProbe:
         if getattr(self.registry, "closed", False) is True:
             reasons.append("registry_closed")
         limit = stale_after if stale_after is not None else 3 * self.probe_interval
-        if self._status_at is None or self._monotonic() - self._status_at > limit:
+        if self._status_at is None or self.monotonic() - self._status_at > limit:
             reasons.append("registry_unanswered")
             error = error or self._status_error
         if not self._engine_ok:
@@ -195,7 +183,7 @@ class EngineProbe:
             self._status_error = error_code(exc)
             logger.warning("registry status read failed", extra={"error_code": self._status_error})
             return None
-        self._status_at = self._monotonic()
+        self._status_at = self.monotonic()
         self._status_error = None
         return status
 
@@ -211,7 +199,7 @@ class EngineProbe:
 
     async def _observe(self, engine: str, incarnation: str, *, first: bool) -> bool:
         request_id = new_request_id()
-        recorder = PhaseRecorder(self._clock, self.on_progress)
+        recorder = PhaseRecorder(self.clock, self.on_progress)
         try:
             async with recorder.phase(engine, Phase.OBSERVE):
                 await self.retry.call(

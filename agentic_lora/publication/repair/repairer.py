@@ -136,10 +136,7 @@ class Repairer(BackgroundLoop):
         self.backend = backend
         self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
         self.snapshots = snapshots
-        self.probe_interval = probe_interval
-        self.probe_timeout = probe_timeout
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
-        self.health = health
         self.retry = registry_retry or RegistryRetry()
         self.on_progress = on_progress
         self._clock = clock
@@ -230,7 +227,7 @@ class Repairer(BackgroundLoop):
                     self._schedule(await self.probe_once())
                 except Exception:
                     logger.exception("repair round failed; retried next interval")
-            await self._rounds.wait(self.probe_interval)
+            await self._rounds.wait(self._probe.probe_interval)
 
     # --- repairs --------------------------------------------------------------------------------
 
