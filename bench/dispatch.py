@@ -37,7 +37,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -50,14 +49,12 @@ import aiohttp
 import httpx
 from common import (
     OUT_DIR,
-    direct_client,
-    engine_log_dir,
-    fleet_settings,
     instant_setup,
     interleaved_order,
     machine,
     print_table,
     publish_in_registry,
+    sglang_setup,
     summarize,
     write_result,
 )
@@ -536,36 +533,16 @@ async def instant_target() -> AsyncIterator[Target]:
 @contextlib.asynccontextmanager
 async def sglang_target() -> AsyncIterator[Target]:
     """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push)."""
-    from agentic_lora_harness.engine_env import ensure_engine_env
-    from agentic_lora_harness.engines import EngineFleet
-    from agentic_lora_harness.fixture import build_fixture
-
-    from agentic_lora.adapters.snapshot import AdapterSnapshot
-    from agentic_lora.assembly.deployment import Deployment
-
-    env = await asyncio.to_thread(ensure_engine_env)
-    fixture = await asyncio.to_thread(build_fixture)
-    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
-        settings = fleet_settings(fleet)
-        with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as store:
-            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
-            async with deployment, direct_client() as direct:
-                result = await deployment.publish(
-                    f"A-{uuid.uuid4().hex[:8]}",
-                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
-                )
-                if not result.ok or result.lora_name is None:
-                    raise RuntimeError(f"publication failed: {result}")
-                versioning = deployment.versioning
-                yield Target(
-                    name="sglang",
-                    engine=versioning.engines[0],
-                    lora_name=result.lora_name,
-                    body=SGLANG_BODY,
-                    versioning=versioning,
-                    passthrough=Versioning(transport=versioning.transport, enabled=False),
-                    direct=direct,
-                )
+    async with sglang_setup("dispatch") as setup:
+        yield Target(
+            name="sglang",
+            engine=setup.engine,
+            lora_name=setup.lora_name,
+            body=SGLANG_BODY,
+            versioning=setup.versioning,
+            passthrough=Versioning(transport=setup.versioning.transport, enabled=False),
+            direct=setup.direct,
+        )
 
 
 # --- main ----------------------------------------------------------------------------------------
