@@ -9,6 +9,7 @@ events, never timed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -182,17 +183,6 @@ def _completion(
     )
 
 
-class Ticks:
-    """A clock that advances by one second per reading."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 @dataclass
 class World:
     fleet: ScriptedFleet
@@ -233,16 +223,7 @@ def _plan(*steps: tuple[str, dict[str, str]]) -> tuple[PlanStep, ...]:
     return tuple(PlanStep(tool, args) for tool, args in steps)
 
 
-OSLO = Task(
-    "oslo",
-    "What is 17 * 23 plus the population of Oslo?",
-    plan=_plan(
-        ("calculator", {"expression": "17 * 23"}),
-        ("lookup", {"key": "population of oslo"}),
-        ("calculator", {"expression": "{0} + {1}"}),
-    ),
-    expected_answer="709428",
-)
+OSLO = TASKS["oslo-plus"]  # three tool turns: calculator, lookup, calculator on both
 SHORT = AgentConfig(max_tokens=8, temperature=0.0)
 
 
@@ -252,7 +233,7 @@ SHORT = AgentConfig(max_tokens=8, temperature=0.0)
 @pytest.mark.asyncio
 async def test_policy_supplies_the_calls_and_every_turn_goes_out_pinned(tmp_path: Path) -> None:
     async with world(tmp_path) as w, w.deployment.session("s1") as s:
-        clock = Ticks()
+        clock = itertools.count(1.0).__next__  # one second further on every reading
         agent = ToolAgent(
             s, OSLO, tools=default_toolbox(), config=SHORT, policy=ScriptedPolicy(), clock=clock
         )
