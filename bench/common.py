@@ -10,13 +10,15 @@
 * :func:`publish_in_registry` commits a version by registry verbs alone, for engines that
   load nothing (the instant engine, respx); :func:`instant_setup` is the instant engine with
   such a registry, an engine transport to it and :func:`direct_client`, the product's engine
-  client with nothing of ours on top.
+  client with nothing of ours on top; :func:`sglang_setup` is one real SGLang engine with adapter
+  A published through a Deployment, and a :func:`direct_client`.
 * :func:`interleaved_order` gives the ABBA block order the scripts use so that slow drifts of a
   noisy machine (another job starting, thermal changes) hit every variant alike.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import itertools
@@ -26,7 +28,9 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +44,7 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.registry.local import LocalRegistry
+from agentic_lora.session import Versioning
 from agentic_lora.testing.publish import publish_by_verbs
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "REPO_ROOT",
     "InstantEngine",
     "InstantSetup",
+    "SglangSetup",
     "Summary",
     "add_example_agents_to_path",
     "direct_client",
@@ -60,6 +66,7 @@ __all__ = [
     "print_table",
     "publish_in_registry",
     "rss_mb",
+    "sglang_setup",
     "summarize",
     "terminate",
     "write_result",
@@ -355,3 +362,41 @@ def fleet_settings(fleet: Any, **overrides: Any) -> Any:
         **overrides,
     }
     return load_settings(**values)
+
+
+@dataclass(frozen=True)
+class SglangSetup:
+    """What :func:`sglang_setup` yields."""
+
+    engine: EngineRef
+    lora_name: str
+    versioning: Versioning
+    direct: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def sglang_setup(name: str) -> AsyncIterator[SglangSetup]:
+    """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push) and
+    a :func:`direct_client`; all stopped on exit. ``name`` names the adapter store's directory."""
+    from agentic_lora_harness.engine_env import ensure_engine_env
+    from agentic_lora_harness.engines import EngineFleet
+    from agentic_lora_harness.fixture import build_fixture
+
+    from agentic_lora.adapters.snapshot import AdapterSnapshot
+    from agentic_lora.assembly.deployment import Deployment
+
+    env = await asyncio.to_thread(ensure_engine_env)
+    fixture = await asyncio.to_thread(build_fixture)
+    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
+        settings = fleet_settings(fleet)
+        with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as store:
+            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
+            async with deployment, direct_client() as direct:
+                result = await deployment.publish(
+                    f"A-{uuid.uuid4().hex[:8]}",
+                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
+                )
+                if not result.ok or result.lora_name is None:
+                    raise RuntimeError(f"publication failed: {result}")
+                versioning = deployment.versioning
+                yield SglangSetup(versioning.engines[0], result.lora_name, versioning, direct)

@@ -37,7 +37,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -50,14 +49,12 @@ import aiohttp
 import httpx
 from common import (
     OUT_DIR,
-    direct_client,
-    engine_log_dir,
-    fleet_settings,
     instant_setup,
     interleaved_order,
     machine,
     print_table,
     publish_in_registry,
+    sglang_setup,
     summarize,
     write_result,
 )
@@ -159,6 +156,15 @@ async def _timed(out: Samples, send: Callable[[], Awaitable[object]], turn: int)
     (out.first if turn == 0 else out.later).append(elapsed)
 
 
+async def _without_sessions(
+    out: Samples, send: Callable[[], Awaitable[object]], sessions: int, turns: int
+) -> None:
+    """A variant that opens no Session: ``turns`` dispatches where each Session would run."""
+    for _ in range(sessions):
+        for turn in range(turns):
+            await _timed(out, send, turn)
+
+
 async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     url = t.engine.base_url + "/generate"
     body = t.legacy_body
@@ -169,9 +175,7 @@ async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) 
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}")
 
-    for _ in range(sessions):
-        for turn in range(turns):
-            await _timed(out, send, turn)
+    await _without_sessions(out, send, sessions, turns)
 
 
 async def _aiohttp(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
@@ -187,17 +191,16 @@ async def _aiohttp(t: Target, sessions: int, turns: int, out: Samples, tag: str)
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}")
 
-    for _ in range(sessions):
-        for turn in range(turns):
-            await _timed(out, send, turn)
+    await _without_sessions(out, send, sessions, turns)
 
 
 async def _transport(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
     body = t.legacy_body
     transport = t.passthrough.transport
-    for _ in range(sessions):
-        for turn in range(turns):
-            await _timed(out, lambda: transport.send(t.engine.name, "/generate", body), turn)
+    # The lambda hands over transport.send's own coroutine: no extra frame on the measured path.
+    await _without_sessions(
+        out, lambda: transport.send(t.engine.name, "/generate", body), sessions, turns
+    )
 
 
 async def _sessions(
@@ -530,36 +533,16 @@ async def instant_target() -> AsyncIterator[Target]:
 @contextlib.asynccontextmanager
 async def sglang_target() -> AsyncIterator[Target]:
     """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push)."""
-    from agentic_lora_harness.engine_env import ensure_engine_env
-    from agentic_lora_harness.engines import EngineFleet
-    from agentic_lora_harness.fixture import build_fixture
-
-    from agentic_lora.adapters.snapshot import AdapterSnapshot
-    from agentic_lora.assembly.deployment import Deployment
-
-    env = await asyncio.to_thread(ensure_engine_env)
-    fixture = await asyncio.to_thread(build_fixture)
-    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
-        settings = fleet_settings(fleet)
-        with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as store:
-            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
-            async with deployment, direct_client() as direct:
-                result = await deployment.publish(
-                    f"A-{uuid.uuid4().hex[:8]}",
-                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
-                )
-                if not result.ok or result.lora_name is None:
-                    raise RuntimeError(f"publication failed: {result}")
-                versioning = deployment.versioning
-                yield Target(
-                    name="sglang",
-                    engine=versioning.engines[0],
-                    lora_name=result.lora_name,
-                    body=SGLANG_BODY,
-                    versioning=versioning,
-                    passthrough=Versioning(transport=versioning.transport, enabled=False),
-                    direct=direct,
-                )
+    async with sglang_setup("dispatch") as setup:
+        yield Target(
+            name="sglang",
+            engine=setup.engine,
+            lora_name=setup.lora_name,
+            body=SGLANG_BODY,
+            versioning=setup.versioning,
+            passthrough=Versioning(transport=setup.versioning.transport, enabled=False),
+            direct=setup.direct,
+        )
 
 
 # --- main ----------------------------------------------------------------------------------------

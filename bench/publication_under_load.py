@@ -65,7 +65,6 @@ from agentic_lora.registry.types import VersionState
 add_example_agents_to_path()
 
 from agentic_lora_agent import (  # noqa: E402
-    TASKS,
     AgentConfig,
     AgentObserver,
     AttemptOutcome,
@@ -75,9 +74,8 @@ from agentic_lora_agent import (  # noqa: E402
     ScriptedPolicy,
     ToolAgent,
     default_toolbox,
+    task_for,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["Run", "agent_loop", "analyse", "main", "pooled", "window_stats"]
 
@@ -127,17 +125,15 @@ async def agent_loop(
     index: int, deployment: Deployment, stop: asyncio.Event, run: Run, config: AgentConfig
 ) -> None:
     """Episode after episode (one Session each) until ``stop``; failures are recorded, not hidden."""
-    tasks = list(TASKS.values())
     tools = default_toolbox()
     policy = ScriptedPolicy()
     episode = 0
     while not stop.is_set():
-        task = tasks[(index + episode) % len(tasks)]
         try:
             async with deployment.session(f"agent{index}-ep{episode}") as session:
                 agent = ToolAgent(
                     session,
-                    task,
+                    task_for(index, episode),
                     tools=tools,
                     config=config,
                     policy=policy,

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -38,13 +37,11 @@ from typing import Any
 
 import httpx
 from common import (
-    direct_client,
-    engine_log_dir,
-    fleet_settings,
     instant_setup,
     interleaved_order,
     machine,
     print_table,
+    sglang_setup,
     summarize,
     write_result,
 )
@@ -191,34 +188,14 @@ async def instant_target(tokens: int) -> AsyncIterator[Target]:
 @contextlib.asynccontextmanager
 async def sglang_target(tokens: int) -> AsyncIterator[Target]:
     """One real SGLang engine (harness), adapter A published through a Deployment (HTTP push)."""
-    from agentic_lora_harness.engine_env import ensure_engine_env
-    from agentic_lora_harness.engines import EngineFleet
-    from agentic_lora_harness.fixture import build_fixture
-
-    from agentic_lora.adapters.snapshot import AdapterSnapshot
-    from agentic_lora.assembly.deployment import Deployment
-
-    env = await asyncio.to_thread(ensure_engine_env)
-    fixture = await asyncio.to_thread(build_fixture)
-    async with EngineFleet(env, fixture, count=1, log_dir=engine_log_dir()) as fleet:
-        settings = fleet_settings(fleet)
-        direct = direct_client()
-        with tempfile.TemporaryDirectory(prefix="bench-streaming-") as store:
-            deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
-            async with deployment, direct:
-                result = await deployment.publish(
-                    f"A-{uuid.uuid4().hex[:8]}",
-                    AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
-                )
-                if not result.ok or result.lora_name is None:
-                    raise RuntimeError(f"publication failed: {result}")
-                yield Target(
-                    fleet.engines[0][1],
-                    result.lora_name,
-                    _body(tokens),
-                    deployment.versioning,
-                    direct,
-                )
+    async with sglang_setup("streaming") as setup:
+        yield Target(
+            str(setup.engine.base_url),
+            setup.lora_name,
+            _body(tokens),
+            setup.versioning,
+            setup.direct,
+        )
 
 
 def _print(conc: int, report: dict[str, Any]) -> None:

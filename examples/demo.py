@@ -34,7 +34,6 @@ import logging
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +63,7 @@ from agentic_lora_agent import (
 from agentic_lora_agent.tasks import TASKS
 from agentic_lora_harness.engine_env import ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
+from agentic_lora_harness.exit_status import failures_exit
 from agentic_lora_harness.fixture import Fixture, FixtureSpec, build_fixture
 from agentic_lora_http import HttpPushBackend
 
@@ -910,30 +910,25 @@ def report_json(outcome: Outcome, walls: Mapping[str, float]) -> dict[str, Any]:
 # --- main -----------------------------------------------------------------------------------------
 
 
+#: The scenario's sizes (:class:`Options`), each an integer option: (flag, default, help).
+_SIZES: tuple[tuple[str, int, str], ...] = (
+    ("--old-sessions", 3, "Sessions running when B is published (>= 2)"),
+    ("--new-sessions", 2, "Sessions started after B's commit"),
+    ("--turn-tokens", 24, "tokens per ordinary turn"),
+    ("--long-turn-tokens", 400, "old-0's long turn: must outlast B's publication"),
+    ("--manual-words", 6000, "size of the lookup entry that overflows the 4096-token context"),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="agentic-lora demo on two real SGLang engines")
-    p.add_argument(
-        "--old-sessions", type=int, default=3, help="Sessions running when B is published (>= 2)"
-    )
-    p.add_argument("--new-sessions", type=int, default=2, help="Sessions started after B's commit")
-    p.add_argument("--turn-tokens", type=int, default=24, help="tokens per ordinary turn")
-    p.add_argument(
-        "--long-turn-tokens",
-        type=int,
-        default=400,
-        help="old-0's long turn: must outlast B's publication",
-    )
+    for flag, default, help_text in _SIZES:
+        p.add_argument(flag, type=int, default=default, help=help_text)
     p.add_argument(
         "--fixture-json",
         type=Path,
         help="the fixture as printed by `python -m agentic_lora_harness.fixture` (default: build "
         "or find it here)",
-    )
-    p.add_argument(
-        "--manual-words",
-        type=int,
-        default=6000,
-        help="size of the lookup entry that overflows the model's 4096-token context",
     )
     return p
 
@@ -982,7 +977,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleet = EngineFleet(env, fixture, count=2)
     print("starting E0 and E1 ...", flush=True)
     t_start = time.perf_counter()
-    try:
+    with failures_exit("demo"):
         with fleet:
             walls["engine start"] = time.perf_counter() - t_start
             print(
@@ -995,13 +990,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             walls["scenario"] = time.perf_counter() - t_scenario
             t_stop = time.perf_counter()
         walls["engine stop"] = time.perf_counter() - t_stop
-    except KeyboardInterrupt:
-        print("\ninterrupted; the engines were stopped", file=sys.stderr)
-        return 130
-    except Exception:
-        traceback.print_exc()
-        print("\nthe demo failed; the engines were stopped", file=sys.stderr)
-        return 2
     walls["demo total"] = time.perf_counter() - t_begin
     print_report(outcome, fleet, walls)
     report_path = fleet.log_dir / "demo-report.json"

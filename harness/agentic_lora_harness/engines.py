@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, ClassVar, Self
+from typing import IO, ClassVar, Final, Self
 
 import httpx
 
@@ -154,11 +154,14 @@ class EngineFleet:
         if count < 1:
             raise ValueError("an engine fleet needs at least one engine")
         self._env = env
-        self._fixture = fixture
+        # Read-only (Final): a fleet serves one fixture and logs into one directory for its life.
+        self.fixture: Final = fixture
+        """The model fixture the engines serve."""
         self._flags = tuple(flags) if flags is not None else self.default_flags
         self._extra_args = tuple(extra_args)
         self._extra_env = {**self.base_env, **(extra_env or {})}
-        self._log_dir = log_dir or _new_log_dir()
+        self.log_dir: Final = log_dir or _new_log_dir()
+        """Where each engine's log file ``<name>.log`` is kept."""
         self._startup_timeout = (
             self.default_startup_timeout if startup_timeout is None else startup_timeout
         )
@@ -167,7 +170,7 @@ class EngineFleet:
         self._engines: dict[str, _Engine] = {}
         for index in range(count):
             name = f"E{index}"
-            self._engines[name] = _Engine(name, 0, self._log_dir / f"{name}.log", stop_grace)
+            self._engines[name] = _Engine(name, 0, self.log_dir / f"{name}.log", stop_grace)
         # Ends every engine group still running when the fleet is collected or the interpreter
         # exits, so an aborted test session leaves no engines behind.
         self._finalizer = weakref.finalize(self, _kill_all, list(self._engines.values()))
@@ -187,22 +190,7 @@ class EngineFleet:
     @property
     def served_model_name(self) -> str:
         """The base model name the engines serve (OpenAI routes: ``"<base>:<lora_name>"``)."""
-        return self._fixture.served_model_name
-
-    @property
-    def adapters_dir(self) -> Path:
-        """The directory holding the fixture's adapters (A, B, C)."""
-        return self._fixture.adapters_dir
-
-    @property
-    def fixture(self) -> Fixture:
-        """The model fixture the engines serve."""
-        return self._fixture
-
-    @property
-    def log_dir(self) -> Path:
-        """Where each engine's log file ``<name>.log`` is kept."""
-        return self._log_dir
+        return self.fixture.served_model_name
 
     def base_url(self, name: str) -> str:
         """The ``http://127.0.0.1:<port>`` of engine ``name``."""
@@ -307,9 +295,9 @@ class EngineFleet:
             "-m",
             self.server_module,
             self.model_flag,
-            str(self._fixture.model_dir),
+            str(self.fixture.model_dir),
             "--served-model-name",
-            self._fixture.served_model_name,
+            self.fixture.served_model_name,
             "--host",
             "127.0.0.1",
             "--port",

@@ -69,25 +69,55 @@ class EngineVenv(Protocol):
 class VenvRecipe:
     """What one engine's venv holds and how it is checked.
 
-    ``probe`` is Python source run by the new interpreter; its last output line is a JSON object
-    with ``version_key`` (the engine's version), ``torch`` and ``cuda_available``, which are
-    recorded in the stamp. ``check`` raises :class:`EngineEnvError` when what the probe found is
-    not what the recipe asked for.
+    ``version_key`` names the engine's import module; the import probe records its version,
+    ``torch`` and ``cuda_available`` in the stamp. A probe that finds another version than
+    ``version``, or any ``remove`` package still importable, fails the build; ``check`` raises
+    :class:`EngineEnvError` for whatever else the engine's recipe requires of what was found.
     """
 
     label: str
     dir_name: str
-    stamp_name: str
     requirements: tuple[str, ...]
-    probe: str
-    probe_step: str
     version_key: str
+    version: str
     remove: tuple[str, ...] = ()
     check: Callable[[Mapping[str, Any]], None] = lambda found: None
 
     @property
+    def stamp_name(self) -> str:
+        return f".agentic-lora-{self.label}-env.json"
+
+    @property
     def stamp_keys(self) -> tuple[str, ...]:
         return (self.version_key, "torch", "cuda_available")
+
+    @property
+    def probe_step(self) -> str:
+        return f"import {self.version_key} and torch"
+
+    @property
+    def probe(self) -> str:
+        """Python source for the new interpreter; its last output line is what it found (JSON)."""
+        key = self.version_key
+        return (
+            f"import json, importlib.util, torch, {key}; "
+            f"print(json.dumps({{{key!r}: {key}.__version__, 'torch': torch.__version__, "
+            "'cuda_available': bool(torch.cuda.is_available()), "
+            f"'leftover': [m for m in {list(self.remove)!r} if importlib.util.find_spec(m)]}}))"
+        )
+
+    def verify(self, found: Mapping[str, Any]) -> None:
+        """Raise :class:`EngineEnvError` unless ``found`` (the probe's answer) fits the recipe."""
+        if found[self.version_key] != self.version:
+            raise EngineEnvError(
+                f"{self.label} venv has {self.version_key} {found[self.version_key]}, "
+                f"expected {self.version}"
+            )
+        if found["leftover"]:
+            raise EngineEnvError(
+                f"{self.label} venv still has {', '.join(found['leftover'])} after removal"
+            )
+        self.check(found)
 
 
 @dataclass(frozen=True)
@@ -249,7 +279,7 @@ def _create(recipe: VenvRecipe, venv: Path, base_python: str, log_path: Path) ->
             run([*pip, "uninstall", "-y", *recipe.remove], log, "remove " + " ".join(recipe.remove))
         probe = run([str(python), "-c", recipe.probe], log, recipe.probe_step)
     found: dict[str, Any] = json.loads(probe.strip().splitlines()[-1])
-    recipe.check(found)
+    recipe.verify(found)
     stamp: dict[str, Any] = {
         "format": _STAMP_FORMAT,
         "requirements": list(recipe.requirements),

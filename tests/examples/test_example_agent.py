@@ -9,6 +9,7 @@ events, never timed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from agentic_lora_agent import (
+    TASKS,
     AgentConfig,
     AgentObserver,
     AttemptKind,
@@ -39,6 +41,7 @@ from agentic_lora_agent import (
     format_tool_call,
     parse_tool_calls,
     percentiles,
+    task_for,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -180,17 +183,6 @@ def _completion(
     )
 
 
-class Ticks:
-    """A clock that advances by one second per reading."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 @dataclass
 class World:
     fleet: ScriptedFleet
@@ -231,16 +223,7 @@ def _plan(*steps: tuple[str, dict[str, str]]) -> tuple[PlanStep, ...]:
     return tuple(PlanStep(tool, args) for tool, args in steps)
 
 
-OSLO = Task(
-    "oslo",
-    "What is 17 * 23 plus the population of Oslo?",
-    plan=_plan(
-        ("calculator", {"expression": "17 * 23"}),
-        ("lookup", {"key": "population of oslo"}),
-        ("calculator", {"expression": "{0} + {1}"}),
-    ),
-    expected_answer="709428",
-)
+OSLO = TASKS["oslo-plus"]  # three tool turns: calculator, lookup, calculator on both
 SHORT = AgentConfig(max_tokens=8, temperature=0.0)
 
 
@@ -250,7 +233,7 @@ SHORT = AgentConfig(max_tokens=8, temperature=0.0)
 @pytest.mark.asyncio
 async def test_policy_supplies_the_calls_and_every_turn_goes_out_pinned(tmp_path: Path) -> None:
     async with world(tmp_path) as w, w.deployment.session("s1") as s:
-        clock = Ticks()
+        clock = itertools.count(1.0).__next__  # one second further on every reading
         agent = ToolAgent(
             s, OSLO, tools=default_toolbox(), config=SHORT, policy=ScriptedPolicy(), clock=clock
         )
@@ -765,6 +748,24 @@ def test_the_toolbox_turns_every_failure_into_an_error_observation() -> None:
         ToolBox([Calculator().tool(), Calculator().tool()])
 
 
+def test_each_tool_declares_its_one_required_string_argument() -> None:
+    schemas = {
+        s["function"]["name"]: s["function"]["parameters"] for s in default_toolbox().schemas()
+    }
+    assert schemas == {
+        "calculator": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 17 * 23"}},
+            "required": ["expression"],
+        },
+        "lookup": {
+            "type": "object",
+            "properties": {"key": {"type": "string", "description": "e.g. population of oslo"}},
+            "required": ["key"],
+        },
+    }
+
+
 # --- policy and stats -------------------------------------------------------------------------
 
 
@@ -780,6 +781,25 @@ def test_the_scripted_policy_is_keyed_on_the_turn_and_fills_observations() -> No
     assert early is not None
     assert early.arguments == {"expression": "{0} + {1}"}
     assert policy.next_call(OSLO, 3, ["391", "709037", "709428"]) is None
+
+
+@pytest.mark.parametrize("task_id", list(TASKS))
+def test_a_built_in_plan_ends_on_its_expected_answer(task_id: str) -> None:
+    task, policy, box = TASKS[task_id], ScriptedPolicy(), default_toolbox()
+    observations: list[str] = []
+    while (call := policy.next_call(task, len(observations), observations)) is not None:
+        result = box.run(call)
+        assert result.ok, result.observation
+        observations.append(result.observation)
+    assert len(observations) == len(task.plan)
+    assert observations[-1] == task.expected_answer
+
+
+def test_agents_take_the_built_in_tasks_in_turn_each_from_its_own_offset() -> None:
+    ids = list(TASKS)
+    assert [task_for(0, episode).task_id for episode in range(len(ids))] == ids
+    assert [task_for(agent, 0).task_id for agent in range(len(ids))] == ids
+    assert task_for(2, len(ids) + 1) is task_for(3, 0)
 
 
 def test_percentiles() -> None:

@@ -15,7 +15,13 @@ from agentic_lora_agent.records import (
     TurnRecord,
 )
 from agentic_lora_agent.stats import Percentiles, episode_json, episode_line, percentiles
-from agentic_lora_agent.tasks import REFERENCE_TABLE, TASKS, default_toolbox, filler_document
+from agentic_lora_agent.tasks import (
+    REFERENCE_TABLE,
+    TASKS,
+    default_toolbox,
+    filler_document,
+    task_for,
+)
 from agentic_lora_agent.tools import (
     Calculator,
     Lookup,
@@ -59,4 +65,5 @@ __all__ = [
     "format_tool_call",
     "parse_tool_calls",
     "percentiles",
+    "task_for",
 ]

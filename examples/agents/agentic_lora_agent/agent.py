@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -201,24 +201,17 @@ class ToolAgent:
         observer: AgentObserver | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._session = session
-        self._task = task
+        # Read-only (Final): an agent runs one task on one Session for its whole life.
+        self.session: Final = session
+        """The Session every generation of this agent goes through."""
+        self.task: Final = task
+        """The task this agent runs."""
         self._tools = tools
         self._config = config or AgentConfig()
         self._policy = policy
         self._observer = observer or AgentObserver()
         self._clock = clock
         self._in_flight: str | None = None
-
-    @property
-    def session(self) -> Session:
-        """The Session every generation of this agent goes through."""
-        return self._session
-
-    @property
-    def task(self) -> Task:
-        """The task this agent runs."""
-        return self._task
 
     @property
     def in_flight_rid(self) -> str | None:
@@ -236,7 +229,7 @@ class ToolAgent:
         rid = self._in_flight
         if rid is None:
             return False
-        return await self._session.abort(rid)
+        return await self.session.abort(rid)
 
     # --- the episode ---------------------------------------------------------------------------
 
@@ -245,7 +238,7 @@ class ToolAgent:
         cfg = self._config
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": cfg.system_prompt},
-            {"role": "user", "content": self._task.prompt},
+            {"role": "user", "content": self.task.prompt},
         ]
         observations: list[str] = []
         turns: list[TurnRecord] = []
@@ -261,7 +254,7 @@ class ToolAgent:
                 break
             calls = generated.parsed.calls
             if not calls and self._policy is not None:
-                chosen = self._policy.next_call(self._task, turn, observations)
+                chosen = self._policy.next_call(self.task, turn, observations)
                 calls = (chosen,) if chosen is not None else ()
             if not calls:
                 turns.append(TurnRecord(turn, tuple(attempts), generated.text))
@@ -285,16 +278,16 @@ class ToolAgent:
                 )
                 observations.append(result.observation)
             turns.append(TurnRecord(turn, tuple(attempts), generated.text, calls, results))
-        binding = self._session.binding
+        binding = self.session.binding
         return Episode(
-            session_id=self._session.session_id,
-            task_id=self._task.task_id,
+            session_id=self.session.session_id,
+            task_id=self.task.task_id,
             status=status,
             turns=tuple(turns),
             lora_name=binding.lora_name if binding is not None else None,
             answer=answer,
             error_code=error_code,
-            provenance=self._session.provenance(),
+            provenance=self.session.provenance(),
         )
 
     async def _generate_turn(
@@ -302,7 +295,7 @@ class ToolAgent:
     ) -> _Generated:
         """One turn's generation, with its retries, resumes and resamples (see module doc)."""
         cfg = self._config
-        budget = self._task.max_tokens(turn, cfg.max_tokens)
+        budget = self.task.max_tokens(turn, cfg.max_tokens)
         retries = resumes = resamples = 0
         partial, generated = "", 0
         kind = AttemptKind.FIRST
@@ -366,7 +359,7 @@ class ToolAgent:
             max_tokens=max_tokens,
             temperature=cfg.temperature,
             logprobs=True,
-            rid=f"{self._session.session_id}-{uuid.uuid4().hex[:12]}",
+            rid=f"{self.session.session_id}-{uuid.uuid4().hex[:12]}",
         )
         return body
 
@@ -386,7 +379,7 @@ class ToolAgent:
         self, turn: int, number: int, kind: AttemptKind, body: dict[str, Any]
     ) -> tuple[AttemptRecord, _Reply | None]:
         rid: str = body["rid"]
-        session = self._session
+        session = self.session
         self._observer.on_dispatch(self, turn, kind, rid)
         self._in_flight = rid
         started = self._clock()
@@ -425,7 +418,7 @@ class ToolAgent:
         binding = session.binding
         record = AttemptRecord(
             session_id=session.session_id,
-            task_id=self._task.task_id,
+            task_id=self.task.task_id,
             turn=turn,
             attempt=number,
             kind=kind,

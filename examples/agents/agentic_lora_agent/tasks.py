@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from agentic_lora_agent.policy import PlanStep, Task
 from agentic_lora_agent.tools import Calculator, Lookup, ToolBox
 
-__all__ = ["REFERENCE_TABLE", "TASKS", "default_toolbox", "filler_document", "task"]
+__all__ = ["REFERENCE_TABLE", "TASKS", "default_toolbox", "filler_document", "task", "task_for"]
 
 REFERENCE_TABLE: Mapping[str, str] = {
     "population of oslo": "709037",
@@ -92,6 +92,15 @@ def task(task_id: str) -> Task:
         return TASKS[task_id]
     except KeyError:
         raise KeyError(f"no task {task_id!r}; known: {sorted(TASKS)}") from None
+
+
+def task_for(agent: int, episode: int) -> Task:
+    """The built-in tasks in turn, offset per agent: what agent ``agent`` runs as ``episode``.
+
+    Concurrent agents of a load thereby run different tasks at the same time.
+    """
+    tasks = tuple(TASKS.values())
+    return tasks[(agent + episode) % len(tasks)]
 
 
 def filler_document(words: int, *, seed: int = 7) -> str:

@@ -85,6 +85,15 @@ class Tool:
         }
 
 
+def _one_string(name: str, *, example: str) -> dict[str, Any]:
+    """The JSON schema of a tool's arguments when they are one required string ``name``."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "description": f"e.g. {example}"}},
+        "required": [name],
+    }
+
+
 # --- calculator ---------------------------------------------------------------------------------
 
 _BINARY: Mapping[type[ast.operator], Callable[[Any, Any], Any]] = {
@@ -165,16 +174,8 @@ class Calculator:
 
     def tool(self) -> Tool:
         """This calculator as a :class:`Tool` named ``calculator``."""
-        return Tool(
-            name="calculator",
-            description="Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-            parameters={
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. 17 * 23"}},
-                "required": ["expression"],
-            },
-            run=self,
-        )
+        description = "Evaluate an arithmetic expression (+ - * / // % ** and parentheses)."
+        return Tool("calculator", description, _one_string("expression", example="17 * 23"), self)
 
 
 # --- lookup -------------------------------------------------------------------------------------
@@ -217,16 +218,8 @@ class Lookup:
 
     def tool(self) -> Tool:
         """This table as a :class:`Tool` named ``lookup``."""
-        return Tool(
-            name="lookup",
-            description="Look up a fact by key in the reference table.",
-            parameters={
-                "type": "object",
-                "properties": {"key": {"type": "string", "description": "e.g. population of oslo"}},
-                "required": ["key"],
-            },
-            run=self,
-        )
+        description = "Look up a fact by key in the reference table."
+        return Tool("lookup", description, _one_string("key", example="population of oslo"), self)
 
 
 # --- the box ------------------------------------------------------------------------------------

@@ -13,17 +13,25 @@ import argparse
 import asyncio
 import logging
 import sys
-import traceback
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from agentic_lora_harness.engine_env import ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
+from agentic_lora_harness.exit_status import failures_exit
 from agentic_lora_harness.fixture import build_fixture
 
 from .driver import REGISTRY_NAMESPACE
 from .rollout import RolloutReport, rollout
+
+#: The rollout's sizes, each an integer option: (flag, default, help).
+_SIZES: tuple[tuple[str, int, str], ...] = (
+    ("--workers", 2, "rollout worker actors (>= 2)"),
+    ("--agents", 2, "concurrent agents per worker"),
+    ("--publications", 3, "versions published (>= 2)"),
+    ("--turns-between", 6, "answered turns per worker between two publications"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,25 +39,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m agentic_lora_rollout",
         description="Ray rollout workers running agent Sessions while the trainer publishes",
     )
-    p.add_argument("--workers", type=int, default=2, help="rollout worker actors (>= 2)")
-    p.add_argument("--agents", type=int, default=2, help="concurrent agents per worker")
-    p.add_argument("--publications", type=int, default=3, help="versions published (>= 2)")
-    p.add_argument(
-        "--turns-between",
-        type=int,
-        default=6,
-        help="answered turns per worker between two publications",
-    )
+    for flag, default, help_text in _SIZES:
+        p.add_argument(flag, type=int, default=default, help=help_text)
     p.add_argument(
         "--max-version-lag",
         type=int,
-        default=None,
         help="the workers' --versioned-lora-max-version-lag (default: no bound)",
     )
     p.add_argument(
         "--workdir",
         type=Path,
-        default=None,
         help="journal, adapter store and episodes.jsonl (default: beside the engine logs)",
     )
     return p
@@ -86,37 +85,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     letters = ["A", "B", "C"]
     adapters = [fixture.adapter(letters[i % 3]) for i in range(args.publications)]
     print("starting two SGLang engines ...", flush=True)
-    try:
-        with EngineFleet(env, fixture, count=2) as fleet:
-            workdir = args.workdir or fleet.log_dir / "ray-rollout"
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                namespace=REGISTRY_NAMESPACE,
-                log_to_driver=False,
-            )
-            try:
-                report = asyncio.run(
-                    rollout(
-                        dict(fleet.engines),
-                        base_model=fleet.served_model_name,
-                        adapters=adapters,
-                        workdir=workdir,
-                        workers=args.workers,
-                        agents=args.agents,
-                        turns_between=args.turns_between,
-                        max_version_lag=args.max_version_lag,
-                    )
+    with failures_exit("rollout"), EngineFleet(env, fixture, count=2) as fleet:
+        workdir = args.workdir or fleet.log_dir / "ray-rollout"
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            namespace=REGISTRY_NAMESPACE,
+            log_to_driver=False,
+        )
+        try:
+            report = asyncio.run(
+                rollout(
+                    dict(fleet.engines),
+                    base_model=fleet.served_model_name,
+                    adapters=adapters,
+                    workdir=workdir,
+                    workers=args.workers,
+                    agents=args.agents,
+                    turns_between=args.turns_between,
+                    max_version_lag=args.max_version_lag,
                 )
-            finally:
-                ray.shutdown()
-    except KeyboardInterrupt:
-        print("\ninterrupted; the engines were stopped", file=sys.stderr)
-        return 130
-    except Exception:
-        traceback.print_exc()
-        print("\nthe rollout failed; the engines were stopped", file=sys.stderr)
-        return 2
+            )
+        finally:
+            ray.shutdown()
     _print(report)
     return 1 if report.problems() else 0
 

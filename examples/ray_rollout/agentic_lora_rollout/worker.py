@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import uuid
 from collections.abc import Mapping
@@ -25,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentic_lora_agent import (
-    TASKS,
     AgentConfig,
     AgentObserver,
     AttemptOutcome,
@@ -34,6 +32,7 @@ from agentic_lora_agent import (
     ToolAgent,
     default_toolbox,
     episode_json,
+    task_for,
 )
 
 from agentic_lora.config import load_settings
@@ -42,8 +41,6 @@ from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.session import Session, Versioning
 
 __all__ = ["EpisodeLoop", "RolloutWorker", "WorkerConfig"]
-
-logger = logging.getLogger(__name__)
 
 #: How often a Session close whose release was not confirmed is replayed (same request id).
 _CLOSE_ATTEMPTS = 20
@@ -161,7 +158,6 @@ class EpisodeLoop:
         self.errors += [f"agent loop crashed: {r!r}" for r in results if isinstance(r, Exception)]
 
     async def _run(self, index: int) -> None:
-        tasks = list(TASKS.values())
         tools = default_toolbox()
         episode = 0
         while not self._stop.is_set():
@@ -169,7 +165,7 @@ class EpisodeLoop:
             try:
                 agent = ToolAgent(
                     session,
-                    tasks[(index + episode) % len(tasks)],
+                    task_for(index, episode),
                     tools=tools,
                     config=self.config,
                     policy=ScriptedPolicy(),  # the tiny test model emits no parsable call
