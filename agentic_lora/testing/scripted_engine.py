@@ -20,7 +20,7 @@ import json
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import httpx
 
@@ -52,17 +52,14 @@ class Fault:
         return cls(FaultKind.GATE, gate=gate, reached=reached)
 
 
-class HeldAdapter(Protocol):
-    """What every scripted engine records about an adapter it serves."""
+@dataclass(frozen=True, slots=True)
+class HeldAdapter:
+    """What every scripted engine records about an adapter it serves: where it was read from
+    and what it holds."""
 
-    @property
-    def lora_name(self) -> str: ...
-
-    @property
-    def lora_path(self) -> str: ...
-
-    @property
-    def digest(self) -> str | None: ...
+    lora_name: str
+    lora_path: str
+    digest: str | None
 
 
 OpT = TypeVar("OpT", bound=enum.Enum)
@@ -85,17 +82,28 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     calls: list[tuple[OpT, dict[str, Any]]] = field(default_factory=list)
     restarts: int = 0
 
-    #: The operations a fault can be scripted for.
+    #: The operations a fault can be scripted for. Every engine kind has ``"load"`` and
+    #: ``"unload"`` (what a backend's prepare and reclaim call) and ``"models"`` (``GET
+    #: /v1/models``) among them.
     ops: ClassVar[type[enum.Enum]]
-    #: The operation ``GET /v1/models`` counts as.
-    models_op: ClassVar[enum.Enum]
-    #: The operations that load and unload an adapter (what a backend's prepare and reclaim call).
-    load_op: ClassVar[enum.Enum]
-    unload_op: ClassVar[enum.Enum]
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
         self._faults: dict[OpT, deque[Fault]] = {op: deque() for op in self.ops}  # type: ignore[misc]
+
+    @property
+    def load_op(self) -> OpT:
+        """The operation that loads an adapter."""
+        return self._op("load")
+
+    @property
+    def unload_op(self) -> OpT:
+        """The operation that unloads an adapter."""
+        return self._op("unload")
+
+    def _op(self, value: str) -> OpT:
+        op: OpT = self.ops(value)  # type: ignore[assignment]
+        return op
 
     # --- what a subclass provides -------------------------------------------------------------
 
@@ -183,7 +191,7 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         return response
 
     async def _models(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(self.models_op, request)  # type: ignore[arg-type]
+        _, fault = await self._enter(self._op("models"), request)
         if (early := self._short_circuit(fault)) is not None:
             return early
         cards: list[dict[str, Any]] = [

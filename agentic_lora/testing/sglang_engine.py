@@ -35,7 +35,13 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+from agentic_lora.testing.scripted_engine import (
+    Fault,
+    FaultKind,
+    Handler,
+    HeldAdapter,
+    ScriptedEngine,
+)
 from agentic_lora.testing.streams import ScriptedStream, generate_chunks, stream_reply
 
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
@@ -55,15 +61,12 @@ class EngineOp(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass(slots=True)
-class LoadedAdapter:
-    """One registered adapter: where it was read from and what it holds."""
+@dataclass(frozen=True, slots=True)
+class LoadedAdapter(HeldAdapter):
+    """One registered adapter, pinned or not, under the engine's own id for it."""
 
-    lora_name: str
-    lora_path: str
     pinned: bool
     lora_id: int
-    digest: str | None
 
 
 @dataclass
@@ -103,9 +106,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
     streamed: dict[str | None, ScriptedStream] = field(default_factory=dict)
 
     ops = EngineOp
-    models_op = EngineOp.MODELS
-    load_op = EngineOp.LOAD
-    unload_op = EngineOp.UNLOAD
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,7 +191,7 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
         return self._finish(fault, request, self._lora_reply(200, None))
 
     def _register(self, name: str, path: str, pinned: bool, digest: str | None) -> None:
-        self.adapters[name] = LoadedAdapter(name, path, pinned, self._next_lora_id, digest)
+        self.adapters[name] = LoadedAdapter(name, path, digest, pinned, self._next_lora_id)
         self._next_lora_id += 1
         self._ref_cache[name] = (path, pinned)
         self.physical_loads[name] += 1
