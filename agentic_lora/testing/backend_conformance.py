@@ -37,10 +37,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import unittest
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -223,6 +225,22 @@ class BackendConformance(RuleBasedStateMachine):
         raise TypeError(
             f"{type(self).__name__} must override make_harness() to return the plugin's harness"
         )
+
+    @classmethod
+    def test_case(cls, *, max_examples: int, steps: int = 30) -> type[unittest.TestCase]:
+        """The suite as a test class for pytest, ``max_examples`` runs of ``steps`` rules each.
+
+        No deadline: a step waits on real backend code and its scripted engines, whose time says
+        nothing about conformance.
+        """
+        case = cls.TestCase
+        case.settings = settings(
+            max_examples=max_examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        return case
 
     def __init__(self) -> None:
         super().__init__()
