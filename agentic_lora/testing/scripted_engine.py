@@ -112,8 +112,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         """``(method, path, handler)`` of every endpoint this engine serves."""
 
     @abc.abstractmethod
-    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
-        """The answer to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the engine's words."""
+    def fault_reply(self, op: OpT, kind: FaultKind, message: str) -> httpx.Response:
+        """The answer of ``op`` to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the
+        engine's words."""
 
     def base_model_root(self) -> str:
         """The ``root`` of the base model's card on ``/v1/models``."""
@@ -124,7 +125,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     def mount(self, router: Any) -> None:
         """Route this engine's endpoints on a ``respx`` router (or the ``respx`` module)."""
         for method, path, handler in self.routes():
-            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
+            router.route(method=method, url=self.base_url + path).mock(
+                side_effect=_answering(handler)
+            )
 
     def script(self, op: OpT, *faults: Fault) -> None:
         """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
@@ -160,7 +163,11 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     # --- handler steps ------------------------------------------------------------------------
 
     async def _enter(self, op: OpT, request: httpx.Request) -> tuple[dict[str, Any], Fault | None]:
-        """Record the call and take its scripted fault; an unreachable engine records nothing."""
+        """Record the call and take its scripted fault; an unreachable engine records nothing.
+
+        A fault that does nothing but answer ends the handler here (the route answers it); the
+        fault returned, if any, is one that strikes after the engine acted (see :meth:`_finish`).
+        """
         fault = self._faults[op].popleft() if self._faults[op] else None
         if fault is not None and fault.kind is FaultKind.UNREACHABLE:
             raise httpx.ConnectError("connection refused (scripted)", request=request)
@@ -172,13 +179,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
                 fault.reached.set()
             await fault.gate.wait()
             fault = None
+        if fault is not None and fault.kind in _ANSWERED:
+            raise _Answered(self.fault_reply(op, fault.kind, fault.message))
         return body, fault
-
-    def _short_circuit(self, fault: Fault | None) -> httpx.Response | None:
-        """The answer of a fault that does nothing; None when the call goes on."""
-        if fault is None or fault.kind not in _ANSWERED:
-            return None
-        return self.fault_reply(fault.kind, fault.message)
 
     def _finish(
         self, fault: Fault | None, request: httpx.Request, response: httpx.Response
@@ -192,8 +195,6 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
 
     async def _models(self, request: httpx.Request) -> httpx.Response:
         _, fault = await self._enter(self._op("models"), request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         cards: list[dict[str, Any]] = [
             {
                 "id": self.served_model_name,
@@ -217,3 +218,23 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
 
 
 _ANSWERED = frozenset({FaultKind.REFUSE, FaultKind.OK_BUT_FAILED, FaultKind.SERVER_ERROR})
+
+
+class _Answered(Exception):
+    """A scripted fault's answer, raised past the handler that met it."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _answering(handler: Handler) -> Handler:
+    """``handler`` answering the scripted faults that only answer (see ``_enter``)."""
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        try:
+            return await handler(request)
+        except _Answered as answered:
+            return answered.response
+
+    return answer

@@ -111,7 +111,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
             ("GET", "/metrics", self._metrics),
         ]
 
-    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+    def fault_reply(self, op: VllmOp, kind: FaultKind, message: str) -> httpx.Response:
         if kind is FaultKind.OK_BUT_FAILED:
             return httpx.Response(
                 200, json={"error": {"message": message, "type": "InternalServerError"}}
@@ -161,8 +161,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(VllmOp.LOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
         if not name or not path:
             return _error(
@@ -187,8 +185,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
 
     async def _unload(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(VllmOp.UNLOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name = str(body.get("lora_name") or "")
         if name not in self.adapters:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
@@ -206,8 +202,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
 
     async def _generation(self, op: VllmOp, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(op, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         model = str(body.get("model"))
         if model != self.served_model_name and model not in self.adapters:
             return _error(
@@ -239,8 +233,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
 
     async def _metrics(self, request: httpx.Request) -> httpx.Response:
         _, fault = await self._enter(VllmOp.METRICS, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
             "# TYPE process_start_time_seconds gauge",
