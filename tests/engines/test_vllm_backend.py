@@ -24,7 +24,13 @@ from agentic_lora.errors import (
     ConfigurationError,
 )
 from agentic_lora.testing.vllm_engine import Fault, FaultKind, ScriptedVllmEngine, VllmOp
-from tests.engines.test_push_backends import NAME_A, TARGET_A, A, drained_at_once
+from tests.engines.test_push_backends import (
+    NAME_A,
+    TARGET_A,
+    A,
+    assert_unloaded_once,
+    drained_at_once,
+)
 
 
 @dataclass
@@ -241,8 +247,7 @@ async def test_reclaim_waits_for_the_drain_hook_before_unloading(fleet: Fleet) -
     assert (fleet.store / "e0" / NAME_A).is_dir()
     fleet.drain.release.set()
     await reclaim
-    assert fleet.e0.physical_unloads[NAME_A] == 1
-    assert not (fleet.store / "e0" / NAME_A).exists()
+    assert_unloaded_once(fleet.e0, fleet.store, NAME_A)
 
 
 @pytest.mark.asyncio
