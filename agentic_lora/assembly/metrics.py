@@ -22,6 +22,9 @@ Nothing here changes a code path: each observer hangs on an existing hook.
 | `agentic_lora_capacity_slots_in_use` | gauge | | `Metrics.refresh` |
 | `agentic_lora_default_revision` | gauge | | `Metrics.refresh` |
 
+Each row is one :class:`Instrument` declared on :class:`Metrics` (:data:`CATALOGUE` lists them);
+a test holds this table and the metrics table of the gateway docs to that catalogue.
+
 No label names a Session or a version: both are unbounded and would grow the series without end.
 Every label value comes from a closed set (an enum or a stable error code). Durations are
 seconds. ``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
@@ -47,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter as Tally
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,6 +60,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import (
@@ -77,11 +81,20 @@ from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
 if TYPE_CHECKING:
     from agentic_lora.session import Versioning
 
-__all__ = ["BAD_INPUT_CODES", "PUBLICATION_PHASES", "DispatchMetricsMiddleware", "Metrics"]
+__all__ = [
+    "BAD_INPUT_CODES",
+    "CATALOGUE",
+    "PUBLICATION_PHASES",
+    "DispatchMetricsMiddleware",
+    "Instrument",
+    "Metrics",
+]
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "agentic_lora"
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 #: Phases whose durations go to ``agentic_lora_publication_phase_seconds``.
 PUBLICATION_PHASES: frozenset[Phase] = frozenset(
@@ -116,118 +129,141 @@ _RECLAIM_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
+class Instrument(Generic[_M]):
+    """One entry of the catalogue: a Prometheus instrument, declared as a :class:`Metrics`
+    attribute named like the metric (without the prefix and a counter's ``_total``).
+
+    Read on the class it is the declaration (what :data:`CATALOGUE` lists and the docs are
+    checked against); read on a :class:`Metrics` it is that object's own instrument.
+    """
+
+    def __init__(
+        self,
+        kind: type[_M],
+        labels: tuple[str, ...],
+        help_text: str,
+        buckets: tuple[float, ...] = (),
+    ) -> None:
+        self.kind = kind
+        self.labels = labels
+        self.help = help_text
+        self.buckets = buckets
+        self.name = ""
+
+    def __set_name__(self, owner: type[Metrics], name: str) -> None:
+        self.name = name
+
+    @property
+    def exposed(self) -> str:
+        """The metric's name on a scrape (prometheus_client gives a counter ``_total``)."""
+        suffix = "_total" if self.kind is Counter else ""
+        return f"{PREFIX}_{self.name}{suffix}"
+
+    def build(self, registry: CollectorRegistry) -> _M:
+        """A new instrument of this declaration, registered in ``registry``."""
+        extra: dict[str, Any] = {"buckets": self.buckets} if self.buckets else {}
+        return self.kind(
+            f"{PREFIX}_{self.name}", self.help, self.labels, registry=registry, **extra
+        )
+
+    @overload
+    def __get__(self, metrics: None, owner: type[Metrics]) -> Instrument[_M]: ...
+    @overload
+    def __get__(self, metrics: Metrics, owner: type[Metrics]) -> _M: ...
+    def __get__(self, metrics: Metrics | None, owner: type[Metrics]) -> Instrument[_M] | _M:
+        if metrics is None:
+            return self
+        instrument: _M = metrics._instruments[self.name]
+        return instrument
+
+
 class Metrics:
     """The deployment's Prometheus instruments and the observers that feed them."""
 
+    # --- the catalogue --------------------------------------------------------------------------
+
+    publications = Instrument(
+        Counter,
+        ("outcome",),
+        "Publications by how they ended (published, already_published, skipped, "
+        "failed_clean, blocked, error).",
+    )
+    publication_errors = Instrument(
+        Counter, ("code",), "Publications that raised a typed error, by its stable code."
+    )
+    publication_phase_seconds = Instrument(
+        Histogram,
+        ("phase", "result"),
+        "Time spent in one publication phase on one engine (or fleet-wide).",
+        _PHASE_BUCKETS,
+    )
+    reclaim_wait_seconds = Instrument(
+        Histogram,
+        ("result",),
+        "Per-engine reclaim: unregister, wait for in-flight requests to drain, unload.",
+        _RECLAIM_BUCKETS,
+    )
+    versions_reclaimed = Instrument(
+        Counter, (), "Versions unloaded from every engine (their capacity slot freed)."
+    )
+    registry_changes = Instrument(
+        Counter, ("verb",), "State changes applied by the registry, by verb (replays excluded)."
+    )
+    dispatches = Instrument(
+        Counter,
+        ("route", "outcome"),
+        "Generations by route and outcome: ok, refused (provably not accepted) or "
+        "indeterminate (may have run).",
+    )
+    sessions_live = Instrument(Gauge, (), "Sessions open in this process (bound or not yet bound).")
+    registry_sessions = Instrument(
+        Gauge, (), "Session records the registry holds that are not closed (all workers)."
+    )
+    bound_sessions = Instrument(
+        Gauge,
+        ("version_state",),
+        "Session references held on versions, by the state of the version.",
+    )
+    versions = Instrument(Gauge, ("state",), "Versions the registry knows, by state.")
+    capacity_slots = Instrument(
+        Gauge, (), "Versions the fleet may hold at once (the registry's capacity)."
+    )
+    capacity_slots_in_use = Instrument(
+        Gauge,
+        (),
+        "Capacity slots held (LOADING, PUBLISHED, RETIRED, RECLAIMING, unconfirmed ABORTED).",
+    )
+    default_revision = Instrument(Gauge, (), "How many times the default version has changed.")
+    session_version_lag = Instrument(
+        Histogram,
+        (),
+        "Publications the default is ahead of a Session's bound version, at each dispatch.",
+        _LAG_BUCKETS,
+    )
+    version_too_stale_refusals = Instrument(
+        Counter,
+        (),
+        "Dispatches refused with VERSION_TOO_STALE (bound version beyond max_version_lag).",
+    )
+    gateway_refused_requests = Instrument(
+        Counter,
+        ("code",),
+        "Generation requests the gateway refused for the caller's own input, by error code.",
+    )
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.publications = Counter(
-            f"{PREFIX}_publications",
-            "Publications by how they ended (published, already_published, skipped, "
-            "failed_clean, blocked, error).",
-            ["outcome"],
-            registry=r,
-        )
-        self.publication_errors = Counter(
-            f"{PREFIX}_publication_errors",
-            "Publications that raised a typed error, by its stable code.",
-            ["code"],
-            registry=r,
-        )
-        self.phase_seconds = Histogram(
-            f"{PREFIX}_publication_phase_seconds",
-            "Time spent in one publication phase on one engine (or fleet-wide).",
-            ["phase", "result"],
-            buckets=_PHASE_BUCKETS,
-            registry=r,
-        )
-        self.reclaim_wait_seconds = Histogram(
-            f"{PREFIX}_reclaim_wait_seconds",
-            "Per-engine reclaim: unregister, wait for in-flight requests to drain, unload.",
-            ["result"],
-            buckets=_RECLAIM_BUCKETS,
-            registry=r,
-        )
-        self.versions_reclaimed = Counter(
-            f"{PREFIX}_versions_reclaimed",
-            "Versions unloaded from every engine (their capacity slot freed).",
-            registry=r,
-        )
-        self.registry_changes = Counter(
-            f"{PREFIX}_registry_changes",
-            "State changes applied by the registry, by verb (replays excluded).",
-            ["verb"],
-            registry=r,
-        )
-        self.dispatches = Counter(
-            f"{PREFIX}_dispatches",
-            "Generations by route and outcome: ok, refused (provably not accepted) or "
-            "indeterminate (may have run).",
-            ["route", "outcome"],
-            registry=r,
-        )
-        self.sessions_live = Gauge(
-            f"{PREFIX}_sessions_live",
-            "Sessions open in this process (bound or not yet bound).",
-            registry=r,
-        )
-        self.registry_sessions = Gauge(
-            f"{PREFIX}_registry_sessions",
-            "Session records the registry holds that are not closed (all workers).",
-            registry=r,
-        )
-        self.bound_sessions = Gauge(
-            f"{PREFIX}_bound_sessions",
-            "Session references held on versions, by the state of the version.",
-            ["version_state"],
-            registry=r,
-        )
-        self.versions = Gauge(
-            f"{PREFIX}_versions",
-            "Versions the registry knows, by state.",
-            ["state"],
-            registry=r,
-        )
-        self.capacity_slots = Gauge(
-            f"{PREFIX}_capacity_slots",
-            "Versions the fleet may hold at once (the registry's capacity).",
-            registry=r,
-        )
-        self.capacity_slots_in_use = Gauge(
-            f"{PREFIX}_capacity_slots_in_use",
-            "Capacity slots held (LOADING, PUBLISHED, RETIRED, RECLAIMING, unconfirmed ABORTED).",
-            registry=r,
-        )
-        self.default_revision = Gauge(
-            f"{PREFIX}_default_revision",
-            "How many times the default version has changed.",
-            registry=r,
-        )
-        self.version_lag = Histogram(
-            f"{PREFIX}_session_version_lag",
-            "Publications the default is ahead of a Session's bound version, at each dispatch.",
-            buckets=_LAG_BUCKETS,
-            registry=r,
-        )
-        self.version_too_stale = Counter(
-            f"{PREFIX}_version_too_stale_refusals",
-            "Dispatches refused with VERSION_TOO_STALE (bound version beyond max_version_lag).",
-            registry=r,
-        )
-        self.refused_requests = Counter(
-            f"{PREFIX}_gateway_refused_requests",
-            "Generation requests the gateway refused for the caller's own input, by error code.",
-            ["code"],
-            registry=r,
-        )
+        # Each Metrics builds its own instruments in its own registry: two never share a series.
+        self._instruments: dict[str, Any] = {
+            spec.name: spec.build(self.registry) for spec in CATALOGUE
+        }
         # Every series of a closed label set exists from the start, at zero, so a rate() over a
         # fresh process is not missing the series it is about to see.
         for route in Route:
             for outcome in DispatchOutcome:
                 self.dispatches.labels(route=route.value, outcome=outcome.value)
         for code in sorted(BAD_INPUT_CODES):
-            self.refused_requests.labels(code=code)
+            self.gateway_refused_requests.labels(code=code)
         for state in VersionState:
             self.versions.labels(state=state.value.lower())
             self.bound_sessions.labels(version_state=state.value.lower())
@@ -240,7 +276,9 @@ class Metrics:
             return
         result = "ok" if event.status is PhaseStatus.DONE else "failed"
         if event.phase in PUBLICATION_PHASES:
-            self.phase_seconds.labels(phase=event.phase.value, result=result).observe(event.seconds)
+            self.publication_phase_seconds.labels(phase=event.phase.value, result=result).observe(
+                event.seconds
+            )
         elif event.phase is Phase.RECLAIM:
             self.reclaim_wait_seconds.labels(result=result).observe(event.seconds)
 
@@ -274,16 +312,16 @@ class Metrics:
         caller's own input (its code in :data:`BAD_INPUT_CODES`), ignored otherwise."""
         if not isinstance(error, AgenticLoRAError) or error.code not in BAD_INPUT_CODES:
             return False
-        self.refused_requests.labels(code=error.code).inc()
+        self.gateway_refused_requests.labels(code=error.code).inc()
         return True
 
     def observe_version_lag(self, lag: int) -> None:
         """The lag of one versioned dispatch at its start (a ``StalenessListener`` hook)."""
-        self.version_lag.observe(lag)
+        self.session_version_lag.observe(lag)
 
     def observe_version_too_stale(self, lag: int) -> None:
         """One ``VERSION_TOO_STALE`` refusal (a ``StalenessListener`` hook)."""
-        self.version_too_stale.inc()
+        self.version_too_stale_refusals.inc()
 
     def refresh(self, status: RegistryStatus, *, live_sessions: int) -> None:
         """Set the gauges from a registry status (call it right before a scrape)."""
@@ -329,6 +367,12 @@ class Metrics:
     def exposition(self) -> bytes:
         """Every instrument in the Prometheus text format."""
         return bytes(generate_latest(self.registry))
+
+
+#: Every instrument a :class:`Metrics` exposes, in declaration order.
+CATALOGUE: tuple[Instrument[Any], ...] = tuple(
+    spec for spec in vars(Metrics).values() if isinstance(spec, Instrument)
+)
 
 
 class DispatchMetricsMiddleware:

@@ -72,6 +72,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# How a failed admin call is raised and logged, by what the engine may have done: a refusal is
+# routine (the engine did nothing), an unknown outcome is worth a warning (it may have acted).
+_FAILURES: dict[Outcome, tuple[type[BackendError], int, str]] = {
+    Outcome.REFUSED: (BackendRefusedError, logging.INFO, "refused"),
+    Outcome.INDETERMINATE: (BackendAmbiguousError, logging.WARNING, "outcome unknown"),
+}
+
 #: The phrase SGLang's LoRA registry uses when asked to unregister a name it does not hold
 #: (``LoRARegistry.unregister``). It is the only signal that an unload found nothing to do.
 ABSENT_MARKER = "does not exist"
@@ -219,9 +226,17 @@ class AdminHttpClient(abc.ABC, Generic[AnswerT]):
 
     def failure(self, outcome: Outcome, op: str, message: str, **details: Any) -> BackendError:
         """BackendRefusedError (refused) or BackendAmbiguousError (indeterminate), logged."""
-        if outcome is Outcome.REFUSED:
-            return self._refused(op, message, **details)
-        return self._ambiguous(op, message, **details)
+        kind, level, said = _FAILURES[outcome]
+        logger.log(
+            level,
+            "engine %s %s %s: %s",
+            self.engine,
+            op,
+            said,
+            message,
+            extra={"engine": self.engine, "version": details.get("lora_name")},
+        )
+        return kind(f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details)
 
     @staticmethod
     def _adapters_in(cards: list[Any]) -> dict[str, str]:
@@ -239,29 +254,11 @@ class AdminHttpClient(abc.ABC, Generic[AnswerT]):
         reason = f"{type(exc).__name__}: {exc}"
         return self.failure(classify_exception(exc), op, reason, lora_name=lora_name)
 
-    def _refused(self, op: str, message: str, **details: Any) -> BackendRefusedError:
-        logger.info(
-            "engine %s refused %s: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendRefusedError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
-        )
+    def _refused(self, op: str, message: str, **details: Any) -> BackendError:
+        return self.failure(Outcome.REFUSED, op, message, **details)
 
-    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendAmbiguousError:
-        logger.warning(
-            "engine %s %s outcome unknown: %s",
-            self.engine,
-            op,
-            message,
-            extra={"engine": self.engine, "version": details.get("lora_name")},
-        )
-        return BackendAmbiguousError(
-            f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details
-        )
+    def _ambiguous(self, op: str, message: str, **details: Any) -> BackendError:
+        return self.failure(Outcome.INDETERMINATE, op, message, **details)
 
 
 class EngineAdminClient(AdminHttpClient[dict[str, Any]]):

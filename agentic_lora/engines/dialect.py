@@ -149,6 +149,8 @@ class DialectBase:
     """Route checking and the no-abort answer shared by the shipped dialects."""
 
     name: ClassVar[str]
+    #: The engine's name as people write it (in refusals).
+    label: ClassVar[str]
     routes: ClassVar[frozenset[Route]]
     can_abort: ClassVar[bool] = False
     unload_waits_for_requests: ClassVar[bool] = True
@@ -183,11 +185,6 @@ class DialectBase:
             engine_kind=self.name,
             reason="abort_unsupported",
         )
-
-    @property
-    def label(self) -> str:
-        """The engine's name as people write it."""
-        return self.name
 
     @staticmethod
     def _check_lora_path(given_path: object, lora_name: str) -> None:

@@ -61,13 +61,10 @@ class SGLangDialect(DialectBase):
     """SGLang's rules (see module docstring)."""
 
     name = "sglang"
+    label = "SGLang"
     routes = frozenset(Route)
     can_abort = True
     unload_waits_for_requests = True
-
-    @property
-    def label(self) -> str:
-        return "SGLang"
 
     def pin(
         self, route: Route, body: Mapping[str, Any], lora_name: str, base_model: str | None

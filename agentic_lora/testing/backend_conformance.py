@@ -37,17 +37,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Coroutine, Sequence
+import unittest
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    MultipleResults,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
 from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.testing.adapters import tiny_snapshot
 
 __all__ = [
@@ -150,19 +161,6 @@ class BackendHarness:
             await self.release()
 
 
-@dataclass
-class _Track:
-    """The model of one (engine, lora name)."""
-
-    attempt: int = 1  # the attempt the next fresh prepare uses
-    prepared: int = 0  # newest attempt whose prepare reached the engine
-    cleaned: int = 0  # newest attempt whose cleanup returned
-    held: bool = False
-    needs_cleanup: bool = False  # a cleanup's outcome is unknown: confirm it before moving on
-    reclaimed: bool = False
-    reclaim_ids: set[str] = field(default_factory=set)
-
-
 @dataclass(frozen=True)
 class _Version:
     version_id: str
@@ -176,6 +174,49 @@ _VERSIONS: tuple[_Version, ...] = tuple(
 )
 
 
+@dataclass
+class _Track:
+    """The model of one (engine slot, version), with the scripted engine it is about."""
+
+    engine: str
+    double: EngineDouble = field(repr=False)
+    version: _Version
+    attempt: int = 1  # the attempt the next fresh prepare uses
+    prepared: int = 0  # newest attempt whose prepare reached the engine
+    cleaned: int = 0  # newest attempt whose cleanup returned
+    held: bool = False
+    needs_cleanup: bool = False  # a cleanup's outcome is unknown: confirm it before moving on
+    reclaimed: bool = False
+    reclaim_ids: set[str] = field(default_factory=set)
+
+    @property
+    def lora_name(self) -> str:
+        return self.version.lora_name
+
+    def held_digest(self) -> str | None:
+        return self.double.held_digest(self.lora_name)
+
+    def loads(self) -> int:
+        return self.double.loads(self.lora_name)
+
+    def unloads(self) -> int:
+        return self.double.unloads(self.lora_name)
+
+    def target(self, attempt: int) -> PublicationTarget:
+        v = self.version
+        return PublicationTarget(v.version_id, v.snapshot.digest, v.lora_name, attempt)
+
+    @contextlib.contextmanager
+    def failing(self, operation: Operation, failure: Failure) -> Iterator[None]:
+        """The engine fails its next ``operation`` with ``failure``; a failure the call did not
+        consume is dropped on the way out, so it can never strike a later rule."""
+        self.double.fail_next(operation, failure)
+        try:
+            yield
+        finally:
+            self.double.clear_failures()
+
+
 class BackendConformance(RuleBasedStateMachine):
     """Subclass, implement :meth:`make_harness`, and expose ``TestCase`` to pytest."""
 
@@ -185,15 +226,31 @@ class BackendConformance(RuleBasedStateMachine):
             f"{type(self).__name__} must override make_harness() to return the plugin's harness"
         )
 
+    @classmethod
+    def test_case(cls, *, max_examples: int, steps: int = 30) -> type[unittest.TestCase]:
+        """The suite as a test class for pytest, ``max_examples`` runs of ``steps`` rules each.
+
+        No deadline: a step waits on real backend code and its scripted engines, whose time says
+        nothing about conformance.
+        """
+        case = cls.TestCase
+        case.settings = settings(
+            max_examples=max_examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        return case
+
     def __init__(self) -> None:
         super().__init__()
         self._loop = asyncio.new_event_loop()
         self.harness = self._run(self.make_harness())
         self.backend = self.harness.backend
-        # Slots in harness order: the rules sample slot names, receipts carry the real names.
+        # Slots in harness order: the rules draw slot names, receipts carry the real names.
         self.doubles = dict(zip(("e0", "e1"), self.harness.engines, strict=False))
         self.tracks: dict[tuple[str, str], _Track] = {
-            (e, v.lora_name): _Track() for e in self.doubles for v in _VERSIONS
+            (e, v.lora_name): _Track(e, d, v) for e, d in self.doubles.items() for v in _VERSIONS
         }
         self.incarnations: dict[str, str] = {
             e: self._run(self.backend.incarnation(d.ref)) for e, d in self.doubles.items()
@@ -205,29 +262,37 @@ class BackendConformance(RuleBasedStateMachine):
         finally:
             self._loop.close()
 
+    # --- what the rules draw: only the harness's own engines (one or two) -----------------------
+
+    slots: Bundle[str] = Bundle("slots")
+    tracked: Bundle[_Track] = Bundle("tracked")
+    failures = st.sampled_from(list(Failure))
+
+    @initialize(target=slots)
+    def the_harness_engines(self) -> MultipleResults[str]:
+        return multiple(*self.doubles)
+
+    @initialize(target=tracked)
+    def every_version_on_every_engine(self) -> MultipleResults[_Track]:
+        return multiple(*self.tracks.values())
+
     # --- helpers -------------------------------------------------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run_until_complete(coro)
 
-    def _target(self, version: _Version, attempt: int) -> PublicationTarget:
-        return PublicationTarget(
-            version.version_id, version.snapshot.digest, version.lora_name, attempt
-        )
+    def _prepare(self, t: _Track, attempt: int) -> Coroutine[Any, Any, ReadyReceipt]:
+        return self.backend.prepare(t.double.ref, t.target(attempt), t.version.snapshot)
 
-    def _track(self, engine: str, version: _Version) -> _Track:
-        return self.tracks[(engine, version.lora_name)]
+    def _cleanup(self, t: _Track, attempt: int) -> Coroutine[Any, Any, None]:
+        return self.backend.cleanup(t.double.ref, t.target(attempt))
 
-    def _reclaim(
-        self, double: EngineDouble, version: _Version, reclaim_id: str
-    ) -> Coroutine[Any, Any, None]:
-        return self.backend.reclaim(double.ref, lora_name=version.lora_name, reclaim_id=reclaim_id)
+    def _reclaim(self, t: _Track, reclaim_id: str) -> Coroutine[Any, Any, None]:
+        return self.backend.reclaim(t.double.ref, lora_name=t.lora_name, reclaim_id=reclaim_id)
 
-    def _reclaimed(
-        self, t: _Track, double: EngineDouble, version: _Version, reclaim_id: str
-    ) -> None:
+    def _reclaimed(self, t: _Track, reclaim_id: str) -> None:
         # A reclaim returned: the engine holds nothing of the name, and for good.
-        assert double.held_digest(version.lora_name) is None
+        assert t.held_digest() is None
         t.held, t.reclaimed = False, True
         t.reclaim_ids.add(reclaim_id)
 
@@ -238,25 +303,18 @@ class BackendConformance(RuleBasedStateMachine):
             return exc
         raise AssertionError(f"expected {kind.__name__}")
 
-    engines = st.sampled_from(["e0", "e1"])
-    versions = st.sampled_from(_VERSIONS)
-    failures = st.sampled_from(list(Failure))
-
     # --- prepare -------------------------------------------------------------------------------
 
-    def _can_prepare(self, engine: str, version: _Version) -> bool:
-        t = self._track(engine, version)
+    @staticmethod
+    def _can_prepare(t: _Track) -> bool:
         return not t.reclaimed and not t.needs_cleanup and t.attempt > t.cleaned
 
-    @rule(engine=engines, version=versions)
-    def prepare(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles or not self._can_prepare(engine, version):
+    @rule(t=tracked)
+    def prepare(self, t: _Track) -> None:
+        if not self._can_prepare(t):
             return
-        t, double = self._track(engine, version), self.doubles[engine]
-        loads = double.loads(version.lora_name)
-        receipt = self._run(
-            self.backend.prepare(double.ref, self._target(version, t.attempt), version.snapshot)
-        )
+        loads = t.loads()
+        receipt = self._run(self._prepare(t, t.attempt))
         assert (
             receipt.engine,
             receipt.version_id,
@@ -264,189 +322,134 @@ class BackendConformance(RuleBasedStateMachine):
             receipt.lora_name,
             receipt.attempt,
         ) == (
-            double.ref.name,
-            version.version_id,
-            version.snapshot.digest,
-            version.lora_name,
+            t.double.ref.name,
+            t.version.version_id,
+            t.version.snapshot.digest,
+            t.lora_name,
             t.attempt,
         ), receipt
-        assert receipt.incarnation == self.incarnations[engine]
-        assert double.held_digest(version.lora_name) == version.snapshot.digest
-        assert double.loads(version.lora_name) == loads + (0 if t.held else 1), "a second load"
+        assert receipt.incarnation == self.incarnations[t.engine]
+        assert t.held_digest() == t.version.snapshot.digest
+        assert t.loads() == loads + (0 if t.held else 1), "a second load"
         t.prepared, t.held = t.attempt, True
 
-    @rule(engine=engines, version=versions, failure=failures)
-    def prepare_fails_on_the_engine(self, engine: str, version: _Version, failure: Failure) -> None:
-        if engine not in self.doubles or not self._can_prepare(engine, version):
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
-        if t.held:
-            return  # nothing would reach the engine's load
-        double.fail_next(Operation.PREPARE, failure)
-        target = self._target(version, t.attempt)
-        try:
+    @rule(t=tracked, failure=failures)
+    def prepare_fails_on_the_engine(self, t: _Track, failure: Failure) -> None:
+        if not self._can_prepare(t) or t.held:
+            return  # held: nothing would reach the engine's load
+        with t.failing(Operation.PREPARE, failure):
             if failure is Failure.REFUSE:
-                self._expect(
-                    BackendRefusedError, self.backend.prepare(double.ref, target, version.snapshot)
-                )
-                assert double.held_digest(version.lora_name) is None
+                self._expect(BackendRefusedError, self._prepare(t, t.attempt))
+                assert t.held_digest() is None
             else:
-                self._expect(
-                    BackendAmbiguousError,
-                    self.backend.prepare(double.ref, target, version.snapshot),
-                )
-                t.prepared, t.held = t.attempt, double.held_digest(version.lora_name) is not None
-        finally:
-            double.clear_failures()
+                self._expect(BackendAmbiguousError, self._prepare(t, t.attempt))
+                t.prepared, t.held = t.attempt, t.held_digest() is not None
 
-    @rule(engine=engines, version=versions)
-    def prepare_of_a_cleaned_attempt_is_fenced(self, engine: str, version: _Version) -> None:
-        t = self._track(engine, version) if engine in self.doubles else None
-        if t is None or t.cleaned == 0:
+    @rule(t=tracked)
+    def prepare_of_a_cleaned_attempt_is_fenced(self, t: _Track) -> None:
+        if t.cleaned == 0:
             return
-        double = self.doubles[engine]
-        loads, held = double.loads(version.lora_name), double.held_digest(version.lora_name)
-        self._expect(
-            BackendRefusedError,
-            self.backend.prepare(double.ref, self._target(version, t.cleaned), version.snapshot),
-        )
-        assert double.loads(version.lora_name) == loads
-        assert double.held_digest(version.lora_name) == held
+        loads, held = t.loads(), t.held_digest()
+        self._expect(BackendRefusedError, self._prepare(t, t.cleaned))
+        assert t.loads() == loads
+        assert t.held_digest() == held
 
     # --- cleanup -------------------------------------------------------------------------------
 
-    @rule(engine=engines, version=versions)
-    def cleanup(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles:
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
+    @rule(t=tracked)
+    def cleanup(self, t: _Track) -> None:
         if t.reclaimed:
             return
-        unloads = double.unloads(version.lora_name)
-        self._run(self.backend.cleanup(double.ref, self._target(version, t.attempt)))
-        assert double.held_digest(version.lora_name) is None
-        assert double.unloads(version.lora_name) == unloads + (1 if t.held else 0)
+        unloads = t.unloads()
+        self._run(self._cleanup(t, t.attempt))
+        assert t.held_digest() is None
+        assert t.unloads() == unloads + (1 if t.held else 0)
         t.cleaned, t.held, t.needs_cleanup = t.attempt, False, False
         t.attempt += 1  # a new attempt starts only after a confirmed cleanup
 
-    @rule(engine=engines, version=versions, failure=failures)
-    def cleanup_fails_on_the_engine(self, engine: str, version: _Version, failure: Failure) -> None:
-        if engine not in self.doubles:
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
+    @rule(t=tracked, failure=failures)
+    def cleanup_fails_on_the_engine(self, t: _Track, failure: Failure) -> None:
         if t.reclaimed or not t.held:
             return
-        double.fail_next(Operation.CLEANUP, failure)
-        try:
+        with t.failing(Operation.CLEANUP, failure):
             # Unconfirmed either way: a cleanup must never look done when it is not known to be.
-            self._expect(
-                BackendError, self.backend.cleanup(double.ref, self._target(version, t.attempt))
-            )
-        finally:
-            double.clear_failures()
+            self._expect(BackendError, self._cleanup(t, t.attempt))
         if failure is Failure.REFUSE:
-            assert double.held_digest(version.lora_name) == version.snapshot.digest
-        t.held = double.held_digest(version.lora_name) is not None
+            assert t.held_digest() == t.version.snapshot.digest
+        t.held = t.held_digest() is not None
         t.needs_cleanup = True
 
-    @rule(engine=engines, version=versions)
-    def late_cleanup_of_a_superseded_attempt_unloads_nothing(
-        self, engine: str, version: _Version
-    ) -> None:
-        if engine not in self.doubles:
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
+    @rule(t=tracked)
+    def late_cleanup_of_a_superseded_attempt_unloads_nothing(self, t: _Track) -> None:
         if t.reclaimed or not t.held or t.prepared < 2:
             return
-        unloads = double.unloads(version.lora_name)
+        unloads = t.unloads()
         # Refused is also fine: "holds nothing of that attempt".
         with contextlib.suppress(BackendRefusedError):
-            self._run(self.backend.cleanup(double.ref, self._target(version, t.prepared - 1)))
-        assert double.held_digest(version.lora_name) == version.snapshot.digest
-        assert double.unloads(version.lora_name) == unloads
+            self._run(self._cleanup(t, t.prepared - 1))
+        assert t.held_digest() == t.version.snapshot.digest
+        assert t.unloads() == unloads
 
     # --- reclaim -------------------------------------------------------------------------------
 
-    @rule(engine=engines, version=versions)
-    def reclaim(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles:
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
-        if not t.held or t.needs_cleanup or t.reclaimed:
-            return
-        reclaim_id = f"reclaim-{version.version_id}-{engine}"
-        self._run(self._reclaim(double, version, reclaim_id))
-        self._reclaimed(t, double, version, reclaim_id)
+    @staticmethod
+    def _can_reclaim(t: _Track) -> bool:
+        return t.held and not t.needs_cleanup and not t.reclaimed
 
-    @rule(engine=engines, version=versions)
-    def reclaim_with_a_lost_receipt_converges(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles:
+    @rule(t=tracked)
+    def reclaim(self, t: _Track) -> None:
+        if not self._can_reclaim(t):
             return
-        t, double = self._track(engine, version), self.doubles[engine]
-        if not t.held or t.needs_cleanup or t.reclaimed:
-            return
-        reclaim_id = f"reclaim-{version.version_id}-{engine}"
-        unloads = double.unloads(version.lora_name)
-        double.fail_next(Operation.RECLAIM, Failure.LOSE_REPLY)
-        try:
-            self._expect(BackendAmbiguousError, self._reclaim(double, version, reclaim_id))
-        finally:
-            double.clear_failures()
-        self._run(self._reclaim(double, version, reclaim_id))
-        assert double.unloads(version.lora_name) == unloads + 1
-        self._reclaimed(t, double, version, reclaim_id)
+        reclaim_id = f"reclaim-{t.version.version_id}-{t.engine}"
+        self._run(self._reclaim(t, reclaim_id))
+        self._reclaimed(t, reclaim_id)
 
-    @rule(engine=engines, version=versions)
-    def repeated_reclaim_never_unloads_again(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles:
+    @rule(t=tracked)
+    def reclaim_with_a_lost_receipt_converges(self, t: _Track) -> None:
+        if not self._can_reclaim(t):
             return
-        t, double = self._track(engine, version), self.doubles[engine]
+        reclaim_id = f"reclaim-{t.version.version_id}-{t.engine}"
+        unloads = t.unloads()
+        with t.failing(Operation.RECLAIM, Failure.LOSE_REPLY):
+            self._expect(BackendAmbiguousError, self._reclaim(t, reclaim_id))
+        self._run(self._reclaim(t, reclaim_id))
+        assert t.unloads() == unloads + 1
+        self._reclaimed(t, reclaim_id)
+
+    @rule(t=tracked)
+    def repeated_reclaim_never_unloads_again(self, t: _Track) -> None:
         if not t.reclaim_ids:
             return
-        unloads = double.unloads(version.lora_name)
+        unloads = t.unloads()
         for reclaim_id in sorted(t.reclaim_ids):
-            self._run(self._reclaim(double, version, reclaim_id))
-        assert double.unloads(version.lora_name) == unloads
-        assert double.held_digest(version.lora_name) is None
+            self._run(self._reclaim(t, reclaim_id))
+        assert t.unloads() == unloads
+        assert t.held_digest() is None
 
-    @rule(engine=engines, version=versions)
-    def a_reclaimed_name_is_never_loaded_again(self, engine: str, version: _Version) -> None:
-        if engine not in self.doubles:
-            return
-        t, double = self._track(engine, version), self.doubles[engine]
+    @rule(t=tracked)
+    def a_reclaimed_name_is_never_loaded_again(self, t: _Track) -> None:
         if not t.reclaimed:
             return
-        loads = double.loads(version.lora_name)
-        try:
-            self._run(
-                self.backend.prepare(double.ref, self._target(version, t.attempt), version.snapshot)
-            )
-        except BackendError:
-            pass
-        else:
-            raise AssertionError("a reclaimed version was prepared again")
-        assert double.loads(version.lora_name) == loads
-        assert double.held_digest(version.lora_name) is None
+        loads = t.loads()
+        self._expect(BackendError, self._prepare(t, t.attempt))
+        assert t.loads() == loads
+        assert t.held_digest() is None
 
     # --- engines -------------------------------------------------------------------------------
 
-    @rule(engine=engines)
+    @rule(engine=slots)
     def engine_restarts(self, engine: str) -> None:
-        if engine not in self.doubles:
-            return
         double = self.doubles[engine]
         double.restart()
         after = self._run(self.backend.incarnation(double.ref))
         assert after != self.incarnations[engine], "a restart must change the incarnation"
         self.incarnations[engine] = after
-        for (e, _), t in self.tracks.items():
-            if e == engine:
+        for t in self.tracks.values():
+            if t.engine == engine:
                 t.held = False
 
-    @rule(engine=engines)
+    @rule(engine=slots)
     def incarnation_is_stable_while_the_engine_runs(self, engine: str) -> None:
-        if engine not in self.doubles:
-            return
         assert (
             self._run(self.backend.incarnation(self.doubles[engine].ref))
             == self.incarnations[engine]
@@ -456,18 +459,15 @@ class BackendConformance(RuleBasedStateMachine):
 
     @invariant()
     def engines_hold_exactly_what_the_model_says(self) -> None:
-        for (engine, lora_name), t in self.tracks.items():
-            double = self.doubles[engine]
-            digest = double.held_digest(lora_name)
-            expected = next(v.snapshot.digest for v in _VERSIONS if v.lora_name == lora_name)
+        for t in self.tracks.values():
+            digest = t.held_digest()
             if t.held:
-                assert digest == expected, (engine, lora_name, digest)
+                assert digest == t.version.snapshot.digest, (t, digest)
             else:
-                assert digest is None, (engine, lora_name, "still held")
+                assert digest is None, (t, "still held")
 
     @invariant()
     def never_two_loads_of_one_name(self) -> None:
-        for (engine, lora_name), _ in self.tracks.items():
-            double = self.doubles[engine]
-            live = double.loads(lora_name) - double.unloads(lora_name)
-            assert live in (0, 1), (engine, lora_name, live)
+        for t in self.tracks.values():
+            live = t.loads() - t.unloads()
+            assert live in (0, 1), (t, live)

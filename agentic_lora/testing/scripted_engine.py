@@ -20,7 +20,7 @@ import json
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import httpx
 
@@ -52,17 +52,14 @@ class Fault:
         return cls(FaultKind.GATE, gate=gate, reached=reached)
 
 
-class HeldAdapter(Protocol):
-    """What every scripted engine records about an adapter it serves."""
+@dataclass(frozen=True, slots=True)
+class HeldAdapter:
+    """What every scripted engine records about an adapter it serves: where it was read from
+    and what it holds."""
 
-    @property
-    def lora_name(self) -> str: ...
-
-    @property
-    def lora_path(self) -> str: ...
-
-    @property
-    def digest(self) -> str | None: ...
+    lora_name: str
+    lora_path: str
+    digest: str | None
 
 
 OpT = TypeVar("OpT", bound=enum.Enum)
@@ -85,17 +82,28 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     calls: list[tuple[OpT, dict[str, Any]]] = field(default_factory=list)
     restarts: int = 0
 
-    #: The operations a fault can be scripted for.
+    #: The operations a fault can be scripted for. Every engine kind has ``"load"`` and
+    #: ``"unload"`` (what a backend's prepare and reclaim call) and ``"models"`` (``GET
+    #: /v1/models``) among them.
     ops: ClassVar[type[enum.Enum]]
-    #: The operation ``GET /v1/models`` counts as.
-    models_op: ClassVar[enum.Enum]
-    #: The operations that load and unload an adapter (what a backend's prepare and reclaim call).
-    load_op: ClassVar[enum.Enum]
-    unload_op: ClassVar[enum.Enum]
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
         self._faults: dict[OpT, deque[Fault]] = {op: deque() for op in self.ops}  # type: ignore[misc]
+
+    @property
+    def load_op(self) -> OpT:
+        """The operation that loads an adapter."""
+        return self._op("load")
+
+    @property
+    def unload_op(self) -> OpT:
+        """The operation that unloads an adapter."""
+        return self._op("unload")
+
+    def _op(self, value: str) -> OpT:
+        op: OpT = self.ops(value)  # type: ignore[assignment]
+        return op
 
     # --- what a subclass provides -------------------------------------------------------------
 
@@ -104,8 +112,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         """``(method, path, handler)`` of every endpoint this engine serves."""
 
     @abc.abstractmethod
-    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
-        """The answer to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the engine's words."""
+    def fault_reply(self, op: OpT, kind: FaultKind, message: str) -> httpx.Response:
+        """The answer of ``op`` to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the
+        engine's words."""
 
     def base_model_root(self) -> str:
         """The ``root`` of the base model's card on ``/v1/models``."""
@@ -116,7 +125,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     def mount(self, router: Any) -> None:
         """Route this engine's endpoints on a ``respx`` router (or the ``respx`` module)."""
         for method, path, handler in self.routes():
-            router.route(method=method, url=self.base_url + path).mock(side_effect=handler)
+            router.route(method=method, url=self.base_url + path).mock(
+                side_effect=_answering(handler)
+            )
 
     def script(self, op: OpT, *faults: Fault) -> None:
         """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
@@ -152,7 +163,11 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     # --- handler steps ------------------------------------------------------------------------
 
     async def _enter(self, op: OpT, request: httpx.Request) -> tuple[dict[str, Any], Fault | None]:
-        """Record the call and take its scripted fault; an unreachable engine records nothing."""
+        """Record the call and take its scripted fault; an unreachable engine records nothing.
+
+        A fault that does nothing but answer ends the handler here (the route answers it); the
+        fault returned, if any, is one that strikes after the engine acted (see :meth:`_finish`).
+        """
         fault = self._faults[op].popleft() if self._faults[op] else None
         if fault is not None and fault.kind is FaultKind.UNREACHABLE:
             raise httpx.ConnectError("connection refused (scripted)", request=request)
@@ -164,13 +179,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
                 fault.reached.set()
             await fault.gate.wait()
             fault = None
+        if fault is not None and fault.kind in _ANSWERED:
+            raise _Answered(self.fault_reply(op, fault.kind, fault.message))
         return body, fault
-
-    def _short_circuit(self, fault: Fault | None) -> httpx.Response | None:
-        """The answer of a fault that does nothing; None when the call goes on."""
-        if fault is None or fault.kind not in _ANSWERED:
-            return None
-        return self.fault_reply(fault.kind, fault.message)
 
     def _finish(
         self, fault: Fault | None, request: httpx.Request, response: httpx.Response
@@ -183,9 +194,7 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         return response
 
     async def _models(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(self.models_op, request)  # type: ignore[arg-type]
-        if (early := self._short_circuit(fault)) is not None:
-            return early
+        _, fault = await self._enter(self._op("models"), request)
         cards: list[dict[str, Any]] = [
             {
                 "id": self.served_model_name,
@@ -209,3 +218,23 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
 
 
 _ANSWERED = frozenset({FaultKind.REFUSE, FaultKind.OK_BUT_FAILED, FaultKind.SERVER_ERROR})
+
+
+class _Answered(Exception):
+    """A scripted fault's answer, raised past the handler that met it."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _answering(handler: Handler) -> Handler:
+    """``handler`` answering the scripted faults that only answer (see ``_enter``)."""
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        try:
+            return await handler(request)
+        except _Answered as answered:
+            return answered.response
+
+    return answer

@@ -35,7 +35,13 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+from agentic_lora.testing.scripted_engine import (
+    Fault,
+    FaultKind,
+    Handler,
+    HeldAdapter,
+    ScriptedEngine,
+)
 from agentic_lora.testing.streams import ScriptedStream, generate_chunks, stream_reply
 
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
@@ -55,15 +61,12 @@ class EngineOp(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass(slots=True)
-class LoadedAdapter:
-    """One registered adapter: where it was read from and what it holds."""
+@dataclass(frozen=True, slots=True)
+class LoadedAdapter(HeldAdapter):
+    """One registered adapter, pinned or not, under the engine's own id for it."""
 
-    lora_name: str
-    lora_path: str
     pinned: bool
     lora_id: int
-    digest: str | None
 
 
 @dataclass
@@ -103,9 +106,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
     streamed: dict[str | None, ScriptedStream] = field(default_factory=dict)
 
     ops = EngineOp
-    models_op = EngineOp.MODELS
-    load_op = EngineOp.LOAD
-    unload_op = EngineOp.UNLOAD
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,9 +131,12 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             ("GET", "/v1/models", self._models),
         ]
 
-    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+    def fault_reply(self, op: EngineOp, kind: FaultKind, message: str) -> httpx.Response:
         if kind is FaultKind.SERVER_ERROR:
             return httpx.Response(500, json={"error": {"message": message}})
+        if op is EngineOp.GENERATE:
+            # A generation refuses with a 400 and an OpenAI-style error, never ``success``.
+            return httpx.Response(400, json={"error": {"message": message}})
         status = 400 if kind is FaultKind.REFUSE else 200
         return httpx.Response(status, json={"success": False, "error_message": message})
 
@@ -169,8 +172,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(EngineOp.LOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name = str(body.get("lora_name"))
         path = str(body.get("lora_path"))
         pinned = bool(body.get("pinned", False))
@@ -191,15 +192,13 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
         return self._finish(fault, request, self._lora_reply(200, None))
 
     def _register(self, name: str, path: str, pinned: bool, digest: str | None) -> None:
-        self.adapters[name] = LoadedAdapter(name, path, pinned, self._next_lora_id, digest)
+        self.adapters[name] = LoadedAdapter(name, path, digest, pinned, self._next_lora_id)
         self._next_lora_id += 1
         self._ref_cache[name] = (path, pinned)
         self.physical_loads[name] += 1
 
     async def _unload(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(EngineOp.UNLOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name = str(body.get("lora_name"))
         adapter = self.adapters.pop(name, None) or self._unregistered.get(name)
         if adapter is None:
@@ -222,10 +221,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     async def _generate(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(EngineOp.GENERATE, request)
-        if fault is not None and fault.kind in (FaultKind.REFUSE, FaultKind.OK_BUT_FAILED):
-            return httpx.Response(400, json={"error": {"message": fault.message}})
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name = body.get("lora_path")
         if name is not None and name not in self.adapters:
             cached = self._ref_cache.get(str(name))
@@ -275,8 +270,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     async def _abort(self, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(EngineOp.ABORT, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         stream = self.streamed.get(body.get("rid"))
         if stream is not None:
             stream.abort()
@@ -292,8 +285,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
 
     async def _server_info(self, request: httpx.Request) -> httpx.Response:
         _, fault = await self._enter(EngineOp.SERVER_INFO, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         info = {
             "model_path": self.served_model_name,
             "served_model_name": self.served_model_name,

@@ -34,10 +34,16 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.testing.scripted_engine import Fault, FaultKind, Handler, ScriptedEngine
+from agentic_lora.testing.scripted_engine import (
+    Fault,
+    FaultKind,
+    Handler,
+    HeldAdapter,
+    ScriptedEngine,
+)
 from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
-__all__ = ["Fault", "FaultKind", "Registered", "ScriptedVllmEngine", "VllmOp"]
+__all__ = ["Fault", "FaultKind", "HeldAdapter", "ScriptedVllmEngine", "VllmOp"]
 
 
 class VllmOp(enum.StrEnum):
@@ -51,20 +57,15 @@ class VllmOp(enum.StrEnum):
     METRICS = "metrics"
 
 
-@dataclass(frozen=True, slots=True)
-class Registered:
-    """One adapter name the API server knows: where it was read from and what it holds."""
-
-    lora_name: str
-    lora_path: str
-    digest: str
-
-
 def _error(status: int, message: str, err_type: str) -> httpx.Response:
     return httpx.Response(
         status,
         json={"error": {"message": message, "type": err_type, "param": None, "code": status}},
     )
+
+
+async def _absent(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(404, json={"detail": "Not Found"})
 
 
 def _digest_of_dir(path: str) -> str | None:
@@ -76,7 +77,7 @@ def _digest_of_dir(path: str) -> str | None:
 
 
 @dataclass
-class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
+class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
     """One fake vLLM engine at ``base_url`` (mount it on a respx router)."""
 
     runtime_lora_updating: bool = True
@@ -87,9 +88,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
     streamed: list[ScriptedStream] = field(default_factory=list)
 
     ops = VllmOp
-    models_op = VllmOp.MODELS
-    load_op = VllmOp.LOAD
-    unload_op = VllmOp.UNLOAD
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,16 +98,20 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
     # --- test controls ------------------------------------------------------------------------
 
     def routes(self) -> list[tuple[str, str, Handler]]:
+        # With runtime LoRA updating off the adapter routes do not exist: the server's own 404.
+        load, unload = (
+            (self._load, self._unload) if self.runtime_lora_updating else (_absent, _absent)
+        )
         return [
-            ("POST", "/v1/load_lora_adapter", self._load),
-            ("POST", "/v1/unload_lora_adapter", self._unload),
+            ("POST", "/v1/load_lora_adapter", load),
+            ("POST", "/v1/unload_lora_adapter", unload),
             ("POST", "/v1/completions", self._completion),
             ("POST", "/v1/chat/completions", self._chat),
             ("GET", "/v1/models", self._models),
             ("GET", "/metrics", self._metrics),
         ]
 
-    def fault_reply(self, kind: FaultKind, message: str) -> httpx.Response:
+    def fault_reply(self, op: VllmOp, kind: FaultKind, message: str) -> httpx.Response:
         if kind is FaultKind.OK_BUT_FAILED:
             return httpx.Response(
                 200, json={"error": {"message": message, "type": "InternalServerError"}}
@@ -131,7 +133,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
         """Register an adapter behind the backend's back (as another client would)."""
         digest = self.read_digest(lora_path)
         assert digest is not None, lora_path
-        self.adapters[lora_name] = Registered(lora_name, lora_path, digest)
+        self.adapters[lora_name] = HeldAdapter(lora_name, lora_path, digest)
         self.physical_loads[lora_name] += 1
 
     def forget(self, lora_name: str) -> None:
@@ -158,11 +160,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
     # --- handlers -----------------------------------------------------------------------------
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
-        if not self.runtime_lora_updating:
-            return httpx.Response(404, json={"detail": "Not Found"})
         body, fault = await self._enter(VllmOp.LOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
         if not name or not path:
             return _error(
@@ -180,17 +178,13 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
             return _error(
                 404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError"
             )
-        self.adapters[name] = Registered(name, path, digest)
+        self.adapters[name] = HeldAdapter(name, path, digest)
         self.physical_loads[name] += 1
         reply = httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
         return self._finish(fault, request, reply)
 
     async def _unload(self, request: httpx.Request) -> httpx.Response:
-        if not self.runtime_lora_updating:
-            return httpx.Response(404, json={"detail": "Not Found"})
         body, fault = await self._enter(VllmOp.UNLOAD, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         name = str(body.get("lora_name") or "")
         if name not in self.adapters:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
@@ -208,8 +202,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
 
     async def _generation(self, op: VllmOp, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(op, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         model = str(body.get("model"))
         if model != self.served_model_name and model not in self.adapters:
             return _error(
@@ -241,8 +233,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, Registered]):
 
     async def _metrics(self, request: httpx.Request) -> httpx.Response:
         _, fault = await self._enter(VllmOp.METRICS, request)
-        if (early := self._short_circuit(fault)) is not None:
-            return early
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
             "# TYPE process_start_time_seconds gauge",

@@ -47,16 +47,13 @@ class VllmDialect(DialectBase):
     """vLLM's rules (see module docstring)."""
 
     name = "vllm"
+    label = "vLLM"
     routes = frozenset({Route.CHAT_COMPLETIONS, Route.COMPLETIONS})
     can_abort = False
     unload_waits_for_requests = False
     route_hint = (
         "; send /v1/completions or /v1/chat/completions (the Session names its adapter in `model`)"
     )
-
-    @property
-    def label(self) -> str:
-        return "vLLM"
 
     def pin(
         self, route: Route, body: Mapping[str, Any], lora_name: str, base_model: str | None

@@ -5,17 +5,9 @@ from __future__ import annotations
 
 from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
-from hypothesis import HealthCheck, settings
 
 from agentic_lora.testing.backend_conformance import BackendConformance
 from agentic_lora.testing.scripted_harness import ScriptedHarness, sglang_engines, vllm_engines
-
-_SETTINGS = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 
 
 async def drained_at_once(lora_name: str) -> None:
@@ -34,7 +26,5 @@ class VllmConformance(BackendConformance):
         )
 
 
-HttpPushConformance.TestCase.settings = _SETTINGS
-VllmConformance.TestCase.settings = _SETTINGS
-TestHttpPushConformance = HttpPushConformance.TestCase
-TestVllmConformance = VllmConformance.TestCase
+TestHttpPushConformance = HttpPushConformance.test_case(max_examples=40)
+TestVllmConformance = VllmConformance.test_case(max_examples=40)

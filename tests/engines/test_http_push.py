@@ -20,7 +20,7 @@ from agentic_lora.errors import (
     BackendRefusedError,
 )
 from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
-from tests.engines.test_push_backends import NAME_A, TARGET_A, A
+from tests.engines.test_push_backends import NAME_A, TARGET_A, A, assert_unloaded_once
 
 
 @dataclass
@@ -66,8 +66,7 @@ async def test_reclaim_waits_for_in_flight_requests_then_unloads_once(fleet: Fle
     assert fleet.e0.physical_unloads[NAME_A] == 0
     await fleet.e0.release(request)
     await reclaim
-    assert fleet.e0.physical_unloads[NAME_A] == 1
-    assert not (fleet.store / "e0" / NAME_A).exists()
+    assert_unloaded_once(fleet.e0, fleet.store, NAME_A)
 
 
 @pytest.mark.asyncio

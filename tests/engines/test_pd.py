@@ -42,6 +42,7 @@ from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
 from tests.config.test_config import check_of as settings_check_of
+from tests.config.test_config import on as settings_on
 
 A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 GROUP = "g1=prefill=http://p:30000,decode=http://d:30001,decode=http://d:30002,router=http://r:8000"
@@ -50,18 +51,15 @@ ROLES = ("g1.prefill", "g1.decode0", "g1.decode1")
 
 def on(**values: Any) -> dict[str, Any]:
     """A valid versioned configuration with one plain engine and one PD group."""
-    base: dict[str, Any] = {
-        "enable_versioned_lora_publication": True,
-        "engines": ["e0=http://e:30000"],
-        "pd_groups": [GROUP],
-        "gateway_retries_disabled": True,
-        "capacity": 2,
-        "base_model_name": "tiny-qwen3",
-        "engine_max_loaded_loras": 3,
-        "engine_max_loras_per_batch": 3,
-    }
-    base.update(values)
-    return base
+    return settings_on(
+        **{
+            "engines": ["e0=http://e:30000"],
+            "pd_groups": [GROUP],
+            "gateway_retries_disabled": True,
+            "base_model_name": "tiny-qwen3",
+            **values,
+        }
+    )
 
 
 def check_of(**values: Any) -> str:
@@ -276,6 +274,16 @@ async def pd(tmp_path: Path) -> AsyncIterator[tuple[ScriptedPDFleet, Deployment]
             yield fleet, d
 
 
+@pytest_asyncio.fixture
+async def pd_on_a(
+    pd: tuple[ScriptedPDFleet, Deployment],
+) -> tuple[ScriptedPDFleet, Deployment, str]:
+    """The PD group with A published: the fleet, the deployment and A's adapter name."""
+    fleet, d = pd
+    await d.publish("A", A)
+    return fleet, d, _peek(d, "A").lora_name
+
+
 def _peek(d: Deployment, version_id: str) -> Any:
     """The registry's version status, read without I/O (the in-process registry)."""
     return d.registry.peek_version(version_id)  # type: ignore[attr-defined]
@@ -335,11 +343,9 @@ async def test_a_failure_on_one_role_fails_the_publication_cleanly_on_every_role
 
 @pytest.mark.asyncio
 async def test_no_request_reaches_a_group_while_one_role_lacks_the_version(
-    pd: tuple[ScriptedPDFleet, Deployment],
+    pd_on_a: tuple[ScriptedPDFleet, Deployment, str],
 ) -> None:
-    fleet, d = pd
-    await d.publish("A", A)
-    a_name = _peek(d, "A").lora_name
+    fleet, d, a_name = pd_on_a
     async with d.session("s") as s:
         await s.generate({"text": "before"})
         fleet["g1.decode1"].restart()  # this decode server holds nothing now
@@ -394,10 +400,9 @@ async def test_a_role_server_that_does_not_answer_takes_its_group_out_of_routing
 
 @pytest.mark.asyncio
 async def test_a_refusal_by_the_group_pokes_the_repairer_for_every_role(
-    pd: tuple[ScriptedPDFleet, Deployment], monkeypatch: pytest.MonkeyPatch
+    pd_on_a: tuple[ScriptedPDFleet, Deployment, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fleet, d = pd
-    await d.publish("A", A)
+    fleet, d, _ = pd_on_a
     poked: list[str | None] = []
     poke = d.repairer.poke
 
@@ -415,11 +420,9 @@ async def test_a_refusal_by_the_group_pokes_the_repairer_for_every_role(
 
 @pytest.mark.asyncio
 async def test_reclaim_unloads_every_role_server_after_its_in_flight_requests(
-    pd: tuple[ScriptedPDFleet, Deployment],
+    pd_on_a: tuple[ScriptedPDFleet, Deployment, str],
 ) -> None:
-    fleet, d = pd
-    await d.publish("A", A)
-    a_name = _peek(d, "A").lora_name
+    fleet, d, a_name = pd_on_a
     async with d.session("old") as s:
         await s.generate({"text": "on A"})
         await d.publish("B", B)
@@ -440,10 +443,9 @@ async def test_reclaim_unloads_every_role_server_after_its_in_flight_requests(
 
 @pytest.mark.asyncio
 async def test_capacity_counts_every_role_and_a_full_decode_refuses(
-    pd: tuple[ScriptedPDFleet, Deployment],
+    pd_on_a: tuple[ScriptedPDFleet, Deployment, str],
 ) -> None:
-    fleet, d = pd
-    await d.publish("A", A)
+    fleet, d, _ = pd_on_a
     async with d.session("on-a") as s_a:
         await s_a.generate({"text": "a"})
         await d.publish("B", B)

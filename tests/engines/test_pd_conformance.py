@@ -5,7 +5,6 @@ role servers) exactly as it drives plain engines."""
 from __future__ import annotations
 
 from agentic_lora_http import HttpPushBackend
-from hypothesis import HealthCheck, settings
 
 from agentic_lora.engines.pd import PDGroup
 from agentic_lora.testing.backend_conformance import BackendConformance
@@ -33,10 +32,4 @@ def test_the_harness_drives_the_role_servers() -> None:
     assert [e.disaggregation_mode for e in role_servers()] == ["prefill", "decode"]
 
 
-PDHttpPushConformance.TestCase.settings = settings(
-    max_examples=20,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestPDHttpPushConformance = PDHttpPushConformance.TestCase
+TestPDHttpPushConformance = PDHttpPushConformance.test_case(max_examples=20)

@@ -65,6 +65,12 @@ KINDS = [
 ]
 
 
+def assert_unloaded_once(engine: ScriptedEngine[Any, Any], store: Path, lora_name: str) -> None:
+    """``engine`` physically unloaded ``lora_name`` exactly once and its stored copy is gone."""
+    assert engine.physical_unloads[lora_name] == 1
+    assert not (store / engine.name / lora_name).exists()
+
+
 @dataclass
 class Push:
     kind: Kind
@@ -142,8 +148,7 @@ async def test_a_lost_load_reply_is_ambiguous_and_cleanup_resolves_it(push: Push
     assert push.e0.held_digest(NAME_A) == A.digest  # it did load: the reply was lost
     await push.backend.cleanup(push.ref0, TARGET_A)
     assert not push.e0.holds(NAME_A)
-    assert push.e0.physical_unloads[NAME_A] == 1
-    assert not push.stored().exists()
+    assert_unloaded_once(push.e0, push.store, NAME_A)
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentic_lora.engines.backends import load_backend
+from agentic_lora.engines.dialect import load_dialect
 from agentic_lora.engines.routing import EngineHealth, Router, available_routers, load_router
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import ConfigurationError
@@ -37,19 +39,32 @@ def test_builtin_routers_are_found_by_entry_point() -> None:
     assert plugin_names(ROUTERS_GROUP) == available_routers()
 
 
-def test_unknown_or_broken_plugins_are_configuration_errors(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("load", "check", "shipped"),
+    [
+        (load_router, "router", "session-affinity"),
+        (load_backend, "backend", "http-push"),
+        (load_dialect, "engine_kind", "sglang"),
+    ],
+)
+def test_an_unknown_plugin_is_a_configuration_error_listing_the_installed_ones(
+    load: Callable[[str], object], check: str, shipped: str
 ) -> None:
     with pytest.raises(ConfigurationError) as unknown:
-        load_router("round-robin-please")
-    assert unknown.value.details["check"] == "router"
-    assert "session-affinity" in str(unknown.value)
+        load("carrier-pigeon")
+    assert (unknown.value.details["check"], unknown.value.details["name"]) == (
+        check,
+        "carrier-pigeon",
+    )
+    assert shipped in str(unknown.value)
+
+
+def test_broken_router_plugins_are_configuration_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with pytest.raises(ConfigurationError) as bad_options:
         load_router("least-in-flight", weights=[1, 2])
     assert bad_options.value.details["check"] == "router"
-    with pytest.raises(ConfigurationError) as no_backend:
-        load_backend("carrier-pigeon")
-    assert no_backend.value.details["check"] == "backend"
     assert plugin_names(BACKENDS_GROUP)  # the built-in backends are declared
 
     class NotARouter:

@@ -17,9 +17,20 @@ from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.errors import (
+    BackendAmbiguousError,
+    BackendError,
+    BackendRefusedError,
+    ConfigurationError,
+)
 from agentic_lora.testing.vllm_engine import Fault, FaultKind, ScriptedVllmEngine, VllmOp
-from tests.engines.test_push_backends import NAME_A, TARGET_A, A, drained_at_once
+from tests.engines.test_push_backends import (
+    NAME_A,
+    TARGET_A,
+    A,
+    assert_unloaded_once,
+    drained_at_once,
+)
 
 
 @dataclass
@@ -97,19 +108,23 @@ async def test_prepare_registers_and_probes_the_exact_name(fleet: Fleet) -> None
 
 
 @pytest.mark.asyncio
-async def test_a_refused_load_is_refused_and_nothing_is_held(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.REFUSE, "rank too large"))
-    with pytest.raises(BackendRefusedError, match="rank too large"):
+@pytest.mark.parametrize(
+    ("kind", "error", "status"),
+    [
+        (FaultKind.REFUSE, BackendRefusedError, 400),
+        # HTTP 200 with an error body is a refusal, not a success.
+        (FaultKind.OK_BUT_FAILED, BackendRefusedError, 200),
+        # A server error may come after the engine acted: ambiguous.
+        (FaultKind.SERVER_ERROR, BackendAmbiguousError, 500),
+    ],
+)
+async def test_a_failed_load_is_classified_by_its_answer_and_never_probed(
+    fleet: Fleet, kind: FaultKind, error: type[BackendError], status: int
+) -> None:
+    fleet.e0.script(VllmOp.LOAD, Fault(kind, "rank too large"))
+    with pytest.raises(error, match="rank too large") as info:
         await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.held_digest(NAME_A) is None
-
-
-@pytest.mark.asyncio
-async def test_http_200_with_an_error_body_is_a_refusal_not_a_success(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.OK_BUT_FAILED, "worker could not add it"))
-    with pytest.raises(BackendRefusedError, match="worker could not add it") as info:
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert info.value.details["status"] == 200
+    assert info.value.details["status"] == status
     assert fleet.e0.held_digest(NAME_A) is None
     assert fleet.e0.count(VllmOp.COMPLETION) == 0  # never probed, never reported READY
 
@@ -133,14 +148,6 @@ async def test_runtime_lora_updating_off_is_a_refusal_naming_the_route(
 
 
 # --- prepare: ambiguous outcomes ------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_a_server_error_on_load_is_ambiguous(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.SERVER_ERROR, "add_lora raised"))
-    with pytest.raises(BackendAmbiguousError, match="add_lora raised") as info:
-        await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert info.value.details["status"] == 500
 
 
 @pytest.mark.asyncio
@@ -240,8 +247,7 @@ async def test_reclaim_waits_for_the_drain_hook_before_unloading(fleet: Fleet) -
     assert (fleet.store / "e0" / NAME_A).is_dir()
     fleet.drain.release.set()
     await reclaim
-    assert fleet.e0.physical_unloads[NAME_A] == 1
-    assert not (fleet.store / "e0" / NAME_A).exists()
+    assert_unloaded_once(fleet.e0, fleet.store, NAME_A)
 
 
 @pytest.mark.asyncio

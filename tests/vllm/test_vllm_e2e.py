@@ -25,7 +25,6 @@ from agentic_lora_harness.vllm_engines import VllmFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import load_settings
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.publication.publisher import PublicationOutcome
@@ -34,6 +33,7 @@ from agentic_lora.registry.types import VersionState, new_request_id
 from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
 from tests.session_support import Calls
 from tests.vllm.engine_gate import EngineGate
+from tests.vllm.support import vllm_settings
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,15 +91,7 @@ async def test_old_sessions_keep_a_new_sessions_get_b_and_a_is_reclaimed_after_i
     fixture = vllm_fleet.fixture
     urls = dict(vllm_fleet.engines)
     store = tmp_path / "store"
-    settings = load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{name}={url}" for name, url in vllm_fleet.engines],
-        capacity=2,
-        base_model_name=fixture.served_model_name,
-        lora_name_prefix="e2e_vllm",
-        engine_kind="vllm",
-        backend="vllm",
-    )
+    settings = vllm_settings(vllm_fleet, "e2e_vllm")
     ended: list[str] = []
     replies = Middleware(ReplyLog, xargs=engine_gate.xargs, label="long turn", log=ended)
     passed = EngineGate(tmp_path, "already-open")

@@ -20,7 +20,6 @@ import pytest
 from agentic_lora_harness.vllm_engines import VllmFleet
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentic_lora.config import load_settings
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.publication.reclaimer import ReclaimOutcome
@@ -28,6 +27,7 @@ from agentic_lora.registry.types import new_request_id
 from tests.session_support import Calls
 from tests.streaming_support import served
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
+from tests.vllm.support import vllm_settings
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 
@@ -55,16 +55,7 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
 ) -> None:
     fixture = vllm_fleet.fixture
     urls = dict(vllm_fleet.engines)
-    settings = load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{name}={url}" for name, url in vllm_fleet.engines],
-        capacity=2,
-        base_model_name=fixture.served_model_name,
-        lora_name_prefix="e2e_vllm_stream",
-        engine_kind="vllm",
-        backend="vllm",
-        gateway_max_tokens=256,
-    )
+    settings = vllm_settings(vllm_fleet, "e2e_vllm_stream", gateway_max_tokens=256)
     turn: dict[str, Any] = {
         "model": fixture.served_model_name,
         "prompt": "def add",
