@@ -38,19 +38,17 @@ import pytest
 from agentic_lora_harness.engines import EngineFleet
 
 from tests.chaos.scenarios import RAY_NAMESPACE, ray_topology
+from tests.chaos.support import local_ray_cluster
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
-    try:
+    with local_ray_cluster(RAY_NAMESPACE):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.asyncio

@@ -35,6 +35,7 @@ from tests.e2e.support import (
     EngineLog,
     GatedBackend,
     RegistryWatch,
+    fleet_config,
     fresh_id,
     open_on,
 )
@@ -153,12 +154,9 @@ async def stack(
         for name, url in fleet.engines:
             proxies[name] = await exits.enter_async_context(RecordingProxy(name, url, traffic))
         settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={proxy.base_url}" for name, proxy in proxies.items()],
-            capacity=2,
-            base_model_name=fleet.served_model_name,
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
+            **fleet_config(
+                {name: proxy.base_url for name, proxy in proxies.items()}, fleet.served_model_name
+            ),
             lora_name_prefix="policy_lora",
             # The repairer's periodic probe would put incarnation reads into the quiet windows
             # these tests assert on; the engine-restart test pokes the repairer itself.
