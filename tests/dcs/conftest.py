@@ -109,17 +109,13 @@ class Case:
     http: httpx.AsyncClient
     snapshot: AdapterSnapshot
     target: PublicationTarget
-    plan: BucketPlan
+    #: How many buckets, so collectives, one transfer of the snapshot takes.
+    buckets: int
 
     @property
     def name(self) -> str:
         """The lora name the engine serves the version under (the same for every attempt)."""
         return self.target.lora_name
-
-    @property
-    def buckets(self) -> int:
-        """How many buckets, so collectives, one transfer of the snapshot takes."""
-        return len(self.plan.buckets)
 
     def attempt(self, attempt: int) -> Case:
         """The same version's attempt ``attempt`` (same lora name, new attempt number)."""
@@ -208,9 +204,10 @@ class Case:
         )
 
     def begin(
-        self, incarnation: str, plan: BucketPlan, *, version_id: str | None = None
+        self, incarnation: str, plan: BucketPlan | None = None, *, version_id: str | None = None
     ) -> BeginRequest:
-        """The attempt's Begin claiming the snapshot's digest and config."""
+        """The attempt's Begin claiming the snapshot's digest and config (and its plan, unless
+        ``plan`` is given)."""
         return BeginRequest(
             driver="d0d0d0d0",
             lora_name=self.name,
@@ -219,7 +216,7 @@ class Case:
             digest=self.snapshot.digest,
             incarnation=incarnation,
             config=thaw_json(self.snapshot.config),
-            plan=plan,
+            plan=plan or plan_for_snapshot(self.snapshot, BUCKET_BYTES),
             backend="gloo",
             protocol=PROTOCOL_VERSION,
         )
@@ -237,10 +234,8 @@ class Cases:
 
     def on(self, sidecar: SidecarProcess, *, seed: int, version_id: str) -> Case:
         snapshot = make_snapshot(seed)
-        target = target_for(snapshot, version_id)
-        return Case(
-            sidecar, self._http, snapshot, target, plan_for_snapshot(snapshot, BUCKET_BYTES)
-        )
+        buckets = len(plan_for_snapshot(snapshot, BUCKET_BYTES).buckets)
+        return Case(sidecar, self._http, snapshot, target_for(snapshot, version_id), buckets)
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ async def test_messages_of_an_older_attempt_never_seen_here_are_refused_as_stale
     # Attempt 1's messages were delayed in the network and only arrive now.
     client = stale.client()
     with pytest.raises(BackendRefusedError) as late_begin:
-        await client.begin(stale.begin(incarnation, stale.plan))
+        await client.begin(stale.begin(incarnation))
     bucket = BucketRequest(lora_name=newer.name, attempt=1, incarnation=incarnation, index=0)
     with pytest.raises(BackendRefusedError) as late_bucket:
         await client.bucket(bucket)

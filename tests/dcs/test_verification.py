@@ -27,7 +27,7 @@ async def test_corrupted_bytes_in_transit_are_a_clean_refusal_and_nothing_is_loa
     cases: Cases,
 ) -> None:
     case = cases("E0", seed=31, version_id="corrupt-in-transit")
-    plan = case.plan
+    plan = plan_for_snapshot(case.snapshot, BUCKET_BYTES)
     last = plan.buckets[-1].index
     client = case.client()
     incarnation = (await client.incarnation()).incarnation
@@ -86,12 +86,12 @@ async def test_a_manifest_that_does_not_hash_to_the_digest_is_refused_at_begin(
 
     with pytest.raises(BackendRefusedError) as wrong_manifest:
         await client.begin(case.begin(incarnation, plan_for_snapshot(other, BUCKET_BYTES)))
-    good = case.plan
+    good = plan_for_snapshot(case.snapshot, BUCKET_BYTES)
     repacked = BucketPlan(bucket_bytes=good.bucket_bytes * 2, buckets=good.buckets)
     with pytest.raises(BackendRefusedError) as bad_plan:
         await client.begin(case.begin(incarnation, repacked))
     with pytest.raises(BackendRefusedError) as wrong_name:
-        await client.begin(case.begin(incarnation, good, version_id="another-id"))
+        await client.begin(case.begin(incarnation, version_id="another-id"))
 
     assert wrong_manifest.value.details["reason"] == "MANIFEST_MISMATCH"
     assert bad_plan.value.details["reason"] == "BAD_PLAN"

@@ -96,7 +96,6 @@ class Stack:
     proxies: dict[str, RecordingProxy]
     backend: GatedBackend
     deployment: Deployment
-    registry: LocalRegistry
     watch: RegistryWatch
     logs: dict[str, EngineLog]
     chat: ChatTokens
@@ -108,6 +107,13 @@ class Stack:
     @property
     def engine_names(self) -> list[str]:
         return self.fleet.names
+
+    @property
+    def registry(self) -> LocalRegistry:
+        """The deployment's registry: a LocalRegistry in every end-to-end stack."""
+        registry = self.deployment.registry
+        assert isinstance(registry, LocalRegistry)
+        return registry
 
     def engine_url(self, engine: str) -> str:
         """The engine itself (bypassing the proxy): for baselines and controls only."""
@@ -166,7 +172,6 @@ async def stack(
         backend = GatedBackend(HttpPushBackend(store_root))
         exits.push_async_callback(backend.aclose)
         deployment = Deployment.from_settings(settings, backend=backend)
-        assert isinstance(deployment.registry, LocalRegistry)
         watch = RegistryWatch(deployment.registry)
         await exits.enter_async_context(deployment)
         # Runs first on the way out: a test that failed while holding a gate must not leave a
@@ -178,7 +183,6 @@ async def stack(
             proxies=proxies,
             backend=backend,
             deployment=deployment,
-            registry=deployment.registry,
             watch=watch,
             logs=logs,
             chat=ChatTokens(fleet.fixture.model_dir / "tokenizer.json"),
