@@ -12,7 +12,6 @@ Gloo on CPU, NCCL when CUDA is available. Every call here blocks; callers run th
 from __future__ import annotations
 
 import datetime
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,8 +28,6 @@ __all__ = [
     "connect_store",
     "default_backend",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def _supported() -> tuple[str, ...]:
@@ -95,25 +92,19 @@ class _Broadcaster(Protocol):
     def broadcast(self, tensor: torch.Tensor, root: int) -> _Work: ...
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
 class AttemptGroup:
-    """A two-rank group for one attempt; rank 0 broadcasts, rank 1 receives."""
+    """A two-rank group for one attempt; rank 0 broadcasts, rank 1 receives.
 
-    def __init__(
-        self,
-        group: _Broadcaster,
-        *,
-        rank: int,
-        backend: str,
-        device: torch.device,
-        label: tuple[str, int],
-        counter: CollectiveCounter,
-    ) -> None:
-        self._group = group
-        self.rank = rank
-        self.backend = backend
-        self._device = device
-        self._label = label
-        self._counter = counter
+    ``label`` is the (lora_name, attempt) its collectives are counted under in ``counter``.
+    """
+
+    group: _Broadcaster
+    rank: int
+    backend: str
+    device: torch.device
+    label: tuple[str, int]
+    counter: CollectiveCounter
 
     @classmethod
     def join(
@@ -151,33 +142,35 @@ class AttemptGroup:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             raise ValueError(f"unknown collective backend {backend!r}")
-        return cls(group, rank=rank, backend=backend, device=device, label=label, counter=counter)
+        return cls(
+            group=group, rank=rank, backend=backend, device=device, label=label, counter=counter
+        )
 
     def send(self, data: bytearray) -> None:
         """Broadcast one bucket from rank 0 (``data`` is borrowed, not copied, on CPU)."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends")
         tensor = torch.frombuffer(data, dtype=torch.uint8) if data else _empty()
-        self._broadcast(tensor.to(self._device))
+        self._broadcast(tensor.to(self.device))
 
     def receive(self, nbytes: int) -> bytes:
         """Receive one bucket of exactly ``nbytes`` on rank 1."""
         if self.rank != 1:
             raise RuntimeError("only rank 1 receives")
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._broadcast(tensor)
         return bytes(tensor.cpu().numpy().tobytes())
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         # Counted before the wait: a collective that was entered counts even if it then fails.
-        self._counter.add(*self._label)
-        self._group.broadcast(tensor, 0).wait()
+        self.counter.add(*self.label)
+        self.group.broadcast(tensor, 0).wait()
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
 
     def close(self) -> None:
         """Release the group's communicators (NCCL) or pairs (gloo, on the last reference)."""
-        shutdown = getattr(self._group, "shutdown", None)
+        shutdown = getattr(self.group, "shutdown", None)
         if self.backend == "nccl" and callable(shutdown):
             shutdown()
 

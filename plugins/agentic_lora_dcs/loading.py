@@ -28,11 +28,7 @@ from agentic_lora_dcs.attempts import (
     EndDecision,
     Refused,
 )
-from agentic_lora_dcs.protocol import (
-    EndRequest,
-    ReadyReply,
-    Reason,
-)
+from agentic_lora_dcs.protocol import EndRequest, ReadyReply, Reason
 from agentic_lora_dcs.receiver_state import ReceiverState, runtime_key
 from agentic_lora_dcs.staging import Staging, consume_exception
 
@@ -79,7 +75,7 @@ class LoadSteps(ReceiverState):
         assert record.identity is not None
         path = self._store.path_for(record.lora_name)
         try:
-            current = f"{self.sidecar_id}/{await self.engine_incarnation()}"
+            current = await self.current_incarnation()
             listed = await self._engine.list_lora_adapters()
         except (BackendRefusedError, BackendAmbiguousError) as exc:
             raise Refused(Reason.ENGINE_UNCERTAIN, exc.message, clean=False) from exc
@@ -123,7 +119,7 @@ class LoadSteps(ReceiverState):
         identity = record.identity
         for index in range(record.buckets):
             await self._settle_receive(record, index)
-        current = f"{self.sidecar_id}/{await self.engine_incarnation()}"
+        current = await self.current_incarnation()
         if current != identity.incarnation:
             raise Refused(
                 Reason.ENGINE_RESTARTED,
@@ -156,7 +152,7 @@ class LoadSteps(ReceiverState):
         assert record.identity is not None
         identity = record.identity
         try:
-            after = f"{self.sidecar_id}/{await self.engine_incarnation()}"
+            after = await self.current_incarnation()
             if self._probe:
                 await self._engine.probe_generate(record.lora_name)
         except (BackendRefusedError, BackendAmbiguousError) as exc:

@@ -23,11 +23,7 @@ import asyncio
 import json
 import logging
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    BackendAmbiguousError,
-    BackendRefusedError,
-)
+from agentic_lora.errors import AgenticLoRAError, BackendAmbiguousError, BackendRefusedError
 from agentic_lora_dcs.attempts import (
     AttemptIdentity,
     AttemptRecord,
@@ -36,9 +32,7 @@ from agentic_lora_dcs.attempts import (
     BucketDecision,
     Refused,
 )
-from agentic_lora_dcs.collective import (
-    AttemptGroup,
-)
+from agentic_lora_dcs.collective import SUPPORTED_BACKENDS, AttemptGroup
 from agentic_lora_dcs.loading import LoadSteps
 from agentic_lora_dcs.manifest import manifest_digest, name_matches
 from agentic_lora_dcs.protocol import (
@@ -50,11 +44,11 @@ from agentic_lora_dcs.protocol import (
     Reason,
     Rendezvous,
 )
-from agentic_lora_dcs.receiver_state import AdapterDirectories, EngineControl, runtime_key
+from agentic_lora_dcs.receiver_state import runtime_key
 from agentic_lora_dcs.staging import Staging, Unpacked, consume_exception
 from agentic_lora_dcs.teardown import TeardownSteps
 
-__all__ = ["AdapterDirectories", "EngineControl", "Receiver"]
+__all__ = ["Receiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +66,10 @@ class Receiver(LoadSteps, TeardownSteps):
                 f"protocol {req.protocol}, this sidecar speaks {PROTOCOL_VERSION}",
                 clean=True,
             )
-        if req.backend not in self._backends:
+        if req.backend not in SUPPORTED_BACKENDS:
             raise Refused(
                 Reason.UNSUPPORTED_BACKEND,
-                f"collective backend {req.backend!r} not available here ({self._backends})",
+                f"collective backend {req.backend!r} not available here ({SUPPORTED_BACKENDS})",
                 clean=True,
             )
         try:

@@ -18,17 +18,8 @@ from typing import Protocol
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.admin import LoadResult, ProbeResult, ServerInfo, UnloadOutcome
-from agentic_lora_dcs.attempts import (
-    AttemptRecord,
-    AttemptState,
-    Ledger,
-    Refused,
-)
-from agentic_lora_dcs.collective import (
-    SUPPORTED_BACKENDS,
-    CollectiveCounter,
-    RendezvousServer,
-)
+from agentic_lora_dcs.attempts import AttemptRecord, AttemptState, Ledger, Refused
+from agentic_lora_dcs.collective import SUPPORTED_BACKENDS, CollectiveCounter, RendezvousServer
 from agentic_lora_dcs.protocol import (
     PROTOCOL_VERSION,
     AttemptView,
@@ -82,17 +73,15 @@ class ReceiverState:
         rendezvous: RendezvousServer,
         collective_timeout: datetime.timedelta,
         probe: bool = True,
-        sidecar_id: str | None = None,
-        backends: tuple[str, ...] = SUPPORTED_BACKENDS,
     ) -> None:
-        self.sidecar_id = sidecar_id or uuid.uuid4().hex[:16]
+        # A fresh id per boot: an incarnation minted before a sidecar restart never matches.
+        self.sidecar_id = uuid.uuid4().hex[:16]
         self.counter = CollectiveCounter()
         self._engine = engine
         self._store = store
         self._rendezvous = rendezvous
         self._timeout = collective_timeout
         self._probe = probe
-        self._backends = backends
         self._ledger = Ledger()
         self._runtimes: dict[tuple[str, int, str], Staging] = {}
         self._cleanups: dict[tuple[str, int], asyncio.Task[CleanupReply]] = {}
@@ -110,6 +99,10 @@ class ReceiverState:
         info = await self._engine.server_info()
         return info.fingerprint
 
+    async def current_incarnation(self) -> str:
+        """This sidecar's incarnation as of now: ``<sidecar id>/<engine fingerprint>``."""
+        return f"{self.sidecar_id}/{await self.engine_incarnation()}"
+
     async def incarnation(self) -> IncarnationReply:
         engine_inc = await self.engine_incarnation()
         return IncarnationReply(
@@ -117,7 +110,7 @@ class ReceiverState:
             sidecar_id=self.sidecar_id,
             engine_incarnation=engine_inc,
             protocol=PROTOCOL_VERSION,
-            backends=self._backends,
+            backends=SUPPORTED_BACKENDS,
         )
 
     def _check_sidecar(self, claimed: str, *, clean: bool) -> None:

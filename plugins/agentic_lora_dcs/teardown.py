@@ -12,15 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from agentic_lora.engines.admin import UnloadOutcome
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendRefusedError,
-)
-from agentic_lora_dcs.attempts import (
-    AttemptRecord,
-    AttemptState,
-    Refused,
-)
+from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora_dcs.attempts import AttemptRecord, AttemptState, Refused
 from agentic_lora_dcs.protocol import (
     CleanupReply,
     CleanupRequest,

@@ -59,6 +59,7 @@ from tests.chaos.support import (
     wire_problems,
 )
 from tests.e2e.recording_proxy import Exchange, TrafficLog
+from tests.e2e.support import fleet_config
 
 __all__ = [
     "LEASE_TTL",
@@ -206,12 +207,7 @@ def _in_process_settings(
     taps: dict[str, EngineTap], fleet: EngineFleet, journal: Path
 ) -> AgenticLoRASettings:
     return load_settings(
-        enable_versioned_lora_publication=True,
-        engines=[f"{name}={tap.base_url}" for name, tap in taps.items()],
-        capacity=2,
-        base_model_name=fleet.served_model_name,
-        engine_max_loaded_loras=3,
-        engine_max_loras_per_batch=3,
+        **fleet_config({name: tap.base_url for name, tap in taps.items()}, fleet.served_model_name),
         lora_name_prefix="chaos_lora",
         journal_path=journal,
         request_timeout=120.0,

@@ -40,7 +40,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -77,6 +85,7 @@ from agentic_lora.registry.types import (
 )
 from agentic_lora.session import Versioning
 from tests.e2e.recording_proxy import Exchange, RecordingProxy, TrafficLog, Waiters
+from tests.e2e.support import fleet_config
 
 # Importable here through pytest's pythonpath (or bench's add_example_agents_to_path); a worker
 # subprocess gets it on its PYTHONPATH.
@@ -150,6 +159,19 @@ def chaos_seed() -> int:
 def scenario_rng(name: str, seed: int | None = None) -> random.Random:
     """The random choices of scenario ``name``: the same for the same seed, whatever ran before."""
     return random.Random(f"{chaos_seed() if seed is None else seed}:{name}")
+
+
+@contextlib.contextmanager
+def local_ray_cluster(namespace: str) -> Iterator[None]:
+    """A Ray cluster on this machine for one test module: two CPUs, no dashboard, and the
+    workers' output kept out of the test's (their processes log to files of their own)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 async def eventually(
@@ -969,12 +991,7 @@ class ServeProcess:
     def _config(self) -> Path:
         path = self.workdir / "serve.json"
         config = {
-            "enable_versioned_lora_publication": True,
-            "engines": [f"{name}={url}" for name, url in self.engines.items()],
-            "capacity": 2,
-            "base_model_name": self.base_model,
-            "engine_max_loaded_loras": 3,
-            "engine_max_loras_per_batch": 3,
+            **fleet_config(self.engines, self.base_model),
             "journal_path": str(self.journal),
             "lora_name_prefix": "chaos_lora",
             **self.settings,

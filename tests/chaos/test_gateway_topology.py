@@ -42,20 +42,18 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.mark.asyncio
-async def test_gateway_process_killed_under_load(
-    chaos_fleet: EngineFleet, tmp_path: Path, rng: random.Random
+@pytest.mark.parametrize(
+    ("during", "name"),
+    [
+        # The gateway fault: killed under agent traffic.
+        pytest.param("traffic", "gateway", id="gateway-under-load"),
+        # The registry host fault: killed inside a publication.
+        pytest.param("publication", "registry-host", id="registry-host-inside-a-publication"),
+    ],
+)
+async def test_serve_killed(
+    during: str, name: str, chaos_fleet: EngineFleet, tmp_path: Path, rng: random.Random
 ) -> None:
-    report = await serve_killed(chaos_fleet, tmp_path, rng, during="traffic", name="gateway")
-    print(report.summary(), f"\n  report: {report.write(tmp_path / 'report.json')}")
-    assert report.problems == []
-
-
-@pytest.mark.asyncio
-async def test_registry_host_killed_inside_a_publication(
-    chaos_fleet: EngineFleet, tmp_path: Path, rng: random.Random
-) -> None:
-    report = await serve_killed(
-        chaos_fleet, tmp_path, rng, during="publication", name="registry-host"
-    )
+    report = await serve_killed(chaos_fleet, tmp_path, rng, during=during, name=name)
     print(report.summary(), f"\n  report: {report.write(tmp_path / 'report.json')}")
     assert report.problems == []

@@ -38,34 +38,35 @@ import pytest
 from agentic_lora_harness.engines import EngineFleet
 
 from tests.chaos.scenarios import RAY_NAMESPACE, ray_topology
+from tests.chaos.support import local_ray_cluster
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
-    try:
+    with local_ray_cluster(RAY_NAMESPACE):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.asyncio
-async def test_rollout_worker_killed_under_load(
-    ray_cluster: None, chaos_fleet: EngineFleet, tmp_path: Path, rng: random.Random
+@pytest.mark.parametrize(
+    ("fault", "name"),
+    [
+        pytest.param("worker", "worker", id="rollout-worker"),
+        pytest.param("actor", "registry-actor", id="registry-actor"),
+    ],
+)
+async def test_killed_under_load(
+    fault: str,
+    name: str,
+    ray_cluster: None,
+    chaos_fleet: EngineFleet,
+    tmp_path: Path,
+    rng: random.Random,
 ) -> None:
-    report = await ray_topology(chaos_fleet, tmp_path, rng, fault="worker", name="worker")
-    print(report.summary(), f"\n  report: {report.write(tmp_path / 'report.json')}")
-    assert report.problems == []
-
-
-@pytest.mark.asyncio
-async def test_registry_actor_killed_under_load(
-    ray_cluster: None, chaos_fleet: EngineFleet, tmp_path: Path, rng: random.Random
-) -> None:
-    report = await ray_topology(chaos_fleet, tmp_path, rng, fault="actor", name="registry-actor")
+    report = await ray_topology(chaos_fleet, tmp_path, rng, fault=fault, name=name)
     print(report.summary(), f"\n  report: {report.write(tmp_path / 'report.json')}")
     assert report.problems == []

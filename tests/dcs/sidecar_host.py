@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -201,7 +200,7 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def main() -> int:
+def main() -> None:
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -232,8 +231,7 @@ def main() -> int:
                 await host.aclose()
 
     asyncio.run(run())
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

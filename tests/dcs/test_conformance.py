@@ -14,7 +14,7 @@ from typing import ClassVar
 import httpx
 import pytest
 from agentic_lora_dcs import DcsBackend
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.testing.backend_conformance import (
@@ -118,10 +118,6 @@ def _bind_hosts(sidecars: dict[str, SidecarProcess]) -> Iterator[None]:
     DcsConformance.hosts = {}
 
 
-DcsConformance.TestCase.settings = settings(
-    max_examples=10,
-    stateful_step_count=12,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# No deadline and no too_slow check come from the suite's hypothesis profile (tests/conftest.py).
+DcsConformance.TestCase.settings = settings(max_examples=10, stateful_step_count=12)
 TestDcsConformance = DcsConformance.TestCase

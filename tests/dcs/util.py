@@ -226,31 +226,6 @@ class EdgeTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def calls_naming(engine: dict[str, Any], op: str, lora_name: str) -> int:
-    """How many ``op`` calls in an :meth:`SidecarProcess.engine_state` named ``lora_name``."""
-    return sum(
-        1 for called, body in engine["calls"] if called == op and body["lora_name"] == lora_name
-    )
-
-
 async def resend(http: httpx.AsyncClient, url: str, body: bytes) -> httpx.Response:
     """Post a control message's recorded JSON ``body`` again, as a late or replayed copy."""
     return await http.post(url, content=body, headers={"content-type": "application/json"})
-
-
-async def gate(sidecar: SidecarProcess, http: httpx.AsyncClient, op: str, name: str) -> None:
-    """The next ``op`` call of the sidecar's engine waits until :func:`open_gate` opens ``name``."""
-    body = {"op": op, "gate": name}
-    (await http.post(f"{sidecar.url}/_test/engine/gate", json=body)).raise_for_status()
-
-
-async def open_gate(sidecar: SidecarProcess, http: httpx.AsyncClient, name: str) -> None:
-    (await http.post(f"{sidecar.url}/_test/engine/open", json={"gate": name})).raise_for_status()
-
-
-async def wait_for_calls(
-    sidecar: SidecarProcess, http: httpx.AsyncClient, op: str, count: int
-) -> None:
-    """Return once the sidecar's engine has received ``count`` calls of ``op``."""
-    body = {"op": op, "count": count}
-    (await http.post(f"{sidecar.url}/_test/engine/wait", json=body)).raise_for_status()

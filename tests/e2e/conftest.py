@@ -35,6 +35,7 @@ from tests.e2e.support import (
     EngineLog,
     GatedBackend,
     RegistryWatch,
+    fleet_config,
     fresh_id,
     open_on,
 )
@@ -95,7 +96,6 @@ class Stack:
     proxies: dict[str, RecordingProxy]
     backend: GatedBackend
     deployment: Deployment
-    registry: LocalRegistry
     watch: RegistryWatch
     logs: dict[str, EngineLog]
     chat: ChatTokens
@@ -107,6 +107,13 @@ class Stack:
     @property
     def engine_names(self) -> list[str]:
         return self.fleet.names
+
+    @property
+    def registry(self) -> LocalRegistry:
+        """The deployment's registry: a LocalRegistry in every end-to-end stack."""
+        registry = self.deployment.registry
+        assert isinstance(registry, LocalRegistry)
+        return registry
 
     def engine_url(self, engine: str) -> str:
         """The engine itself (bypassing the proxy): for baselines and controls only."""
@@ -153,12 +160,9 @@ async def stack(
         for name, url in fleet.engines:
             proxies[name] = await exits.enter_async_context(RecordingProxy(name, url, traffic))
         settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={proxy.base_url}" for name, proxy in proxies.items()],
-            capacity=2,
-            base_model_name=fleet.served_model_name,
-            engine_max_loaded_loras=3,
-            engine_max_loras_per_batch=3,
+            **fleet_config(
+                {name: proxy.base_url for name, proxy in proxies.items()}, fleet.served_model_name
+            ),
             lora_name_prefix="policy_lora",
             # The repairer's periodic probe would put incarnation reads into the quiet windows
             # these tests assert on; the engine-restart test pokes the repairer itself.
@@ -168,7 +172,6 @@ async def stack(
         backend = GatedBackend(HttpPushBackend(store_root))
         exits.push_async_callback(backend.aclose)
         deployment = Deployment.from_settings(settings, backend=backend)
-        assert isinstance(deployment.registry, LocalRegistry)
         watch = RegistryWatch(deployment.registry)
         await exits.enter_async_context(deployment)
         # Runs first on the way out: a test that failed while holding a gate must not leave a
@@ -180,7 +183,6 @@ async def stack(
             proxies=proxies,
             backend=backend,
             deployment=deployment,
-            registry=deployment.registry,
             watch=watch,
             logs=logs,
             chat=ChatTokens(fleet.fixture.model_dir / "tokenizer.json"),

@@ -36,6 +36,7 @@ __all__ = [
     "RegistryWatch",
     "Scored",
     "baseline_adapter",
+    "fleet_config",
     "fresh_id",
     "open_on",
     "replay",
@@ -44,6 +45,23 @@ __all__ = [
     "scored_request",
     "stored_names",
 ]
+
+
+def fleet_config(engines: Mapping[str, str], base_model: str) -> dict[str, Any]:
+    """The product settings every stack on the shared two-engine fleet starts from.
+
+    ``engines`` maps each engine's name to the URL the product reaches it at (a recording proxy
+    or a tap in front of it). Two slots, and the fleet's own ``--max-loaded-loras`` and
+    ``--max-loras-per-batch`` (3), so the product's capacity check sees the engines as started.
+    """
+    return {
+        "enable_versioned_lora_publication": True,
+        "engines": [f"{name}={url}" for name, url in engines.items()],
+        "capacity": 2,
+        "base_model_name": base_model,
+        "engine_max_loaded_loras": 3,
+        "engine_max_loras_per_batch": 3,
+    }
 
 
 def fresh_id(tag: str) -> str:

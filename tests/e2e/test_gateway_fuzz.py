@@ -74,7 +74,6 @@ async def test_a_short_fuzz_run_against_one_real_engine(engine_fleet: Any, tmp_p
                     # Drawn first, sent after: hypothesis runs synchronously, the gateway not.
                     @settings(
                         max_examples=40,
-                        deadline=None,
                         derandomize=True,
                         database=None,
                         suppress_health_check=list(HealthCheck),

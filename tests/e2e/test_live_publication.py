@@ -85,6 +85,8 @@ class Episode:
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.turns: list[Turn] = []
+        #: The latest turn of each Session, by ``<role>-<engine>``.
+        self.last: dict[str, Turn] = {}
 
     async def turn(
         self,
@@ -103,6 +105,22 @@ class Episode:
         turn = Turn(label, engine, expected, rid, request, scored(reply.body), batched)
         self.turns.append(turn)
         return turn
+
+    async def first_turns(self, role: str, expected: str, question: str) -> dict[str, Session]:
+        """One Session per engine, opened and given its first turn; each must bind ``expected``.
+
+        ``question`` names its engine as ``{engine}``.
+        """
+        sessions: dict[str, Session] = {}
+        for engine in self.stack.engine_names:
+            session = sessions[engine] = await self.stack.open_on(engine, f"s-{role}-{engine}")
+            prompt = self.stack.chat.first_turn(question.format(engine=engine))
+            self.last[f"{role}-{engine}"] = await self.turn(
+                session, engine, f"{role}-1-{engine}", expected, prompt
+            )
+            assert session.binding is not None
+            assert session.binding.version_id == self.stack.versions[expected]
+        return sessions
 
     def next_prefix(self, turn: Turn, observation: str) -> list[int]:
         prompt = list(turn.baseline_request["input_ids"])
@@ -147,22 +165,15 @@ async def test_sessions_keep_their_version_across_a_live_publication(stack: Stac
     engines = stack.engine_names
     assert engines == ["E0", "E1"]
     episode = Episode(stack)
-    chat = stack.chat
 
     first = await stack.publish("A")
     assert first.outcome is PublicationOutcome.PUBLISHED
-    old: dict[str, Session] = {}
-    mid: dict[str, Session] = {}
-    new: dict[str, Session] = {}
-    last: dict[str, Turn] = {}
+    last = episode.last
 
     # 1. S_old binds A.
-    for engine in engines:
-        old[engine] = await stack.open_on(engine, f"s-old-{engine}")
-        prompt = chat.first_turn(f"check the weather in city {engine} with the weather tool")
-        last[f"old-{engine}"] = await episode.turn(
-            old[engine], engine, f"old-1-{engine}", "A", prompt
-        )
+    old = await episode.first_turns(
+        "old", "A", "check the weather in city {engine} with the weather tool"
+    )
 
     # 2. B is being published: E0 READY, E1's READY held.
     e1_ready = asyncio.Event()
@@ -185,15 +196,9 @@ async def test_sessions_keep_their_version_across_a_live_publication(stack: Stac
     for engine in engines:
         listed = await stack.raw.get(f"{stack.engine_url(engine)}/v1/models")
         assert name_b in {card["id"] for card in listed.json()["data"]}, engine
-    for engine in engines:
-        mid[engine] = await stack.open_on(engine, f"s-mid-{engine}")
-        prompt = chat.first_turn(f"look up the answer for session {engine} and then compute a sum")
-        last[f"mid-{engine}"] = await episode.turn(
-            mid[engine], engine, f"mid-1-{engine}", "A", prompt
-        )
-        binding = mid[engine].binding
-        assert binding is not None
-        assert binding.version_id == stack.versions["A"]
+    mid = await episode.first_turns(
+        "mid", "A", "look up the answer for session {engine} and then compute a sum"
+    )
     assert not publishing.done()
 
     # 3. E1 READY -> commit -> B is the default; S_new binds B.
@@ -204,15 +209,7 @@ async def test_sessions_keep_their_version_across_a_live_publication(stack: Stac
     assert second.commit.previous_default == stack.versions["A"]
     assert stack.status("A").state is VersionState.RETIRED
     assert stack.status("A").session_refs == 4
-    for engine in engines:
-        new[engine] = await stack.open_on(engine, f"s-new-{engine}")
-        prompt = chat.first_turn(f"what is the weather in city {engine} now")
-        last[f"new-{engine}"] = await episode.turn(
-            new[engine], engine, f"new-1-{engine}", "B", prompt
-        )
-        binding = new[engine].binding
-        assert binding is not None
-        assert binding.version_id == stack.versions["B"]
+    new = await episode.first_turns("new", "B", "what is the weather in city {engine} now")
 
     # 4a. Tool turns of all three Sessions on both engines at once (A and B share batches).
     tool_turns = []

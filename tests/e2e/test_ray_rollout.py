@@ -47,6 +47,7 @@ from tests.chaos.support import (
     adapter_of,
     eventually,
     is_generation,
+    local_ray_cluster,
     session_tag,
     wire_problems,
 )
@@ -72,11 +73,8 @@ LONG_LEASE_TTL = 120.0
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, namespace=REGISTRY_NAMESPACE, log_to_driver=False)
-    try:
+    with local_ray_cluster(REGISTRY_NAMESPACE):
         yield
-    finally:
-        ray.shutdown()
 
 
 async def _call(ref: Awaitable[Any], what: str) -> Any:

@@ -124,6 +124,20 @@ def _unload_log(stack: Stack, engine: str, lora_name: str, phase: str) -> list[s
     return [line for line in stack.logs[engine].lines(phase) if lora_name in line]
 
 
+async def _end(
+    stack: Stack, engine: str, request: LongRequest, unload: Exchange
+) -> tuple[int, int]:
+    """End ``engine``'s long request and wait until its pending ``unload`` returns.
+
+    Returns the traffic mark and the engine log offset taken just before the abort went out.
+    """
+    ended = stack.traffic.mark(f"ending {engine}'s request")
+    abort_sent_at = stack.logs[engine].offset()
+    await request.end()
+    await stack.traffic.wait_for(lambda e: e is unload and e.done, what=f"{engine} unload returned")
+    return ended, abort_sent_at
+
+
 async def _bound_sessions(stack: Stack, letter: str) -> dict[str, Session]:
     sessions = {}
     for engine in stack.engine_names:
@@ -148,7 +162,8 @@ async def test_a_request_in_flight_keeps_a_version_loaded_until_it_ends(stack: S
     assert stack.status("A").state is VersionState.RETIRED
     # The long requests start only now: nothing but the reclaim runs while they must still be
     # decoding (their token budget is far more than the test lets them produce).
-    abort_sent_at: dict[str, int] = {}
+    ended_at: dict[str, int] = {}  # traffic marks
+    abort_sent_at: dict[str, int] = {}  # engine log offsets
     async with long_requests(stack, name_a) as long:
         # The last Sessions holding A close: refs reach 0 and the reclaimer starts at once.
         closing_at = {engine: stack.logs[engine].offset() for engine in stack.engine_names}
@@ -176,12 +191,7 @@ async def test_a_request_in_flight_keeps_a_version_loaded_until_it_ends(stack: S
             assert _unload_log(stack, engine, name_a, "unloading starts") == [], engine
 
         # E0's request ends: E0 unloads. E1's request still runs: E1 still waits.
-        ended_e0 = stack.traffic.mark("ending E0's request for A")
-        abort_sent_at["E0"] = stack.logs["E0"].offset()
-        await long["E0"].end()
-        done_e0 = await stack.traffic.wait_for(
-            lambda e: e is unloads["E0"] and e.done, what="E0 unload returned"
-        )
+        ended_at["E0"], abort_sent_at["E0"] = await _end(stack, "E0", long["E0"], unloads["E0"])
         await stack.watch.wait_for(
             "confirm_reclaim",
             lambda s: s.version_id == stack.versions["A"] and "E0" in s.reclaimed_engines,
@@ -192,24 +202,18 @@ async def test_a_request_in_flight_keeps_a_version_loaded_until_it_ends(stack: S
         assert stack.status("A").state is VersionState.RECLAIMING
         assert stack.status("A").reclaimed_engines == ("E0",)
 
-        ended_e1 = stack.traffic.mark("ending E1's request for A")
-        abort_sent_at["E1"] = stack.logs["E1"].offset()
-        await long["E1"].end()
-        done_e1 = await stack.traffic.wait_for(
-            lambda e: e is unloads["E1"] and e.done, what="E1 unload returned"
-        )
+        ended_at["E1"], abort_sent_at["E1"] = await _end(stack, "E1", long["E1"], unloads["E1"])
         await stack.watch.wait_for(
             "confirm_reclaim",
             lambda s: s.version_id == stack.versions["A"] and s.state is VersionState.RECLAIMED,
             what="A RECLAIMED",
         )
 
-    # Each unload was pending until the test ended its engine's request, and returned after.
-    assert done_e0.seq_done is not None
-    assert done_e0.seq_done > ended_e0
-    assert done_e1.seq_done is not None
-    assert done_e1.seq_done > ended_e1
     for engine in stack.engine_names:
+        # Each unload was pending until the test ended its engine's request, and returned after.
+        seq_done = unloads[engine].seq_done
+        assert seq_done is not None
+        assert seq_done > ended_at[engine], engine
         (unload,) = stack.traffic.select(engine=engine, path="/unload_lora_adapter", lora=name_a)
         assert unload.status == 200
         assert unload.reply["success"] is True
