@@ -26,12 +26,24 @@ from agentic_lora.errors import (
 )
 from agentic_lora.registry.types import ReadyReceipt, ReserveOutcome, SessionState, VersionState
 
-from .util import E0, E1, bind, call, close, digest_of, new_core, publish, ready, receipt, reclaim
+from .util import (
+    E0,
+    E1,
+    bind,
+    call,
+    close,
+    digest_of,
+    new_core,
+    publish,
+    published_core,
+    ready,
+    receipt,
+    reclaim,
+)
 
 
 def test_split_fleet_ready_keeps_default_until_every_engine_is_ready() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     assert bind(core, "S_old") == "A"
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0)
@@ -135,8 +147,7 @@ def test_new_id_with_historical_content_is_a_new_publication() -> None:
 
 
 def test_failed_candidate_frees_its_slot_only_after_every_cleanup_is_confirmed() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0)
     call(core, "abort", version_id="B", attempt=1, reason="E1 refused")
@@ -181,8 +192,7 @@ def test_unconfirmed_cleanup_keeps_the_slot_and_blocks_publication() -> None:
 
 
 def test_lost_commit_reply_is_answered_by_a_replay_with_the_same_request_id() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     first, applied = core.execute(
@@ -198,8 +208,7 @@ def test_lost_commit_reply_is_answered_by_a_replay_with_the_same_request_id() ->
 
 
 def test_engine_restart_invalidates_its_ready_for_the_pending_version() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     assert call(core, "observe_incarnation", engine=E1, incarnation="inc-2") is True
@@ -235,8 +244,7 @@ def _naming(receipt: ReadyReceipt, **ref_parts: Any) -> ReadyReceipt:
 
 
 def test_commit_against_a_moved_default_revision_is_refused() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     with pytest.raises(RevisionConflictError):
@@ -245,8 +253,7 @@ def test_commit_against_a_moved_default_revision_is_refused() -> None:
 
 
 def test_one_session_binds_once_and_holds_one_ref() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     first = call(core, "bind_first", session_key="s")
     for _ in range(5):
         assert call(core, "bind_first", session_key="s") == first
@@ -254,8 +261,7 @@ def test_one_session_binds_once_and_holds_one_ref() -> None:
 
 
 def test_close_before_bind_refuses_a_late_bind_and_releases_nothing() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     status = call(core, "begin_close", session_key="s")
     assert status.state is SessionState.CLOSING
     assert status.version_id is None
@@ -270,8 +276,7 @@ def test_close_before_bind_refuses_a_late_bind_and_releases_nothing() -> None:
 
 
 def test_duplicate_close_and_release_drop_the_ref_exactly_once() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     bind(core, "s1")
     bind(core, "s2")
     call(core, "begin_close", session_key="s1")
@@ -285,8 +290,7 @@ def test_duplicate_close_and_release_drop_the_ref_exactly_once() -> None:
 
 
 def test_release_needs_begin_close_first() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     bind(core, "s")
     with pytest.raises(InvalidStateError):
         call(core, "release", session_key="s")
@@ -332,8 +336,7 @@ def test_capacity_refusal_happens_before_any_transfer_and_clears_after_reclaim()
 
 
 def test_repeated_reclaim_and_late_unload_receipts_are_idempotent() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     publish(core, "B")
     c1 = call(core, "claim_reclaim", version_id="A")
     c2 = call(core, "claim_reclaim", version_id="A")
@@ -350,8 +353,7 @@ def test_repeated_reclaim_and_late_unload_receipts_are_idempotent() -> None:
 
 
 def test_the_default_and_pending_versions_cannot_be_reclaimed() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     with pytest.raises(InvalidStateError):
         call(core, "claim_reclaim", version_id="A")
     call(core, "reserve", version_id="B", digest=digest_of("B"))
@@ -362,8 +364,7 @@ def test_the_default_and_pending_versions_cannot_be_reclaimed() -> None:
 
 
 def test_forget_sessions_drops_tombstones_but_never_a_live_session() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     bind(core, "live")
     bind(core, "done")
     close(core, "done")
@@ -376,8 +377,7 @@ def test_forget_sessions_drops_tombstones_but_never_a_live_session() -> None:
 
 
 def test_a_request_id_reused_for_another_call_is_refused() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     core.execute("rid", "bind_first", {"session_key": "s1"})
     with pytest.raises(InvalidStateError) as err:
         core.execute("rid", "bind_first", {"session_key": "s2"})
@@ -413,8 +413,7 @@ def test_bad_input_gets_typed_errors() -> None:
 
 
 def test_abort_and_cleanup_follow_the_transition_table() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     with pytest.raises(InvalidStateError):
         call(core, "abort", version_id="A", attempt=1, reason="too late")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
@@ -446,8 +445,7 @@ def test_late_duplicate_ready_after_commit_is_harmless() -> None:
 
 
 def test_status_reports_versions_engines_and_capacity() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = published_core()
     bind(core, "s")
     st = core.status()
     assert st.default_version == "A"

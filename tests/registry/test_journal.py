@@ -111,7 +111,8 @@ async def test_compaction_keeps_state_and_idempotency(path: Path) -> None:
     await again.aclose()
 
 
-async def test_a_file_that_is_not_a_database_stops_start_up(path: Path) -> None:
+async def test_a_file_that_is_not_a_database_stops_start_up(tmp_path: Path) -> None:
+    path = tmp_path / "registry.sqlite"
     path.write_bytes(b"this is not sqlite at all" * 100)
     with pytest.raises(JournalCorruptError) as err:
         _registry(path)

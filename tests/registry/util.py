@@ -70,6 +70,13 @@ def new_core(capacity: int = 2, **kw: Any) -> RegistryCore:
     return RegistryCore(engines=(E0, E1), capacity=capacity, **kw)
 
 
+def published_core(capacity: int = 2) -> RegistryCore:
+    """A new core with version ``A`` published on both engines."""
+    core = new_core(capacity)
+    publish(core, "A")
+    return core
+
+
 def lease(
     core: RegistryCore,
     owner: str,
