@@ -46,7 +46,6 @@ from .util import (
     lease,
     new_core,
     publish,
-    published_core,
     ready,
     receipt,
     reclaim,
@@ -108,7 +107,7 @@ def _state_of(core: RegistryCore, session: str) -> SessionState:
 def test_open_lease_refuses_bad_input_and_changes_nothing(
     field: str, value: object, reason: str
 ) -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=5.0)
     bind_on(core, "s1", grant.lease_id)
     # A new incarnation of a known owner: a refusal must not end the live lease either.
@@ -140,7 +139,7 @@ def test_open_lease_grants_a_lease_named_owner_slash_incarnation() -> None:
 
 
 def test_open_lease_again_with_the_same_incarnation_renews_it() -> None:
-    core = published_core()
+    core = new_core(published="A")
     first = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", first.lease_id)
     again = lease(core, W, "i1", now=4.0, ttl=20.0, on_restart="adopt")
@@ -155,7 +154,7 @@ def test_open_lease_again_with_the_same_incarnation_renews_it() -> None:
 
 
 def test_new_incarnation_with_release_expires_the_predecessors_sessions_at_once() -> None:
-    core = published_core()
+    core = new_core(published="A")
     old = lease(core, W, "i1", now=0.0)
     for s in ("s1", "s2", "s3", "s4"):
         bind_on(core, s, old.lease_id)
@@ -185,7 +184,7 @@ def test_new_incarnation_with_release_expires_the_predecessors_sessions_at_once(
 
 
 def test_new_incarnation_with_adopt_moves_sessions_and_names_to_the_new_lease() -> None:
-    core = published_core()
+    core = new_core(published="A")
     old = lease(core, G, "g1", now=0.0)
     bind_on(core, "s1", old.lease_id)
     call(core, "open_named", name="bound", session_key="k1", lease=old.lease_id, now=0.0)
@@ -282,7 +281,7 @@ def test_renew_after_the_expiry_sweep_is_lease_expired() -> None:
 def test_a_lease_past_its_deadline_lives_until_a_sweep_decides() -> None:
     # Expiry is decided in one place (the sweep), so a renewal that arrives late but before the
     # sweep still counts; the holder is expected to renew well inside its own TTL anyway.
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     assert core.sweep_due(12.0, NAME_TTL)
     bind_on(core, "s1", grant.lease_id)
@@ -292,7 +291,7 @@ def test_a_lease_past_its_deadline_lives_until_a_sweep_decides() -> None:
 
 
 def test_sweep_expires_exactly_the_leases_whose_deadline_is_reached() -> None:
-    core = published_core()
+    core = new_core(published="A")
     a = lease(core, "a", "1", now=0.0, ttl=10.0)  # deadline 10.0
     b = lease(core, "b", "1", now=0.5, ttl=10.0)  # deadline 10.5
     c = lease(core, "c", "1", now=1.0, ttl=10.0)  # deadline 11.0
@@ -323,7 +322,7 @@ def test_sweep_refuses_a_bad_name_ttl_and_changes_nothing() -> None:
 
 
 def test_a_closing_session_whose_lease_expires_releases_late_without_a_second_decrement() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", grant.lease_id)
     bind_on(core, "s2", grant.lease_id)
@@ -347,7 +346,7 @@ def test_a_closing_session_whose_lease_expires_releases_late_without_a_second_de
 
 
 def test_bind_first_on_an_expired_session_is_session_expired() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", grant.lease_id)
     call(core, "sweep", now=10.0, name_ttl=NAME_TTL)
@@ -360,7 +359,7 @@ def test_bind_first_on_an_expired_session_is_session_expired() -> None:
 
 @pytest.mark.parametrize("how", ["never_granted", "expired", "superseded", "closed"])
 def test_bind_first_under_a_dead_lease_is_lease_expired_and_takes_no_ref(how: str) -> None:
-    core = published_core()
+    core = new_core(published="A")
     lease(core, W, "i1", now=0.0, ttl=10.0)
     if how == "expired":
         call(core, "sweep", now=10.0, name_ttl=NAME_TTL)
@@ -376,7 +375,7 @@ def test_bind_first_under_a_dead_lease_is_lease_expired_and_takes_no_ref(how: st
 
 
 def test_close_lease_releases_its_sessions_and_is_idempotent() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0)
     bind_on(core, "s1", grant.lease_id)
     bind_on(core, "s2", grant.lease_id)
@@ -487,7 +486,7 @@ def test_open_named_first_use_records_the_callers_key() -> None:
 
 
 def test_open_named_again_returns_the_same_key_and_its_binding() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     binding = bind(core, "k1")
@@ -500,7 +499,7 @@ def test_open_named_again_returns_the_same_key_and_its_binding() -> None:
 
 
 def test_open_named_from_another_lease_adopts_the_name_and_its_session() -> None:
-    core = published_core()
+    core = new_core(published="A")
     g1 = lease(core, G, "g1", now=0.0)
     g2 = lease(core, "gateway-b", "1", now=0.0, ttl=50.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=g1.lease_id, now=0.0)
@@ -528,7 +527,7 @@ def test_open_named_from_another_lease_adopts_the_name_and_its_session() -> None
 
 
 def test_bind_first_of_a_named_key_binds_under_the_names_lease() -> None:
-    core = published_core()
+    core = new_core(published="A")
     g1 = lease(core, G, "g1", now=0.0)
     other = lease(core, "other", "1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=g1.lease_id, now=0.0)
@@ -539,7 +538,7 @@ def test_bind_first_of_a_named_key_binds_under_the_names_lease() -> None:
 
 
 def test_open_named_after_begin_close_is_session_closed_even_with_a_new_key() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     bind(core, "k1")
@@ -559,7 +558,7 @@ def test_open_named_after_begin_close_is_session_closed_even_with_a_new_key() ->
 
 
 def test_open_named_after_its_lease_expired_is_session_expired() -> None:
-    core = published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0, ttl=10.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     call(core, "open_named", name="idle", session_key="k2", lease=grant.lease_id, now=0.0)
@@ -578,7 +577,7 @@ def test_open_named_after_its_lease_expired_is_session_expired() -> None:
 
 
 def test_a_name_tombstone_is_forgotten_by_the_sweep_after_name_ttl_and_only_then() -> None:
-    core = published_core()
+    core = new_core(published="A")
     call(core, "open_named", name="chat-1", session_key="k1", lease=None, now=5.0)
     bind(core, "k1")
     call(core, "begin_close", session_key="k1")  # tombstoned at core.now == 5.0
@@ -599,7 +598,7 @@ def test_a_name_tombstone_is_forgotten_by_the_sweep_after_name_ttl_and_only_then
 
 
 def test_open_named_refuses_bad_names_and_keys_in_use() -> None:
-    core = published_core()
+    core = new_core(published="A")
     bind(core, "taken")
     call(core, "open_named", name="n1", session_key="k1", lease=None, now=0.0)
     for args, reason in (
@@ -615,7 +614,7 @@ def test_open_named_refuses_bad_names_and_keys_in_use() -> None:
 
 @pytest.mark.parametrize("t", [0.0, 9.999, 10.0, 10.5, 14.999, 15.0, 104.999, 105.0, 1e9])
 def test_sweep_due_agrees_with_what_sweep_does(t: float) -> None:
-    core = published_core()
+    core = new_core(published="A")
     lease(core, "a", "1", now=0.0, ttl=10.0)  # due at 10
     lease(core, "b", "1", now=0.0, ttl=15.0)  # due at 15
     call(core, "open_named", name="n", session_key="k", lease=None, now=5.0)
@@ -638,7 +637,7 @@ def _restart(core: RegistryCore, engine: str, incarnation: str) -> bool:
 def test_an_engine_restart_drops_it_from_a_dispatchable_versions_ready_engines(
     retired: bool,
 ) -> None:
-    core = published_core()
+    core = new_core(published="A")
     bind(core, "s1")
     if retired:
         publish(core, "B")
@@ -653,7 +652,7 @@ def test_an_engine_restart_drops_it_from_a_dispatchable_versions_ready_engines(
 
 
 def test_a_repair_ready_from_the_current_incarnation_re_adds_the_engine() -> None:
-    core = published_core()
+    core = new_core(published="A")
     ra = core.version("A")
     _restart(core, E1, "inc-2")
     r = call(core, "reserve", version_id="A", digest=ra.digest)  # the committed reservation
@@ -667,7 +666,7 @@ def test_a_repair_ready_from_the_current_incarnation_re_adds_the_engine() -> Non
 def test_a_ready_from_an_incarnation_other_than_the_observed_one_is_engine_restarted(
     named: str,
 ) -> None:
-    core = published_core()
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     _restart(core, E1, "inc-2")
     err = _refused(core, "record_ready", receipt=receipt(core, r, E1, named))
@@ -678,7 +677,7 @@ def test_a_ready_from_an_incarnation_other_than_the_observed_one_is_engine_resta
 
 @pytest.mark.parametrize("state", ["RECLAIMING", "RECLAIMED"])
 def test_a_repair_ready_for_a_version_on_its_way_out_is_a_no_op(state: str) -> None:
-    core = published_core()
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     publish(core, "B")
     claim = call(core, "claim_reclaim", version_id="A")
@@ -696,7 +695,7 @@ def test_a_repair_ready_for_a_version_on_its_way_out_is_a_no_op(state: str) -> N
 
 
 def test_a_restart_counts_as_cleanup_of_an_aborted_attempt_and_frees_its_slot() -> None:
-    core = published_core(capacity=2)
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0, E1)
     call(core, "abort", version_id="B", attempt=rb.attempt, reason="test")
@@ -714,7 +713,7 @@ def test_a_restart_counts_as_cleanup_of_an_aborted_attempt_and_frees_its_slot() 
 
 
 def test_a_restart_of_one_engine_alone_does_not_free_an_aborted_slot() -> None:
-    core = published_core()
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     call(core, "abort", version_id="B", attempt=rb.attempt, reason="test")
     _restart(core, E0, "inc-2")
@@ -724,7 +723,7 @@ def test_a_restart_of_one_engine_alone_does_not_free_an_aborted_slot() -> None:
 
 
 def test_a_restart_counts_as_reclaim_of_a_reclaiming_version() -> None:
-    core = published_core()
+    core = new_core(published="A")
     publish(core, "B")
     claim = call(core, "claim_reclaim", version_id="A")
     call(core, "confirm_reclaim", version_id="A", reclaim_id=claim.reclaim_id, engine=E0)
@@ -750,7 +749,7 @@ def test_a_first_sighting_of_an_engine_changes_nothing_else() -> None:
 
 
 def test_a_ready_from_a_newer_incarnation_counts_once_it_is_observed() -> None:
-    core = published_core()
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     _restart(core, E1, "inc-2")
     _restart(core, E1, "inc-3")  # refused before this: see the test above
