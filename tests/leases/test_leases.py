@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import pytest
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
@@ -41,7 +43,7 @@ from agentic_lora.publication.publisher import PublicationOutcome, Publisher, Re
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import LeaseStatus, VersionState, new_request_id
-from agentic_lora.session import SessionPhase, Versioning
+from agentic_lora.session import Session, SessionPhase, Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
@@ -101,6 +103,12 @@ class FakeTime:
                 fut.set_result(None)
 
 
+@pytest.fixture
+def t() -> FakeTime:
+    """The test's one fake time: the keeper's clock and sleeps, and the registry's at an offset."""
+    return FakeTime()
+
+
 class RegistryClock:
     """The registry host's wall clock: the same fake time at another offset, plus a step."""
 
@@ -154,21 +162,29 @@ def refs(h: Harness, version_id: str) -> int:
     return int(status.session_refs)
 
 
+async def bound_session(v: Versioning, name: str) -> Session:
+    """Session ``name`` after its first turn: bound, under the owner's lease."""
+    session = v.open_session(name)
+    await session.generate(turn(name))
+    return session
+
+
 def lease_status(registry: LocalRegistry, lease_id: str) -> LeaseStatus | None:
     return registry.core.lease(lease_id)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Leased(Harness):
     """A :class:`Harness` whose Versioning binds under a lease (both are always there)."""
 
     lease: LeaseKeeper
     inner: LocalRegistry
+    wall: RegistryClock  # the registry host's clock: a test can step it apart from the keeper's
 
 
 @contextlib.asynccontextmanager
 async def leased(
-    t: FakeTime, clock: RegistryClock | None = None, *, published: str | None = None, **lease: Any
+    t: FakeTime, *, published: str | None = None, **lease: Any
 ) -> AsyncIterator[Leased]:
     """A harness whose Versioning binds under owner ``w0``'s lease, on fake time (with
     ``published`` already published, when given)."""
@@ -180,29 +196,38 @@ async def leased(
         "retry_wait": wait_fixed(5),
     }
     options.update(lease)
+    wall = RegistryClock(t)
     async with harness(
-        registry_options={"clock": clock or RegistryClock(t), "sweep_interval": None},
+        registry_options={"clock": wall, "sweep_interval": None},
         lease=options,
     ) as h:
         assert h.lease is not None
         assert h.inner is not None
         if published is not None:
             await publish(h.registry, published)
-        yield Leased(h.versioning, h.registry, h.engines, h.transport, h.clock, h.lease, h.inner)
+        fields = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
+        yield Leased(**fields, wall=wall)
+
+
+async def partition(h: Leased, t: FakeTime) -> None:
+    """Cut the keeper off from the registry at its next renewal; return once that renewal has
+    failed and its retry waits on fake time (``fail_before["renew_lease"] = 0`` heals it)."""
+    h.registry.fail_before["renew_lease"] = 10**6
+    await t.sleeping()
+    t.advance(RENEW)
+    await h.registry.called("renew_lease")
+    await t.sleeping()
 
 
 # --- a dead owner ----------------------------------------------------------------------------
 
 
-async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_sends_nothing() -> (
-    None
-):
-    t = FakeTime()
+async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_sends_nothing(
+    t: FakeTime,
+) -> None:
     async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        s1, s2 = v.open_session("s1"), v.open_session("s2")
-        await s1.generate(turn("s1"))
-        await s2.generate(turn("s2"))
+        s1, s2 = await bound_session(v, "s1"), await bound_session(v, "s2")
         await publish(reg, "B")
         assert refs(h, "A") == 2
         # Killed: its renewer never runs again, nothing is closed.
@@ -239,17 +264,11 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         assert h.inner.core.session(s1.key) is None  # the tombstone was forgotten too
 
 
-async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() -> None:
-    t = FakeTime()
+async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(t: FakeTime) -> None:
     async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        reg.fail_before["renew_lease"] = 10**6  # partitioned from the registry from now on
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
+        v = h.versioning
+        s = await bound_session(v, "s")
+        await partition(h, t)
         await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
         t.advance(TTL - RENEW)  # exactly the local deadline
         with pytest.raises(SessionExpiredError) as err:
@@ -264,17 +283,14 @@ async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() 
         assert swept.expired_sessions == (s.key,)
 
 
-async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_a_new_incarnation() -> (
-    None
-):
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
+async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_a_new_incarnation(
+    t: FakeTime,
+) -> None:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        bound = v.open_session("bound")
-        await bound.generate(turn("bound"))
+        bound = await bound_session(v, "bound")
         first = h.lease.current
-        clock.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
+        h.wall.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
         assert (await h.inner.sweep_if_due()) is not None
         assert first.state is LeaseState.HELD  # our own deadline has not passed
 
@@ -294,8 +310,7 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
         assert sent(h, "bound") == 1
 
         # A new Session works, under a fresh incarnation of the same owner.
-        fresh = v.open_session("fresh")
-        await fresh.generate(turn("fresh"))
+        fresh = await bound_session(v, "fresh")
         assert fresh.lease is h.lease.current
         assert fresh.lease is not first
         assert fresh.lease.lease_id.startswith("w0/")
@@ -309,13 +324,10 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
 # --- restarts --------------------------------------------------------------------------------
 
 
-async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() -> None:
-    t = FakeTime()
+async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once(t: FakeTime) -> None:
     async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        s1, s2 = v.open_session("s1"), v.open_session("s2")
-        await s1.generate(turn("s1"))
-        await s2.generate(turn("s2"))
+        s1, s2 = await bound_session(v, "s1"), await bound_session(v, "s2")
         await publish(reg, "B")
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=t.sleep)
         log = Events(successor)
@@ -328,14 +340,12 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() ->
         await successor.aclose()
 
 
-async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back() -> (
-    None
-):
-    t = FakeTime()
+async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back(
+    t: FakeTime,
+) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
         await successor.acquire()
         survivor = await h.inner.bind_first(
@@ -363,18 +373,12 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
         await successor.aclose()
 
 
-async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
-    t = FakeTime()
+async def test_after_a_partition_the_keeper_asks_before_it_reopens(t: FakeTime) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         first = h.lease.current
-        reg.fail_before["renew_lease"] = 10**6
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
+        await partition(h, t)
         t.advance(TTL)
         assert first.state is LeaseState.LOST  # lost on our side; the registry still holds it
         assert first.lost_reason == "local_deadline"
@@ -383,8 +387,7 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
         # The partition heals; no other process took the slot: the probe finds the lease still
         # live, so the keeper opens a new incarnation, which ends the old lease at once.
         reg.fail_before["renew_lease"] = 0
-        fresh = v.open_session("fresh")
-        await fresh.generate(turn("fresh"))
+        fresh = await bound_session(v, "fresh")
         assert fresh.lease is not None
         assert fresh.lease is not first
         assert lease_status(h.inner, first.lease_id) is None
@@ -393,16 +396,11 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
             await s.generate(turn("s", 2))
 
 
-async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
-    t = FakeTime()
+async def test_after_a_partition_a_superseded_keeper_does_not_reopen(t: FakeTime) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
         await v.open_session("s").generate(turn("s"))
-        reg.fail_before["renew_lease"] = 10**6
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
+        await partition(h, t)
         t.advance(TTL)
         assert h.lease.state is LeaseState.LOST
         # Meanwhile the orchestrator restarted the worker slot elsewhere.
@@ -421,13 +419,10 @@ async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
 # --- renewal ---------------------------------------------------------------------------------
 
 
-async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
+async def test_renewals_keep_a_busy_session_alive_across_many_ttls(t: FakeTime) -> None:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         log = Events(h.lease)
         start = t.now
         for n in range(1, 31):
@@ -444,11 +439,10 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
         assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
         status = lease_status(h.inner, h.lease.lease_id)
         assert status is not None
-        assert status.expires_at == clock() + TTL
+        assert status.expires_at == h.wall() + TTL
 
 
-async def test_an_idle_owner_renews_in_the_background() -> None:
-    t = FakeTime()
+async def test_an_idle_owner_renews_in_the_background(t: FakeTime) -> None:
     async with leased(t) as h:
         await publish(h.registry, "A")
         await h.versioning.open_session("idle").generate(turn("idle"))
@@ -461,14 +455,12 @@ async def test_an_idle_owner_renews_in_the_background() -> None:
         assert refs(h, "A") == 1
 
 
-async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() -> None:
-    t = FakeTime()
+async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it(t: FakeTime) -> None:
     async with leased(
         t, sleep=never, published="A"
     ) as h:  # the timer never fires: only dispatches renew
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         log = Events(h.lease)
         t.advance(RENEW - 1)
         await s.generate(turn("s", 2))
@@ -486,10 +478,10 @@ async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() ->
         assert reg.calls["bind_first"] == 1
 
 
-async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, retry_wait=wait_none()) as h:
+async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id(
+    t: FakeTime,
+) -> None:
+    async with leased(t, retry_wait=wait_none()) as h:
         reg, v = h.registry, h.versioning
         reg.lose_reply["open_lease"] = 1
         reg.lose_reply["renew_lease"] = 2
@@ -507,13 +499,13 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
         assert len(set(renews)) == 1
         status = lease_status(h.inner, h.lease.lease_id)
         assert status is not None
-        assert status.expires_at == clock() + TTL
+        assert status.expires_at == h.wall() + TTL
 
 
-async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
+async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys(
+    t: FakeTime,
+) -> None:
+    async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
         await v.open_session("s").generate(turn("s"))
         log = Events(h.lease)
@@ -535,12 +527,12 @@ async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_
         assert WALL + term.deadline <= status.expires_at
 
 
-async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline() -> None:
-    t = FakeTime()
+async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline(
+    t: FakeTime,
+) -> None:
     async with leased(t, published="A") as h:  # retries every 5 s of fake time
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         term = h.lease.current
         assert term.deadline == t.now + TTL
         log = Events(h.lease)
@@ -563,12 +555,12 @@ async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_
         assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
 
 
-async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease() -> None:
-    t = FakeTime()
+async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease(
+    t: FakeTime,
+) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         log = Events(h.lease)
         gate = reg.gate("renew_lease")
         await t.sleeping()
@@ -583,8 +575,7 @@ async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lea
             await s.generate(turn("s", 2))
 
 
-async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
-    t = FakeTime()
+async def test_an_open_granted_after_its_own_deadline_does_not_count(t: FakeTime) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
         first = h.lease.current
@@ -604,10 +595,8 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
         assert refs(h, "A") == 1
 
 
-async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, open_attempts=2, retry_wait=wait_none(), published="A") as h:
+async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation(t: FakeTime) -> None:
+    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
@@ -615,7 +604,7 @@ async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -
         with pytest.raises(RequestRefusedError):
             await s.generate(turn("s"))
         assert lease_status(h.inner, first.lease_id) is not None  # it exists, unknown to us
-        clock.step = TTL
+        h.wall.step = TTL
         assert (await h.inner.sweep_if_due()) is not None  # and expires there
         await s.generate(turn("s", 2))  # its open is refused: LEASE_EXPIRED -> next incarnation
         assert first.state is LeaseState.LOST
@@ -628,8 +617,7 @@ async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -
 # --- opening and closing ---------------------------------------------------------------------
 
 
-async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
-    t = FakeTime()
+async def test_the_lease_opens_lazily_once_for_concurrent_first_binds(t: FakeTime) -> None:
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
         assert h.lease.state is LeaseState.PENDING
@@ -650,10 +638,9 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
         assert status.sessions == 10  # the cancelled waiter's Session bound too (shared bind)
 
 
-async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_next_one_works() -> (
-    None
-):
-    t = FakeTime()
+async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_next_one_works(
+    t: FakeTime,
+) -> None:
     async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
         reg.fail_before["open_lease"] = 2
@@ -670,8 +657,9 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
         assert s.lease.state is LeaseState.HELD
 
 
-async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing() -> None:
-    t = FakeTime()
+async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing(
+    t: FakeTime,
+) -> None:
     async with leased(t, published="A") as h:
         reg, v = h.registry, h.versioning
         await v.open_session("a").generate(turn("a"))
@@ -700,12 +688,10 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
             h.lease.check()
 
 
-async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None:
-    t = FakeTime()
+async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them(t: FakeTime) -> None:
     async with leased(t, published="A") as h:
         v = h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         log = Events(h.lease)
         await h.lease.aclose()
         assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
@@ -719,8 +705,8 @@ async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None
 
 async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
     caplog: pytest.LogCaptureFixture,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
         reg = h.registry
         await publish(reg, "A")
@@ -737,8 +723,8 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
 
 async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
     caplog: pytest.LogCaptureFixture,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     async with leased(t) as h:
 
         def broken(event: LeaseEvent) -> None:
@@ -830,6 +816,9 @@ class Process:
     keeper: LeaseKeeper
     versioning: Versioning
 
+    async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationOutcome:
+        return (await self.publisher.publish(version_id, snapshot)).outcome
+
     def kill(self) -> None:
         """What SIGKILL leaves: no close, no release; the OS drops the journal's lock."""
         assert self.registry._journal is not None
@@ -875,18 +864,26 @@ def start_process(
 
 
 @contextlib.asynccontextmanager
-async def killed_worker_holding_a(tmp_path: Path) -> AsyncIterator[tuple[ScriptedFleet, FakeTime]]:
-    """Process 1 publishes A, binds two Sessions on it, and is killed without closing them."""
-    t = FakeTime()
+async def after_a_killed_worker_holding_a(
+    tmp_path: Path, t: FakeTime
+) -> AsyncIterator[tuple[ScriptedFleet, Process]]:
+    """Process 1 publishes A, binds two Sessions on it, and is killed without closing them;
+    process 2 starts on the same journal and publishes B. Yields the fleet and process 2."""
+    journal, store = tmp_path / "j.sqlite", tmp_path / "store"
     with ScriptedFleet(("e0", "e1")) as fleet:
-        p1 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t, sleep=never)
+        p1 = start_process(journal, store, fleet, t, sleep=never)
         try:
-            assert (await p1.publisher.publish("A", A)).outcome is PublicationOutcome.PUBLISHED
+            assert await p1.publish("A", A) is PublicationOutcome.PUBLISHED
             for name in ("s1", "s2"):
                 await p1.versioning.open_session(name).generate(turn(name))
             assert p1.registry.core.version("A").session_refs == 2
             p1.kill()
-            yield fleet, t
+            p2 = start_process(journal, store, fleet, t)
+            try:
+                assert await p2.publish("B", B) is PublicationOutcome.PUBLISHED
+                yield fleet, p2
+            finally:
+                await p2.shutdown()
         finally:
             await p1.bury()
 
@@ -895,52 +892,44 @@ def unloads(fleet: ScriptedFleet) -> int:
     return sum(e.count(EngineOp.UNLOAD) for e in fleet.engines.values())
 
 
-async def test_a_killed_worker_blocks_c_only_until_its_lease_expires(tmp_path: Path) -> None:
-    async with killed_worker_holding_a(tmp_path) as (fleet, t):
-        p2 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t)
-        try:
-            assert (await p2.publisher.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            a = p2.registry.core.version("A")
-            assert (a.state, a.session_refs) == (VersionState.RETIRED, 2)
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            # The restarted registry gave the dead worker's lease a full TTL from its first call.
-            t.advance(TTL - 1)
-            assert await p2.registry.sweep_if_due() is None
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            assert unloads(fleet) == 0
-            t.advance(1)
-            swept = await p2.registry.sweep_if_due()
-            assert swept is not None
-            assert len(swept.expired_sessions) == 2
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
-            assert p2.registry.core.version("A").state is VersionState.RECLAIMED
-            assert unloads(fleet) == 2  # once per engine
-        finally:
-            await p2.shutdown()
+async def test_a_killed_worker_blocks_c_only_until_its_lease_expires(
+    tmp_path: Path, t: FakeTime
+) -> None:
+    async with after_a_killed_worker_holding_a(tmp_path, t) as (fleet, p2):
+        a = p2.registry.core.version("A")
+        assert (a.state, a.session_refs) == (VersionState.RETIRED, 2)
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        # The restarted registry gave the dead worker's lease a full TTL from its first call.
+        t.advance(TTL - 1)
+        assert await p2.registry.sweep_if_due() is None
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        assert unloads(fleet) == 0
+        t.advance(1)
+        swept = await p2.registry.sweep_if_due()
+        assert swept is not None
+        assert len(swept.expired_sessions) == 2
+        assert await p2.publish("C", C) is PublicationOutcome.PUBLISHED
+        assert p2.registry.core.version("A").state is VersionState.RECLAIMED
+        assert unloads(fleet) == 2  # once per engine
 
 
-async def test_a_restarted_worker_releases_the_dead_ones_sessions_at_once(tmp_path: Path) -> None:
-    async with killed_worker_holding_a(tmp_path) as (fleet, t):
-        p2 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t)
-        try:
-            assert (await p2.publisher.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            # Worker slot w0 comes back in this process: its first Session opens w0's lease,
-            # which releases the dead incarnation's two Sessions. No time passes.
-            async with p2.versioning.session("s3") as s3:
-                await s3.generate(turn("s3"))
-                assert s3.binding is not None
-                assert s3.binding.version_id == "B"
-                assert p2.registry.core.version("A").session_refs == 0
-                outcome = await p2.publisher.publish("C", C)
-                assert outcome.outcome is PublicationOutcome.PUBLISHED
-            assert p2.registry.core.version("A").state is VersionState.RECLAIMED
-        finally:
-            await p2.shutdown()
+async def test_a_restarted_worker_releases_the_dead_ones_sessions_at_once(
+    tmp_path: Path, t: FakeTime
+) -> None:
+    async with after_a_killed_worker_holding_a(tmp_path, t) as (_, p2):
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        # Worker slot w0 comes back in this process: its first Session opens w0's lease,
+        # which releases the dead incarnation's two Sessions. No time passes.
+        async with p2.versioning.session("s3") as s3:
+            await s3.generate(turn("s3"))
+            assert s3.binding is not None
+            assert s3.binding.version_id == "B"
+            assert p2.registry.core.version("A").session_refs == 0
+            assert await p2.publish("C", C) is PublicationOutcome.PUBLISHED
+        assert p2.registry.core.version("A").state is VersionState.RECLAIMED
 
 
-async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> None:
-    t = FakeTime()
+async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses(t: FakeTime) -> None:
 
     def broken_sleep(delay: float) -> asyncio.Future[None]:
         raise RuntimeError("injected sleep failed")
@@ -960,8 +949,8 @@ async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> N
 
 async def test_a_deployment_reclaims_as_soon_as_a_lease_releases_a_dead_workers_sessions(
     tmp_path: Path,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     with ScriptedFleet(("e0", "e1")) as fleet:
         settings = fleet.settings(owner_id="w0")
         registry = LocalRegistry(
