@@ -8,7 +8,6 @@ timings).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,6 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from agentic_lora_http import HttpPushBackend
-from tenacity import wait_none
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import PublicationTarget
@@ -34,76 +31,16 @@ from agentic_lora.publication.publisher import (
     PhaseStatus,
     PublicationOutcome,
     Publisher,
-    RegistryRetry,
 )
 from agentic_lora.publication.reclaimer import Reclaimer
-from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication_support import RegistryReads
-
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
-FAST = RegistryRetry(attempts=3, wait=wait_none())
-
-
-class Progress:
-    """Collects progress events; hands out asyncio.Events that fire on a matching one."""
-
-    def __init__(self) -> None:
-        self.events: list[PhaseEvent] = []
-        self._waiters: list[tuple[Callable[[PhaseEvent], bool], asyncio.Event]] = []
-
-    def __call__(self, event: PhaseEvent) -> None:
-        self.events.append(event)
-        for matches, flag in self._waiters:
-            if matches(event):
-                flag.set()
-
-    def when(
-        self, engine: str | None, phase: Phase, status: PhaseStatus = PhaseStatus.DONE
-    ) -> asyncio.Event:
-        flag = asyncio.Event()
-        self._waiters.append(
-            (lambda e: (e.engine, e.phase, e.status) == (engine, phase, status), flag)
-        )
-        return flag
-
-
-class LossyRegistry:
-    """The real registry behind a link that can drop replies: the call runs, its answer is lost."""
-
-    def __init__(self, inner: LocalRegistry) -> None:
-        self.inner = inner
-        self.drop: Counter[str] = Counter()
-        self.seen: list[tuple[str, str | None]] = []
-
-    def __getattr__(self, verb: str) -> Any:
-        target = getattr(self.inner, verb)
-        if not asyncio.iscoroutinefunction(target):
-            return target
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            self.seen.append((verb, kwargs.get("request_id")))
-            result = await target(*args, **kwargs)
-            if self.drop[verb] > 0:
-                self.drop[verb] -= 1
-                raise ConnectionError(f"{verb} reply lost")
-            return result
-
-        return call
+from tests.publication.support import FAST, A, B, C, LinkedWorld, LossyRegistry, Progress, ground
 
 
 @dataclass
-class World(RegistryReads):
-    fleet: ScriptedFleet
-    registry: LocalRegistry
-    link: LossyRegistry
-    backend: HttpPushBackend
-    publisher: Publisher
+class World(LinkedWorld):
     reclaimer: Reclaimer
     progress: Progress
     store: Path
@@ -117,10 +54,8 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
+    async with ground(tmp_path / "store") as (fleet, registry, backend):
         link = LossyRegistry(registry)
-        backend = HttpPushBackend(tmp_path / "store")
         progress = Progress()
         reclaimer = Reclaimer(link, backend, fleet.refs, registry_retry=FAST)  # type: ignore[arg-type]
         publisher = Publisher(
@@ -135,8 +70,6 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             fleet, registry, link, backend, publisher, reclaimer, progress, tmp_path / "store"
         )
         await reclaimer.stop()
-        await backend.aclose()
-        await registry.aclose()
 
 
 async def publish(world: World, version_id: str, snapshot: AdapterSnapshot) -> PublicationOutcome:

@@ -15,22 +15,16 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
-from tenacity import wait_none
 
 from agentic_lora.errors import CapacityError
-from agentic_lora.publication.publisher import PublicationOutcome, Publisher, RegistryRetry
+from agentic_lora.publication.publisher import PublicationOutcome, Publisher
 from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication.support import FAST, A, B, C, ground
 from tests.publication_support import RegistryReads
-
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
-FAST = RegistryRetry(attempts=3, wait=wait_none())
 
 
 class SteppedClock:
@@ -63,9 +57,7 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
-        backend = HttpPushBackend(tmp_path / "store")
+    async with ground(tmp_path / "store") as (fleet, registry, backend):
         clock = SteppedClock()
         reclaimer = Reclaimer(registry, backend, fleet.refs, registry_retry=FAST, clock=clock)
         publisher = Publisher(
@@ -73,8 +65,6 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         )
         yield World(fleet, registry, backend, publisher, reclaimer, clock)
         await reclaimer.stop()
-        await backend.aclose()
-        await registry.aclose()
 
 
 async def a_retired_and_bound_b_published(world: World) -> None:

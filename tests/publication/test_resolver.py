@@ -26,16 +26,10 @@ from agentic_lora.publication.publisher import Phase, PhaseStatus, PublicationOu
 from agentic_lora.publication.resolver import Resolver, backoff
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication.test_publisher import FAST, LossyRegistry, Progress
-from tests.publication_support import RegistryReads
+from tests.publication.support import FAST, A, B, C, LinkedWorld, LossyRegistry, Progress, ground
 from tests.session_support import Calls
-
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
 
 
 class Naps:
@@ -65,12 +59,7 @@ class Naps:
 
 
 @dataclass
-class World(RegistryReads):
-    fleet: ScriptedFleet
-    registry: LocalRegistry
-    link: LossyRegistry
-    backend: HttpPushBackend
-    publisher: Publisher
+class World(LinkedWorld):
     resolver: Resolver
     naps: Naps
     progress: Progress
@@ -85,10 +74,8 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
+    async with ground(tmp_path / "store") as (fleet, registry, backend):
         link = LossyRegistry(registry)
-        backend = HttpPushBackend(tmp_path / "store")
         progress = Progress()
         publisher = Publisher(
             link,
@@ -101,8 +88,6 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         resolver = Resolver(publisher, sleep=naps)
         yield World(fleet, registry, link, backend, publisher, resolver, naps, progress)
         await resolver.stop()
-        await backend.aclose()
-        await registry.aclose()
 
 
 def pause(resolver: Resolver) -> float | None:
