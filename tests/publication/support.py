@@ -10,15 +10,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.publication.publisher import (
     Phase,
     PhaseEvent,
     PhaseStatus,
+    PublicationOutcome,
     Publisher,
     RegistryRetry,
 )
@@ -80,27 +82,49 @@ class LossyRegistry:
 
 @dataclass
 class LinkedWorld(RegistryReads):
-    """A world whose publisher talks to the real registry through a :class:`LossyRegistry`."""
+    """A world whose publisher talks to the real registry through a :class:`LossyRegistry` and
+    reports its progress to a :class:`Progress`."""
 
     fleet: ScriptedFleet
     registry: LocalRegistry
     link: LossyRegistry
     backend: HttpPushBackend
     publisher: Publisher
+    progress: Progress
+
+
+class Publishing(Protocol):
+    publisher: Publisher
+
+
+async def publish(
+    world: Publishing, version_id: str, snapshot: AdapterSnapshot
+) -> PublicationOutcome:
+    """Publish through the world's publisher; only the outcome."""
+    return (await world.publisher.publish(version_id, snapshot)).outcome
+
+
+@dataclass
+class Ground:
+    """What every test world stands on: two scripted engines, the real registry on them (and a
+    lossy link to it, for the worlds that lose replies), an HTTP push backend, a progress log."""
+
+    fleet: ScriptedFleet
+    registry: LocalRegistry
+    link: LossyRegistry
+    backend: HttpPushBackend
+    progress: Progress
 
 
 @contextlib.asynccontextmanager
-async def ground(
-    store: Path,
-) -> AsyncIterator[tuple[ScriptedFleet, LocalRegistry, HttpPushBackend]]:
-    """What every test world stands on: two scripted engines, the real registry on them and an
-    HTTP push backend storing under ``store``. The backend, then the registry, close after the
-    world's own parts (the code in the ``async with`` after its ``yield``)."""
+async def ground(store: Path) -> AsyncIterator[Ground]:
+    """A :class:`Ground` whose backend stores under ``store``. The backend, then the registry,
+    close after the world's own parts (the code in the ``async with`` after its ``yield``)."""
     with ScriptedFleet(("e0", "e1")) as fleet:
         registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
         backend = HttpPushBackend(store)
         try:
-            yield fleet, registry, backend
+            yield Ground(fleet, registry, LossyRegistry(registry), backend, Progress())
         finally:
             await backend.aclose()
             await registry.aclose()
