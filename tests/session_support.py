@@ -306,12 +306,14 @@ async def harness(
     enabled: bool = True,
     registry_options: Mapping[str, Any] | None = None,
     lease: Mapping[str, Any] | None = None,
+    published: str | None = None,
     **versioning_options: Any,
 ) -> AsyncIterator[Harness]:
     """A real LocalRegistry and Versioning over respx-mocked engines.
 
     ``registry_options`` go to the LocalRegistry (e.g. an injected ``clock``); ``lease`` (keyword
-    arguments of :class:`LeaseKeeper`) gives the Versioning an owner lease over the recorder.
+    arguments of :class:`LeaseKeeper`) gives the Versioning an owner lease over the recorder;
+    ``published`` is published (through the recorder) before the harness is handed out.
     """
     clock = Clock()
     inner = LocalRegistry(engines=tuple(ENGINES), capacity=2, **(registry_options or {}))
@@ -331,6 +333,8 @@ async def harness(
             **versioning_options,
         )
         try:
+            if published is not None:
+                await publish(registry, published)
             yield Harness(versioning, registry, engines, transport, clock, keeper, inner)
         finally:
             for hold in engines.held:

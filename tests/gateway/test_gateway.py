@@ -39,6 +39,8 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
 from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
+pytestmark = pytest.mark.asyncio
+
 BASE_MODEL = "base-model"  # what ScriptedSGLangEngine serves
 ADMIN_TOKEN = "admin-secret-token"
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -233,7 +235,6 @@ async def chat(client: openai.AsyncOpenAI, text: str = "hello") -> Any:
 # --- pinning across a publication ---------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_one_gets_b(
     tmp_path: Path,
 ) -> None:
@@ -275,7 +276,6 @@ async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_on
         ]
 
 
-@pytest.mark.asyncio
 async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -322,7 +322,6 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert again.json()["found"] is False
 
 
-@pytest.mark.asyncio
 async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -339,7 +338,6 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
 # --- refusals and failures ----------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -366,7 +364,6 @@ async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path:
         assert len(stack.routes.sent) == 1, "an indeterminate generation was sent twice"
 
 
-@pytest.mark.asyncio
 async def test_native_generate_failures_carry_the_same_classification(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -384,7 +381,6 @@ async def test_native_generate_failures_carry_the_same_classification(tmp_path: 
         assert failed.headers["x-agentic-outcome"] == "indeterminate"
 
 
-@pytest.mark.asyncio
 async def test_a_bad_model_name_is_an_adapter_mismatch_and_never_reaches_an_engine(
     tmp_path: Path,
 ) -> None:
@@ -399,7 +395,6 @@ async def test_a_bad_model_name_is_an_adapter_mismatch_and_never_reaches_an_engi
         assert stack.routes.sent == []
 
 
-@pytest.mark.asyncio
 async def test_before_the_first_publication_a_generation_is_a_retryable_503(
     tmp_path: Path,
 ) -> None:
@@ -417,7 +412,6 @@ async def test_before_the_first_publication_a_generation_is_a_retryable_503(
         assert raw.headers["x-agentic-version"] == "A"
 
 
-@pytest.mark.asyncio
 async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -441,7 +435,6 @@ async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path
         assert stack.fleet.calls(EngineOp.GENERATE) == 2  # the two publication probes only
 
 
-@pytest.mark.asyncio
 async def test_two_headers_naming_different_sessions_are_a_400_that_opens_nothing(
     tmp_path: Path,
 ) -> None:
@@ -477,7 +470,6 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.asyncio
 async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path: Path) -> None:
     clock = FakeClock()
     async with gateway_stack(tmp_path, clock=clock) as stack:
@@ -512,7 +504,6 @@ async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path:
         assert status.versions[0].session_refs == 1  # "busy" only
 
 
-@pytest.mark.asyncio
 async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
     tmp_path: Path,
 ) -> None:
@@ -533,7 +524,6 @@ async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
 # --- admin --------------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         for token in (None, "wrong", "admin-secret-tok"):
@@ -547,7 +537,6 @@ async def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
         assert (await stack.admin().status())["registry"]["versions"] == []
 
 
-@pytest.mark.asyncio
 async def test_without_an_admin_token_the_admin_routes_are_disabled(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path, admin_token=None) as stack:
         with pytest.raises(AccessDeniedError) as err:
@@ -556,7 +545,6 @@ async def test_without_an_admin_token_the_admin_routes_are_disabled(tmp_path: Pa
         assert stack.fleet.calls(EngineOp.LOAD) == 0
 
 
-@pytest.mark.asyncio
 async def test_publish_streams_progress_per_engine_and_phase(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         events: list[dict[str, Any]] = []
@@ -582,7 +570,6 @@ async def test_publish_streams_progress_per_engine_and_phase(tmp_path: Path) -> 
         assert len(stack.gateway.progress) == 1, "the stream's listener was not removed"
 
 
-@pytest.mark.asyncio
 async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -605,7 +592,6 @@ async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
         assert [v["version_id"] for v in status["versions"]] == ["A"]
 
 
-@pytest.mark.asyncio
 async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
     tmp_path: Path,
 ) -> None:
@@ -629,7 +615,6 @@ async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
         assert plain.json()["outcome"] == "SKIPPED"
 
 
-@pytest.mark.asyncio
 async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -646,7 +631,6 @@ async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
         assert payload["registry"]["default_version"] == "A"
 
 
-@pytest.mark.asyncio
 async def test_models_and_health(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         models = await stack.agent("m").models.list()
@@ -657,7 +641,6 @@ async def test_models_and_health(tmp_path: Path) -> None:
 # --- logs ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_dispatch_logs_carry_the_stable_keys(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -698,7 +681,6 @@ async def _adapter_cards(client: httpx.AsyncClient, base_url: str) -> set[str]:
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first user of the shared fleet may pay for starting it
-@pytest.mark.asyncio
 async def test_openai_client_pinned_across_a_publication_on_real_engines(
     engine_fleet: Any, tmp_path: Path
 ) -> None:

@@ -26,6 +26,8 @@ from agentic_lora.testing.streams import (
 from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
 from tests.streaming_support import served
 
+pytestmark = pytest.mark.asyncio
+
 CHAT = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
@@ -39,7 +41,6 @@ def events(text: str) -> list[Any]:
     return out
 
 
-@pytest.mark.asyncio
 async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -72,7 +73,6 @@ async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: P
         assert all(body["stream"] is True for _, _, body in stack.routes.sent)
 
 
-@pytest.mark.asyncio
 async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -91,7 +91,6 @@ async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -
         assert {m["lora_path"] for m in metas} == {lora_name(stack, "A")}
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("fault", "status", "outcome", "code"),
     [
@@ -117,7 +116,6 @@ async def test_a_failure_before_the_first_chunk_is_an_ordinary_error_answer(
         assert response.json()["error"]["code"] == code
 
 
-@pytest.mark.asyncio
 async def test_a_failure_mid_stream_ends_with_a_final_error_event(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)
@@ -152,7 +150,6 @@ async def drain(stream: AsyncIterator[Any]) -> None:
         pass
 
 
-@pytest.mark.asyncio
 async def test_a_client_disconnect_aborts_the_engine_request(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         await stack.publish("A", 1)

@@ -23,6 +23,8 @@ from tests.gateway.test_gateway import (
     gateway_stack,
 )
 
+pytestmark = pytest.mark.asyncio
+
 
 class ReadCountingClock(FakeClock):
     """A fake clock that also lets a test wait for its next reads (each reap round reads once)."""
@@ -48,7 +50,6 @@ class ReadCountingClock(FakeClock):
             await self._read.wait()
 
 
-@pytest.mark.asyncio
 async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -81,7 +82,6 @@ async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
         assert refused.json()["error"]["details"] == {"session": "sleepy", "reason": "closed"}
 
 
-@pytest.mark.asyncio
 async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
     clock = FakeClock()
     async with gateway_stack(tmp_path, clock=clock) as stack:
@@ -97,7 +97,6 @@ async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
         assert stack.gateway.sessions.live() == 0
 
 
-@pytest.mark.asyncio
 async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_its_id(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -134,7 +133,6 @@ async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_i
             await stack_context.__aexit__(None, None, None)
 
 
-@pytest.mark.asyncio
 async def test_closed_ids_are_remembered_by_the_registry_none_forgotten_by_count(
     tmp_path: Path,
 ) -> None:

@@ -200,11 +200,10 @@ async def leased(
     async with harness(
         registry_options={"clock": wall, "sweep_interval": None},
         lease=options,
+        published=published,
     ) as h:
         assert h.lease is not None
         assert h.inner is not None
-        if published is not None:
-            await publish(h.registry, published)
         fields = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
         yield Leased(**fields, wall=wall)
 

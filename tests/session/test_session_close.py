@@ -24,8 +24,7 @@ def refs(h: object, version: str) -> int:
 
 @pytest.mark.asyncio
 async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_closed() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         result = await s.close()
         assert result is not None
@@ -42,8 +41,7 @@ async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_clo
 
 @pytest.mark.asyncio
 async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         assert refs(h, "A") == 1
@@ -60,8 +58,7 @@ async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
 
 @pytest.mark.asyncio
 async def test_late_bind_after_begin_close_is_refused_and_nothing_is_held() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         gate = h.registry.gate("bind_first")
         first_gen = asyncio.create_task(s.generate({"text": "x"}))
@@ -85,8 +82,7 @@ async def test_late_bind_after_begin_close_is_refused_and_nothing_is_held() -> N
 
 @pytest.mark.asyncio
 async def test_bind_that_won_the_race_is_released_by_close() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         h.registry.lose_reply["bind_first"] = 1  # bound at the registry, reply lost here
         with pytest.raises(Exception, match="binding was not confirmed"):
@@ -102,8 +98,7 @@ async def test_bind_that_won_the_race_is_released_by_close() -> None:
 
 @pytest.mark.asyncio
 async def test_release_failure_is_retried_with_the_same_request_id() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         h.registry.fail_before["release"] = 1
@@ -122,8 +117,7 @@ async def test_release_failure_is_retried_with_the_same_request_id() -> None:
 
 @pytest.mark.asyncio
 async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> None:
-    async with harness(registry_attempts=2) as h:
-        await publish(h.registry, "A")
+    async with harness(registry_attempts=2, published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         h.registry.fail_before["release"] = 5
@@ -153,8 +147,7 @@ async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> Non
 
 @pytest.mark.asyncio
 async def test_close_aborts_and_drains_in_flight_before_release_then_forgets() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         h.engines.actions.extend(["hold", "hold"])
         t1 = asyncio.create_task(s.generate({"text": "long 1"}))
@@ -180,8 +173,7 @@ async def test_close_aborts_and_drains_in_flight_before_release_then_forgets() -
 
 @pytest.mark.asyncio
 async def test_context_manager_closes_even_when_the_block_raises() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
 
         async def episode() -> None:
             async with h.versioning.session("S") as s:
@@ -199,8 +191,7 @@ async def test_context_manager_closes_even_when_the_block_raises() -> None:
 
 @pytest.mark.asyncio
 async def test_reused_session_id_is_a_new_lifecycle() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         async with h.versioning.session("S") as first:
             await first.generate({"text": "x"})
         await publish(h.registry, "B")
@@ -214,8 +205,7 @@ async def test_reused_session_id_is_a_new_lifecycle() -> None:
 
 @pytest.mark.asyncio
 async def test_forget_failure_is_retried_with_the_next_close() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         h.registry.fail_before["forget_sessions"] = 1
         async with h.versioning.session("S1") as s1:
             await s1.generate({"text": "x"})

@@ -19,6 +19,8 @@ from agentic_lora.registry.types import Binding, ReleaseResult, SessionStatus, n
 from agentic_lora.session import SessionPhase, Versioning
 from tests.session_support import BASE_MODEL, Harness, harness, publish
 
+pytestmark = pytest.mark.asyncio
+
 T = TypeVar("T")
 
 BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
@@ -56,7 +58,6 @@ async def direct(
         await versioning.aclose()
 
 
-@pytest.mark.asyncio
 async def test_a_bound_session_with_nothing_in_flight_closes_in_one_step() -> None:
     async with harness() as h, direct(h) as versioning:
         assert h.inner is not None
@@ -93,11 +94,9 @@ async def test_a_bound_session_with_nothing_in_flight_closes_in_one_step() -> No
             await s.generate(BODY)
 
 
-@pytest.mark.asyncio
 async def test_a_session_closed_before_its_bind_answers_as_through_the_verbs() -> None:
-    async with harness() as h, direct(h) as versioning:
+    async with harness(published="A") as h, direct(h) as versioning:
         assert h.inner is not None
-        await publish(h.registry, "A")
         now = versioning.open_session("early")
         result = run_without_suspending(now.close())
         # The same Session closed through the verbs (the recorder sends every verb).
@@ -109,7 +108,6 @@ async def test_a_session_closed_before_its_bind_answers_as_through_the_verbs() -
         assert h.inner.peek_version("A").session_refs == 0  # type: ignore[union-attr]
 
 
-@pytest.mark.asyncio
 async def test_a_pass_through_session_closes_in_one_step() -> None:
     async with harness(enabled=False) as h:
         s = h.versioning.open_session("p")
@@ -119,11 +117,9 @@ async def test_a_pass_through_session_closes_in_one_step() -> None:
         assert h.versioning.get("p") is None
 
 
-@pytest.mark.asyncio
 async def test_a_request_in_flight_makes_close_abort_and_drain_first() -> None:
-    async with harness() as h, direct(h) as versioning:
+    async with harness(published="A") as h, direct(h) as versioning:
         assert h.inner is not None
-        await publish(h.registry, "A")
         s = versioning.open_session("busy")
         h.engines.actions.append("hold")
         generation = asyncio.create_task(s.generate(BODY))
@@ -150,7 +146,6 @@ class GatedBind(LocalRegistry):
         return await super().bind_first(**kwargs)
 
 
-@pytest.mark.asyncio
 async def test_a_bind_in_flight_makes_close_wait_for_it() -> None:
     async with harness() as h:
         registry = GatedBind(engines=("e0", "e1"), capacity=2)
@@ -175,7 +170,6 @@ async def test_a_bind_in_flight_makes_close_wait_for_it() -> None:
         await registry.aclose()
 
 
-@pytest.mark.asyncio
 async def test_a_journaled_registry_closes_through_the_verbs_and_journals_them(
     tmp_path: Path,
 ) -> None:
@@ -197,7 +191,6 @@ async def test_a_journaled_registry_closes_through_the_verbs_and_journals_them(
             await restarted.aclose()
 
 
-@pytest.mark.asyncio
 async def test_the_one_step_close_is_offered_by_the_local_registry_only_while_it_runs() -> None:
     registry = LocalRegistry(engines=("e0",), capacity=2)
     assert session_closer(registry) is registry
@@ -206,7 +199,6 @@ async def test_the_one_step_close_is_offered_by_the_local_registry_only_while_it
     assert registry.core.session("late") is None
 
 
-@pytest.mark.asyncio
 async def test_the_one_step_close_answers_every_record_state_as_release_does() -> None:
     now = [1000.0]
     registry = LocalRegistry(
