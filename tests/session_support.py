@@ -288,8 +288,8 @@ class Harness:
     engines: FakeEngines
     transport: EngineTransport
     clock: Clock
+    inner: LocalRegistry  # the real registry behind the recorder, for reads the recorder hides
     lease: LeaseKeeper | None = None
-    inner: LocalRegistry | None = None
 
 
 def make_transport(kind: str = "aiohttp") -> EngineTransport:
@@ -335,7 +335,7 @@ async def harness(
         try:
             if published is not None:
                 await publish(registry, published)
-            yield Harness(versioning, registry, engines, transport, clock, keeper, inner)
+            yield Harness(versioning, registry, engines, transport, clock, inner, keeper)
         finally:
             for hold in engines.held:
                 if hold.reply is not None and not hold.reply.done():

@@ -178,7 +178,6 @@ class Leased(Harness):
     """A :class:`Harness` whose Versioning binds under a lease (both are always there)."""
 
     lease: LeaseKeeper
-    inner: LocalRegistry
     wall: RegistryClock  # the registry host's clock: a test can step it apart from the keeper's
 
 
@@ -203,7 +202,6 @@ async def leased(
         published=published,
     ) as h:
         assert h.lease is not None
-        assert h.inner is not None
         fields = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
         yield Leased(**fields, wall=wall)
 
