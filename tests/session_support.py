@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -64,11 +65,10 @@ class Clock:
     """A shared sequence counter, to order engine and registry events."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self._ticks = itertools.count(1)
 
     def tick(self) -> int:
-        self.n += 1
-        return self.n
+        return next(self._ticks)
 
 
 def ok_body(path: str, body: dict[str, Any], *, finish: str = "stop") -> dict[str, Any]:
