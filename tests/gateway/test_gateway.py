@@ -197,6 +197,12 @@ class Stack:
     async def publish(self, version_id: str, seed: int) -> dict[str, Any]:
         return await self.admin().publish(self.adapter(seed), version_id)
 
+    async def close_own(self, session: str) -> httpx.Response:
+        """Close a Session with its own credential (its id is its API key)."""
+        return await self.http().post(
+            f"/v1/sessions/{session}/close", headers={"authorization": f"Bearer {session}"}
+        )
+
     async def aclose_clients(self) -> None:
         for client in self._clients:
             await (client.close() if isinstance(client, openai.AsyncOpenAI) else client.aclose())
@@ -289,10 +295,7 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert report["results"] == []
         assert all(e.holds(a_name) for e in stack.fleet.engines.values())
 
-        http = stack.http()
-        closed = await http.post(
-            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
-        )
+        closed = await stack.close_own("episode-old")
         assert closed.status_code == 200
         assert closed.json() == {
             "session": "episode-old",
@@ -316,9 +319,7 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert err.value.response.headers["x-agentic-outcome"] == "refused"
         assert len(stack.routes.sent) == 1
 
-        again = await http.post(
-            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
-        )
+        again = await stack.close_own("episode-old")
         assert again.json()["found"] is False
 
 
@@ -511,9 +512,7 @@ async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
         await stack.publish("A", 1)
         agent = stack.agent("worker-3")
         await chat(agent)
-        await stack.http().post(
-            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
-        )
+        await stack.close_own("worker-3")
         await stack.publish("B", 2)
         raw = await agent.chat.completions.with_raw_response.create(
             model=BASE_MODEL, messages=[{"role": "user", "content": "next episode"}]

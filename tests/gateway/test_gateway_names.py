@@ -186,9 +186,7 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
         await first.publish("A", 1)
         agent = first.agent("agent-x")
         await chat(agent)
-        closed = await first.http().post(
-            "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-        )
+        closed = await first.close_own("agent-x")
         assert closed.json()["found"] is True
         await crash(first)
 
@@ -204,9 +202,7 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
             }
             assert err.value.response.headers["x-agentic-outcome"] == "refused"
             assert len(routes.sent) == 1  # the straggler reached no engine
-            again = await second.http().post(
-                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-            )
+            again = await second.close_own("agent-x")
             assert again.json()["found"] is False
         finally:
             await second.gateway.aclose()
@@ -299,9 +295,7 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
         await first.publish("A", 1)
         worker = first.agent("worker-3")
         await chat(worker, "episode 1")
-        await first.http().post(
-            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
-        )
+        await first.close_own("worker-3")
         await first.publish("B", 2)
         raw = await worker.chat.completions.with_raw_response.create(
             model=BASE_MODEL, messages=[{"role": "user", "content": "episode 2"}]
@@ -363,9 +357,7 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             assert routes.models().count(f"{BASE_MODEL}:{a_name}") == 3
 
             # Closed on replica 1: refused on replica 2, which holds a cached copy.
-            closed = await one.http().post(
-                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-            )
+            closed = await one.close_own("agent-x")
             assert closed.json()["version_id"] == "A"
             sent = len(routes.sent)
             with pytest.raises(openai.ConflictError) as err:
@@ -374,9 +366,7 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             assert len(routes.sent) == sent
 
             # Opened only on replica 2, closed through replica 1 (which never saw it).
-            closed = await one.http().post(
-                "/v1/sessions/agent-y/close", headers={"authorization": "Bearer agent-y"}
-            )
+            closed = await one.close_own("agent-y")
             assert closed.json() == {
                 "session": "agent-y",
                 "found": True,
@@ -433,9 +423,7 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
             await stack.publish("A", 1)
             agent = stack.agent("episode-7")
             await chat(agent)
-            await stack.http().post(
-                "/v1/sessions/episode-7/close", headers={"authorization": "Bearer episode-7"}
-            )
+            await stack.close_own("episode-7")
             await stack.publish("B", 2)
 
             clock.now += 599.0
@@ -519,9 +507,7 @@ async def test_closing_an_id_the_registry_never_saw_tombstones_it(tmp_path: Path
             await stack.publish("A", 1)
             probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
             http = stack.http()
-            closed = await http.post(
-                "/v1/sessions/never-used/close", headers={"authorization": "Bearer never-used"}
-            )
+            closed = await stack.close_own("never-used")
             assert closed.json() == {
                 "session": "never-used",
                 "found": False,
