@@ -26,8 +26,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 async def test_malformed_bodies_and_ids_are_400s_that_never_reach_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         generations = stack.fleet.calls(EngineOp.GENERATE)
 
@@ -90,8 +89,7 @@ async def test_a_body_with_a_non_finite_number_is_refused_as_invalid(
     tmp_path: Path, value: bytes
 ) -> None:
     # Python's JSON reader takes NaN; JSON cannot carry it to an engine: refused before sending.
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         generations = stack.fleet.calls(EngineOp.GENERATE)
         response = await stack.http().post(
             "/generate",
@@ -107,8 +105,7 @@ async def test_a_body_with_a_non_finite_number_is_refused_as_invalid(
 
 
 async def test_an_engine_4xx_passes_through_and_is_not_retryable(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.script(EngineOp.GENERATE, Fault(FaultKind.REFUSE, "prompt too long"))
         response = await stack.http().post(

@@ -209,8 +209,11 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def gateway_stack(root: Path, **gateway_options: Any) -> AsyncIterator[Stack]:
-    """A started gateway (its own registry, publisher, reclaimer) over two scripted engines."""
+async def gateway_stack(
+    root: Path, *, published: str | None = None, **gateway_options: Any
+) -> AsyncIterator[Stack]:
+    """A started gateway (its own registry, publisher, reclaimer) over two scripted engines
+    (with ``published`` already published from the adapter of seed 1, when given)."""
     with ScriptedFleet() as fleet:
         routes = OpenAIRoutes(fleet)
         gateway_options.setdefault("admin_token", ADMIN_TOKEN)
@@ -222,6 +225,8 @@ async def gateway_stack(root: Path, **gateway_options: Any) -> AsyncIterator[Sta
         stack = Stack(fleet, routes, gateway, root)
         try:
             async with gateway:
+                if published is not None:
+                    await stack.publish(published, 1)
                 yield stack
         finally:
             await stack.aclose_clients()
@@ -283,8 +288,7 @@ async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_on
 
 
 async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         old = stack.agent("episode-old")
         await chat(old)
         await stack.publish("B", 2)
@@ -324,8 +328,7 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
 
 
 async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("mine"))
         response = await stack.http().post(
             "/v1/sessions/mine/close", headers={"authorization": "Bearer someone-else"}
@@ -340,9 +343,7 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
 
 
 async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
-
+    async with gateway_stack(tmp_path, published="A") as stack:
         stack.routes.fail_next("unreachable")
         with pytest.raises(openai.APIStatusError) as refused:
             await chat(stack.agent("s-refused"))
@@ -366,8 +367,7 @@ async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path:
 
 
 async def test_native_generate_failures_carry_the_same_classification(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         headers = {"x-agentic-session": "native-1"}
         ok = await http.post("/generate", json={"text": "hi"}, headers=headers)
@@ -385,8 +385,7 @@ async def test_native_generate_failures_carry_the_same_classification(tmp_path: 
 async def test_a_bad_model_name_is_an_adapter_mismatch_and_never_reaches_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         with pytest.raises(openai.BadRequestError) as err:
             await stack.agent("s").chat.completions.create(
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
@@ -414,8 +413,7 @@ async def test_before_the_first_publication_a_generation_is_a_retryable_503(
 
 
 async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         missing = await http.post("/v1/chat/completions", json={"messages": []})
         assert missing.status_code == 401
@@ -439,8 +437,7 @@ async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path
 async def test_two_headers_naming_different_sessions_are_a_400_that_opens_nothing(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         agent = stack.agent("key-is-not-the-session", default_headers={"X-Agentic-Session": "s7"})
         with pytest.raises(openai.BadRequestError) as err:
             await chat(agent)
@@ -473,8 +470,7 @@ class FakeClock:
 
 async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path: Path) -> None:
     clock = FakeClock()
-    async with gateway_stack(tmp_path, clock=clock) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, published="A") as stack:
         http = stack.http()
         await http.post("/generate", json={"text": "x"}, headers={"x-agentic-session": "idle"})
         # Hold one request of "busy" inside an engine.
@@ -508,8 +504,7 @@ async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path:
 async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path, reuse_closed_ids=True) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, reuse_closed_ids=True, published="A") as stack:
         agent = stack.agent("worker-3")
         await chat(agent)
         await stack.close_own("worker-3")
@@ -570,8 +565,7 @@ async def test_publish_streams_progress_per_engine_and_phase(tmp_path: Path) -> 
 
 
 async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         admin = stack.admin()
         with pytest.raises(VersionConflictError):
             await admin.publish(stack.adapter(2), "A")
@@ -594,8 +588,7 @@ async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
 async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("holds-a"))
         await stack.publish("B", 2)
         loads = stack.fleet.calls(EngineOp.LOAD)
@@ -615,8 +608,7 @@ async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
 
 
 async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("one"))
         payload = await stack.admin().status()
         assert payload["fleet"] == [
@@ -643,8 +635,7 @@ async def test_models_and_health(tmp_path: Path) -> None:
 async def test_dispatch_logs_carry_the_stable_keys(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         agent = stack.agent("logged")
         with caplog.at_level(logging.INFO, logger="agentic_lora.gateway.app"):
             await chat(agent)

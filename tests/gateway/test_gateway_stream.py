@@ -42,8 +42,7 @@ def events(text: str) -> list[Any]:
 
 
 async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         old = stack.agent("episode-old")
         first = await old.chat.completions.create(**CHAT, stream=True)
         on_a = [chunk async for chunk in first]
@@ -74,8 +73,7 @@ async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: P
 
 
 async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         response = await stack.http().post(
             "/generate",
             json={"text": "hi", "stream": True},
@@ -101,8 +99,7 @@ async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -
 async def test_a_failure_before_the_first_chunk_is_an_ordinary_error_answer(
     tmp_path: Path, fault: FaultKind, status: int, outcome: str, code: str
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.script(EngineOp.GENERATE, Fault(fault))
         response = await stack.http().post(
@@ -117,8 +114,7 @@ async def test_a_failure_before_the_first_chunk_is_an_ordinary_error_answer(
 
 
 async def test_a_failure_mid_stream_ends_with_a_final_error_event(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.streams.append(
                 ScriptedStream(generate_chunks(3, None, None)[:2], ending=StreamEnding.ERROR)
@@ -151,8 +147,7 @@ async def drain(stream: AsyncIterator[Any]) -> None:
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         held = [ScriptedStream(hold_after=1) for _ in stack.fleet.engines]
         for engine, stream in zip(stack.fleet.engines.values(), held, strict=True):
             engine.streams.append(stream)

@@ -55,8 +55,7 @@ async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
 ) -> None:
     clock = ReadCountingClock()
     # idle_timeout only paces the loop here; idleness is measured on the fake clock.
-    async with gateway_stack(tmp_path, clock=clock, idle_timeout=0.004) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, idle_timeout=0.004, published="A") as stack:
         await chat(stack.agent("sleepy"))
         await clock.reads_after(2)  # the loop runs, and the Session is not idle yet
         assert stack.gateway.versioning.get("sleepy") is not None
@@ -84,8 +83,7 @@ async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
 
 async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
     clock = FakeClock()
-    async with gateway_stack(tmp_path, clock=clock) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, published="A") as stack:
         await chat(stack.agent("via-http"))
         assert stack.gateway.sessions.live() == 1
         # The Python API closes it, not the gateway.
