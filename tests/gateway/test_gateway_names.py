@@ -112,6 +112,19 @@ async def start_gateway(
     return Stack(fleet, routes, gateway, root)
 
 
+@contextlib.asynccontextmanager
+async def gateway_on(
+    fleet: ScriptedFleet, routes: OpenAIRoutes, root: Path, **options: Any
+) -> AsyncIterator[Stack]:
+    """:func:`start_gateway`, closed (the gateway, then the clients) when the block ends."""
+    stack = await start_gateway(fleet, routes, root, **options)
+    try:
+        yield stack
+    finally:
+        await stack.gateway.aclose()
+        await stack.aclose_clients()
+
+
 async def crash(stack: Stack) -> None:
     """Leave ``stack``'s gateway as a kill -9 would: Sessions open, lease unclosed; then close
     its registry object (as the dead process's journal handle and lock go away)."""
@@ -391,19 +404,14 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
 async def test_concurrent_first_requests_of_one_id_share_one_registry_session(
     tmp_path: Path,
 ) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path)
-        try:
-            sessions = stack.gateway.sessions
-            a, b = await asyncio.gather(sessions.open("twin"), sessions.open("twin"))
-            assert a is b
-            registry: Any = stack.gateway.deployment.registry
-            named = registry.core.named("twin")
-            assert named is not None
-            assert named.session_key == a.key
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with fleet_and_routes() as (fleet, routes), gateway_on(fleet, routes, tmp_path) as stack:
+        sessions = stack.gateway.sessions
+        a, b = await asyncio.gather(sessions.open("twin"), sessions.open("twin"))
+        assert a is b
+        registry: Any = stack.gateway.deployment.registry
+        named = registry.core.named("twin")
+        assert named is not None
+        assert named.session_key == a.key
 
 
 # --- tombstones are bounded by age ------------------------------------------------------------
@@ -416,10 +424,12 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, clock=clock, sweep_interval=None, name_ttl=600.0)
         # A lease far longer than the fake time this test skips: only names age here.
-        stack = await start_gateway(
-            fleet, routes, tmp_path, registry=registry, lease_ttl=1e6, session_name_ttl=600.0
-        )
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(
+                fleet, routes, tmp_path, registry=registry, lease_ttl=1e6, session_name_ttl=600.0
+            ) as stack,
+        ):
             await stack.publish("A", 1)
             agent = stack.agent("episode-7")
             await chat(agent)
@@ -438,27 +448,21 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
                 model=BASE_MODEL, messages=[{"role": "user", "content": "a new lifecycle"}]
             )
             assert raw.headers["x-agentic-version"] == "B"
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
 
 
 async def test_session_name_ttl_reaches_the_registry_the_gateway_builds(tmp_path: Path) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path, session_name_ttl=0.001)
-        try:
-            sessions = stack.gateway.sessions
-            await sessions.open("short-lived")
-            await sessions.close("short-lived")
-            await asyncio.sleep(0.01)  # lets 10 ttls of wall time pass; nothing races
-            registry: Any = stack.gateway.deployment.registry
-            await registry.sweep_if_due()  # unless the background sweeper did it already
-            reopened = await sessions.open("short-lived")
-            assert reopened.phase is SessionPhase.OPEN
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with (
+        fleet_and_routes() as (fleet, routes),
+        gateway_on(fleet, routes, tmp_path, session_name_ttl=0.001) as stack,
+    ):
+        sessions = stack.gateway.sessions
+        await sessions.open("short-lived")
+        await sessions.close("short-lived")
+        await asyncio.sleep(0.01)  # lets 10 ttls of wall time pass; nothing races
+        registry: Any = stack.gateway.deployment.registry
+        await registry.sweep_if_due()  # unless the background sweeper did it already
+        reopened = await sessions.open("short-lived")
+        assert reopened.phase is SessionPhase.OPEN
 
 
 async def test_ten_thousand_closed_ids_grow_only_the_registry_which_ages_them_out() -> None:
@@ -501,30 +505,25 @@ async def test_ten_thousand_closed_ids_grow_only_the_registry_which_ages_them_ou
 
 
 async def test_closing_an_id_the_registry_never_saw_tombstones_it(tmp_path: Path) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path)
-        try:
-            await stack.publish("A", 1)
-            probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
-            http = stack.http()
-            closed = await stack.close_own("never-used")
-            assert closed.json() == {
-                "session": "never-used",
-                "found": False,
-                "version_id": None,
-                "released_now": False,
-            }
-            # A straggler of that id must not open a fresh Session either.
-            refused = await http.post(
-                "/generate", json={"text": "x"}, headers={"x-agentic-session": "never-used"}
-            )
-            assert refused.status_code == 409
-            assert refused.json()["error"]["code"] == "SESSION_CLOSED"
-            assert routes.sent == []
-            assert stack.fleet.calls(EngineOp.GENERATE) == probes
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with fleet_and_routes() as (fleet, routes), gateway_on(fleet, routes, tmp_path) as stack:
+        await stack.publish("A", 1)
+        probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
+        http = stack.http()
+        closed = await stack.close_own("never-used")
+        assert closed.json() == {
+            "session": "never-used",
+            "found": False,
+            "version_id": None,
+            "released_now": False,
+        }
+        # A straggler of that id must not open a fresh Session either.
+        refused = await http.post(
+            "/generate", json={"text": "x"}, headers={"x-agentic-session": "never-used"}
+        )
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "SESSION_CLOSED"
+        assert routes.sent == []
+        assert stack.fleet.calls(EngineOp.GENERATE) == probes
 
 
 async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced(
@@ -533,8 +532,10 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
     clock = FakeClock()
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, clock=clock, sweep_interval=None)
-        stack = await start_gateway(fleet, routes, tmp_path, registry=registry, lease_ttl=30.0)
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(fleet, routes, tmp_path, registry=registry, lease_ttl=30.0) as stack,
+        ):
             await stack.publish("A", 1)
             await chat(stack.agent("before"))
             lease = stack.gateway.versioning.lease
@@ -559,10 +560,6 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
             with pytest.raises(openai.ConflictError) as err:
                 await chat(stack.agent("before"), "late")
             assert err.value.body["code"] == "SESSION_EXPIRED"  # type: ignore[index]
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
 
 
 # --- the registry's answers -----------------------------------------------------------------------
@@ -597,8 +594,10 @@ async def test_a_lost_open_named_reply_is_replayed_with_the_same_request_id(
 ) -> None:
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, LosingRegistry)
-        stack = await start_gateway(fleet, routes, tmp_path, registry=registry)
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(fleet, routes, tmp_path, registry=registry) as stack,
+        ):
             await stack.publish("A", 1)
             registry.lose_replies = 2
             reply = await stack.http().post(
@@ -624,10 +623,6 @@ async def test_a_lost_open_named_reply_is_replayed_with_the_same_request_id(
             assert refused.json()["error"]["code"] == "REQUEST_REFUSED"
             assert refused.headers["x-agentic-outcome"] == "refused"
             registry.unreachable = False
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
 
 
 # --- settings ---------------------------------------------------------------------------------
