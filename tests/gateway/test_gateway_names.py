@@ -143,6 +143,18 @@ async def bury(stack: Stack) -> None:
     await stack.aclose_clients()
 
 
+@contextlib.asynccontextmanager
+async def restarted(first: Stack, **options: Any) -> AsyncIterator[Stack]:
+    """Crash ``first`` and start its successor on the same fleet and root (``options`` name the
+    journal and the rest); close the successor, then :func:`bury` ``first``."""
+    await crash(first)
+    try:
+        async with gateway_on(first.fleet, first.routes, first.root, **options) as second:
+            yield second
+    finally:
+        await bury(first)
+
+
 def engine_models(routes: OpenAIRoutes) -> list[str]:
     return routes.models()
 
@@ -159,10 +171,8 @@ async def test_a_restarted_gateway_continues_an_agent_on_its_bound_version(
         await first.publish("A", 1)
         a_name = lora_name(first, "A")
         await chat(first.agent("agent-x"), "turn 1")
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             # Its lease opened at start and adopted the predecessor's Session at once.
             assert second.gateway.sessions.adopted() == 1
             assert (await second.publish("B", 2))["outcome"] == "PUBLISHED"
@@ -186,10 +196,6 @@ async def test_a_restarted_gateway_continues_an_agent_on_its_bound_version(
             status = await second.gateway.deployment.status()
             refs = {v.version_id: v.session_refs for v in status.versions}
             assert refs == {"A": 1, "B": 1}
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None:
@@ -201,10 +207,8 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
         await chat(agent)
         closed = await first.close_own("agent-x")
         assert closed.json()["found"] is True
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             await second.publish("B", 2)
             with pytest.raises(openai.ConflictError) as err:
                 await chat(second.agent("agent-x"), "straggler")
@@ -217,10 +221,6 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
             assert len(routes.sent) == 1  # the straggler reached no engine
             again = await second.close_own("agent-x")
             assert again.json()["found"] is False
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
@@ -232,10 +232,8 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("gone"))
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal, clock=clock)
-        try:
+        async with restarted(first, journal_path=journal, clock=clock) as second:
             await second.publish("B", 2)
             sessions = second.gateway.sessions
             assert (sessions.adopted(), sessions.live()) == (1, 1)
@@ -254,10 +252,6 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
             )
             assert refused.status_code == 409
             assert refused.json()["error"]["code"] == "SESSION_CLOSED"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_another_tag_key(
@@ -272,11 +266,9 @@ async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_anot
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("agent-x"), "turn 1")
-        await crash(first)
 
         monkeypatch.setenv("AGENTIC_LORA_SESSION_HASH_KEY", "another key after it")
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal, clock=clock)
-        try:
+        async with restarted(first, journal_path=journal, clock=clock) as second:
             sessions = second.gateway.sessions
             assert sessions.adopted() == 1
             await second.publish("B", 2)
@@ -293,10 +285,6 @@ async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_anot
                 model=BASE_MODEL, messages=[{"role": "user", "content": "turn 3"}]
             )
             assert turn.headers["x-agentic-version"] == "A"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) -> None:
@@ -315,12 +303,8 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
         )
         assert raw.headers["x-agentic-version"] == "B"  # a new lifecycle, on purpose
         b_name = lora_name(first, "B")
-        await crash(first)
 
-        second = await start_gateway(
-            fleet, routes, tmp_path, journal_path=journal, reuse_closed_ids=True
-        )
-        try:
+        async with restarted(first, journal_path=journal, reuse_closed_ids=True) as second:
             await second.gateway.deployment.reclaimer.settled()
             assert (await second.publish("C", 3))["outcome"] == "PUBLISHED"
             raw = await second.agent("worker-3").chat.completions.with_raw_response.create(
@@ -329,10 +313,6 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
             # Adopted at the restart: episode 2 stays on B although C is the default.
             assert raw.headers["x-agentic-version"] == "B"
             assert engine_models(routes)[-1] == f"{BASE_MODEL}:{b_name}"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 # --- two replicas on one registry ---------------------------------------------------------------
@@ -681,19 +661,13 @@ async def test_the_gateway_logs_a_session_it_continues(
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("agent-x"))
-        await crash(first)
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             with caplog.at_level(logging.INFO, logger="agentic_lora.gateway.sessions"):
                 await chat(second.agent("agent-x"))
             (record,) = [
                 r for r in caplog.records if r.getMessage() == "session continued from the registry"
             ]
             assert getattr(record, "version") == "A"  # noqa: B009
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 # --- GatewaySessions on its own (no engine is called) --------------------------------------------
