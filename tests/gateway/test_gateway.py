@@ -243,6 +243,14 @@ async def chat(client: openai.AsyncOpenAI, text: str = "hello") -> Any:
     )
 
 
+async def served_version(client: openai.AsyncOpenAI, text: str) -> str:
+    """One chat turn; the version the gateway says served it (``x-agentic-version``)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=BASE_MODEL, messages=[{"role": "user", "content": text}]
+    )
+    return raw.headers["x-agentic-version"]
+
+
 # --- pinning across a publication ---------------------------------------------------------------
 
 
@@ -267,10 +275,7 @@ async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_on
         await old.completions.create(model=BASE_MODEL, prompt="resume", max_tokens=2)
 
         new = stack.agent("episode-new")
-        raw_new = await new.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "turn 1"}]
-        )
-        assert raw_new.headers["x-agentic-version"] == "B"
+        assert await served_version(new, "turn 1") == "B"
 
         sent = [
             (
@@ -406,10 +411,7 @@ async def test_before_the_first_publication_a_generation_is_a_retryable_503(
         assert err.value.response.headers["x-should-retry"] == "true"
         # The failed bind left the Session open and unbound: after A it binds to A.
         await stack.publish("A", 1)
-        raw = await stack.agent("early").chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}]
-        )
-        assert raw.headers["x-agentic-version"] == "A"
+        assert await served_version(stack.agent("early"), "hi") == "A"
 
 
 async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path: Path) -> None:
@@ -509,10 +511,7 @@ async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
         await chat(agent)
         await stack.close_own("worker-3")
         await stack.publish("B", 2)
-        raw = await agent.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "next episode"}]
-        )
-        assert raw.headers["x-agentic-version"] == "B"
+        assert await served_version(agent, "next episode") == "B"
 
 
 # --- admin --------------------------------------------------------------------------------------

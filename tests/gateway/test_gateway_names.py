@@ -46,6 +46,7 @@ from tests.gateway.test_gateway import (
     Stack,
     chat,
     lora_name,
+    served_version,
     settings_for,
 )
 
@@ -178,14 +179,8 @@ async def test_a_restarted_gateway_continues_an_agent_on_its_bound_version(
             assert (await second.publish("B", 2))["outcome"] == "PUBLISHED"
             b_name = lora_name(second, "B")
 
-            raw = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 2"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
-            raw_new = await second.agent("agent-y").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 1"}]
-            )
-            assert raw_new.headers["x-agentic-version"] == "B"
+            assert await served_version(second.agent("agent-x"), "turn 2") == "A"
+            assert await served_version(second.agent("agent-y"), "turn 1") == "B"
             # What the engines received, turn by turn: agent x never left A.
             assert engine_models(routes) == [
                 f"{BASE_MODEL}:{a_name}",
@@ -273,18 +268,12 @@ async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_anot
             assert sessions.adopted() == 1
             await second.publish("B", 2)
             clock.now += 29.0
-            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 2"}]
-            )
-            assert turn.headers["x-agentic-version"] == "A"
+            assert await served_version(second.agent("agent-x"), "turn 2") == "A"
             # Held under its name again: not an adopted leftover the idle expiry may close.
             assert (sessions.adopted(), sessions.live()) == (0, 1)
             clock.now += 1.0
             assert await sessions.reap_idle(30.0) == IdleReaped()
-            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 3"}]
-            )
-            assert turn.headers["x-agentic-version"] == "A"
+            assert await served_version(second.agent("agent-x"), "turn 3") == "A"
 
 
 async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) -> None:
@@ -298,10 +287,7 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
         await chat(worker, "episode 1")
         await first.close_own("worker-3")
         await first.publish("B", 2)
-        raw = await worker.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "episode 2"}]
-        )
-        assert raw.headers["x-agentic-version"] == "B"  # a new lifecycle, on purpose
+        assert await served_version(worker, "episode 2") == "B"  # a new lifecycle, on purpose
         b_name = lora_name(first, "B")
 
         async with restarted(first, journal_path=journal, reuse_closed_ids=True) as second:
@@ -330,23 +316,14 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             await one.publish("B", 2)
 
             # Replica 2 continues it on A (and takes it onto its own lease), new ids get B.
-            raw = await two.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "on replica 2"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(two.agent("agent-x"), "on replica 2") == "A"
             named = registry.core.named("agent-x")
             assert named is not None
             assert named.lease is not None
             assert named.lease.startswith("gw-2/")
-            raw = await two.agent("agent-y").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "new"}]
-            )
-            assert raw.headers["x-agentic-version"] == "B"
+            assert await served_version(two.agent("agent-y"), "new") == "B"
             # Back on replica 1 (its cached Session): still A.
-            raw = await one.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "back on replica 1"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(one.agent("agent-x"), "back on replica 1") == "A"
             assert routes.models().count(f"{BASE_MODEL}:{a_name}") == 3
 
             # Closed on replica 1: refused on replica 2, which holds a cached copy.
@@ -424,10 +401,7 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
             swept = await registry.sweep_if_due()
             assert swept is not None
             assert swept.forgotten_names == 1
-            raw = await agent.chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "a new lifecycle"}]
-            )
-            assert raw.headers["x-agentic-version"] == "B"
+            assert await served_version(agent, "a new lifecycle") == "B"
 
 
 async def test_session_name_ttl_reaches_the_registry_the_gateway_builds(tmp_path: Path) -> None:
@@ -528,10 +502,7 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
             assert swept is not None
             assert swept.expired_leases == (old,)
             # The next new id finds out at open_named and opens under a fresh incarnation.
-            raw = await stack.agent("after").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "x"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(stack.agent("after"), "x") == "A"
             assert lease.lease_id != old
             named = registry.core.named("after")
             assert named is not None
