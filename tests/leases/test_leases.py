@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
@@ -206,6 +207,19 @@ async def leased(
         yield Leased(**fields, wall=wall)
 
 
+@pytest_asyncio.fixture
+async def h(t: FakeTime) -> AsyncIterator[Leased]:
+    """The common start: :func:`leased` on the defaults, with A published."""
+    async with leased(t, published="A") as h:
+        yield h
+
+
+async def refused_as_expired(session: Session) -> None:
+    """The Session's next turn is refused as expired (a refusal: nothing is sent)."""
+    with pytest.raises(SessionExpiredError):
+        await session.generate(turn(session.session_id, 2))
+
+
 async def partition(h: Leased, t: FakeTime) -> None:
     """Cut the keeper off from the registry at its next renewal; return once that renewal has
     failed and its retry waits on fake time (``fail_before["renew_lease"] = 0`` heals it)."""
@@ -261,61 +275,60 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         assert h.inner.core.session(s1.key) is None  # the tombstone was forgotten too
 
 
-async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        v = h.versioning
-        s = await bound_session(v, "s")
-        await partition(h, t)
-        await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
-        t.advance(TTL - RENEW)  # exactly the local deadline
-        with pytest.raises(SessionExpiredError) as err:
-            await s.generate(turn("s", 3))
-        assert err.value.details["reason"] == "local_deadline"
-        assert sent(h, "s") == 2
-        # The registry has not swept: for it the lease and the ref still exist.
-        assert lease_status(h.inner, h.lease.lease_id) is not None
-        assert refs(h, "A") == 1
-        swept = await h.inner.sweep_if_due()
-        assert swept is not None
-        assert swept.expired_sessions == (s.key,)
+async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(
+    t: FakeTime, h: Leased
+) -> None:
+    v = h.versioning
+    s = await bound_session(v, "s")
+    await partition(h, t)
+    await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
+    t.advance(TTL - RENEW)  # exactly the local deadline
+    with pytest.raises(SessionExpiredError) as err:
+        await s.generate(turn("s", 3))
+    assert err.value.details["reason"] == "local_deadline"
+    assert sent(h, "s") == 2
+    # The registry has not swept: for it the lease and the ref still exist.
+    assert lease_status(h.inner, h.lease.lease_id) is not None
+    assert refs(h, "A") == 1
+    swept = await h.inner.sweep_if_due()
+    assert swept is not None
+    assert swept.expired_sessions == (s.key,)
 
 
 async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_a_new_incarnation(
-    t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        bound = await bound_session(v, "bound")
-        first = h.lease.current
-        h.wall.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
-        assert (await h.inner.sweep_if_due()) is not None
-        assert first.state is LeaseState.HELD  # our own deadline has not passed
+    reg, v = h.registry, h.versioning
+    bound = await bound_session(v, "bound")
+    first = h.lease.current
+    h.wall.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
+    assert (await h.inner.sweep_if_due()) is not None
+    assert first.state is LeaseState.HELD  # our own deadline has not passed
 
-        # An unbound Session binds under it: the registry answers LEASE_EXPIRED, nothing was
-        # bound, and the caller gets SESSION_EXPIRED with nothing sent.
-        late = v.open_session("late")
-        with pytest.raises(SessionExpiredError) as err:
-            await late.generate(turn("late"))
-        assert err.value.details["reason"] == "expired"
-        assert late.lease is first
-        assert first.state is LeaseState.LOST
-        with pytest.raises(SessionExpiredError):
-            await bound.generate(turn("bound", 2))
-        with pytest.raises(SessionExpiredError):  # pinned to the lost lease for good
-            await late.generate(turn("late", 2))
-        assert sent(h, "late") == 0
-        assert sent(h, "bound") == 1
+    # An unbound Session binds under it: the registry answers LEASE_EXPIRED, nothing was
+    # bound, and the caller gets SESSION_EXPIRED with nothing sent.
+    late = v.open_session("late")
+    with pytest.raises(SessionExpiredError) as err:
+        await late.generate(turn("late"))
+    assert err.value.details["reason"] == "expired"
+    assert late.lease is first
+    assert first.state is LeaseState.LOST
+    await refused_as_expired(bound)
+    with pytest.raises(SessionExpiredError):  # pinned to the lost lease for good
+        await late.generate(turn("late", 2))
+    assert sent(h, "late") == 0
+    assert sent(h, "bound") == 1
 
-        # A new Session works, under a fresh incarnation of the same owner.
-        fresh = await bound_session(v, "fresh")
-        assert fresh.lease is h.lease.current
-        assert fresh.lease is not first
-        assert fresh.lease.lease_id.startswith("w0/")
-        assert [lease.lease_id for lease in h.inner.core.status().leases] == [fresh.lease.lease_id]
-        assert reg.calls["renew_lease"] == 0  # the registry said so at the bind; no probe needed
-        result = await late.close()
-        assert result is not None
-        assert result.version_id is None  # it never bound
+    # A new Session works, under a fresh incarnation of the same owner.
+    fresh = await bound_session(v, "fresh")
+    assert fresh.lease is h.lease.current
+    assert fresh.lease is not first
+    assert fresh.lease.lease_id.startswith("w0/")
+    assert [lease.lease_id for lease in h.inner.core.status().leases] == [fresh.lease.lease_id]
+    assert reg.calls["renew_lease"] == 0  # the registry said so at the bind; no probe needed
+    result = await late.close()
+    assert result is not None
+    assert result.version_id is None  # it never bound
 
 
 # --- restarts --------------------------------------------------------------------------------
@@ -339,104 +352,101 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once(t: F
 
 async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back(
     t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = await bound_session(v, "s")
-        successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
-        await successor.acquire()
-        survivor = await h.inner.bind_first(
-            request_id=new_request_id(), session_key="survivor", lease=successor.lease_id
-        )
-        # The old process was only hung; its next renewal learns it was superseded.
-        log = Events(h.lease)
-        await t.sleeping()
-        t.advance(RENEW)
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "owner_restarted"
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
-        newcomer = v.open_session("newcomer")
-        with pytest.raises(SessionExpiredError) as err:
-            await newcomer.generate(turn("newcomer"))
-        assert err.value.details["reason"] == "owner_restarted"
-        assert h.lease.superseded
-        assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
-        assert successor.state is LeaseState.HELD
-        assert lease_status(h.inner, successor.lease_id) is not None
-        assert refs(h, survivor.version_id) == 1
-        assert sent(h, "s") == 1
-        assert sent(h, "newcomer") == 0
-        await successor.aclose()
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
+    await successor.acquire()
+    survivor = await h.inner.bind_first(
+        request_id=new_request_id(), session_key="survivor", lease=successor.lease_id
+    )
+    # The old process was only hung; its next renewal learns it was superseded.
+    log = Events(h.lease)
+    await t.sleeping()
+    t.advance(RENEW)
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "owner_restarted"
+    await refused_as_expired(s)
+    newcomer = v.open_session("newcomer")
+    with pytest.raises(SessionExpiredError) as err:
+        await newcomer.generate(turn("newcomer"))
+    assert err.value.details["reason"] == "owner_restarted"
+    assert h.lease.superseded
+    assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
+    assert successor.state is LeaseState.HELD
+    assert lease_status(h.inner, successor.lease_id) is not None
+    assert refs(h, survivor.version_id) == 1
+    assert sent(h, "s") == 1
+    assert sent(h, "newcomer") == 0
+    await successor.aclose()
 
 
-async def test_after_a_partition_the_keeper_asks_before_it_reopens(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = await bound_session(v, "s")
-        first = h.lease.current
-        await partition(h, t)
-        t.advance(TTL)
-        assert first.state is LeaseState.LOST  # lost on our side; the registry still holds it
-        assert first.lost_reason == "local_deadline"
-        assert lease_status(h.inner, first.lease_id) is not None
+async def test_after_a_partition_the_keeper_asks_before_it_reopens(t: FakeTime, h: Leased) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    first = h.lease.current
+    await partition(h, t)
+    t.advance(TTL)
+    assert first.state is LeaseState.LOST  # lost on our side; the registry still holds it
+    assert first.lost_reason == "local_deadline"
+    assert lease_status(h.inner, first.lease_id) is not None
 
-        # The partition heals; no other process took the slot: the probe finds the lease still
-        # live, so the keeper opens a new incarnation, which ends the old lease at once.
-        reg.fail_before["renew_lease"] = 0
-        fresh = await bound_session(v, "fresh")
-        assert fresh.lease is not None
-        assert fresh.lease is not first
-        assert lease_status(h.inner, first.lease_id) is None
-        assert refs(h, "A") == 1  # only the fresh Session's; the old one's ref was released
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+    # The partition heals; no other process took the slot: the probe finds the lease still
+    # live, so the keeper opens a new incarnation, which ends the old lease at once.
+    reg.fail_before["renew_lease"] = 0
+    fresh = await bound_session(v, "fresh")
+    assert fresh.lease is not None
+    assert fresh.lease is not first
+    assert lease_status(h.inner, first.lease_id) is None
+    assert refs(h, "A") == 1  # only the fresh Session's; the old one's ref was released
+    await refused_as_expired(s)
 
 
-async def test_after_a_partition_a_superseded_keeper_does_not_reopen(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("s").generate(turn("s"))
-        await partition(h, t)
-        t.advance(TTL)
-        assert h.lease.state is LeaseState.LOST
-        # Meanwhile the orchestrator restarted the worker slot elsewhere.
-        successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
-        await successor.acquire()
-        reg.fail_before["renew_lease"] = 0
-        with pytest.raises(SessionExpiredError) as err:
-            await v.open_session("newcomer").generate(turn("newcomer"))
-        assert err.value.details["reason"] == "owner_restarted"
-        assert h.lease.superseded
-        assert reg.calls["open_lease"] == 1
-        assert successor.state is LeaseState.HELD
-        await successor.aclose()
+async def test_after_a_partition_a_superseded_keeper_does_not_reopen(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    await v.open_session("s").generate(turn("s"))
+    await partition(h, t)
+    t.advance(TTL)
+    assert h.lease.state is LeaseState.LOST
+    # Meanwhile the orchestrator restarted the worker slot elsewhere.
+    successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
+    await successor.acquire()
+    reg.fail_before["renew_lease"] = 0
+    with pytest.raises(SessionExpiredError) as err:
+        await v.open_session("newcomer").generate(turn("newcomer"))
+    assert err.value.details["reason"] == "owner_restarted"
+    assert h.lease.superseded
+    assert reg.calls["open_lease"] == 1
+    assert successor.state is LeaseState.HELD
+    await successor.aclose()
 
 
 # --- renewal ---------------------------------------------------------------------------------
 
 
-async def test_renewals_keep_a_busy_session_alive_across_many_ttls(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = await bound_session(v, "s")
-        log = Events(h.lease)
-        start = t.now
-        for n in range(1, 31):
-            await t.sleeping()
-            t.advance(RENEW)
-            await log.wait(LeaseEventKind.RENEWED, n)
-            await s.generate(turn("s", n + 1))
-            assert await h.inner.sweep_if_due() is None
-        assert t.now - start == 10 * TTL
-        assert refs(h, "A") == 1
-        assert sent(h, "s") == 31
-        assert h.lease.state is LeaseState.HELD
-        ids = reg.request_ids("renew_lease")
-        assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
-        status = lease_status(h.inner, h.lease.lease_id)
-        assert status is not None
-        assert status.expires_at == h.wall() + TTL
+async def test_renewals_keep_a_busy_session_alive_across_many_ttls(t: FakeTime, h: Leased) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    start = t.now
+    for n in range(1, 31):
+        await t.sleeping()
+        t.advance(RENEW)
+        await log.wait(LeaseEventKind.RENEWED, n)
+        await s.generate(turn("s", n + 1))
+        assert await h.inner.sweep_if_due() is None
+    assert t.now - start == 10 * TTL
+    assert refs(h, "A") == 1
+    assert sent(h, "s") == 31
+    assert h.lease.state is LeaseState.HELD
+    ids = reg.request_ids("renew_lease")
+    assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
+    status = lease_status(h.inner, h.lease.lease_id)
+    assert status is not None
+    assert status.expires_at == h.wall() + TTL
 
 
 async def test_an_idle_owner_renews_in_the_background(t: FakeTime) -> None:
@@ -501,95 +511,96 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
 
 async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys(
     t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("s").generate(turn("s"))
-        log = Events(h.lease)
-        gate = reg.gate("renew_lease")
-        await t.sleeping()
-        t.advance(RENEW)
-        sent_at = t.now
-        await reg.entered["renew_lease"].wait()
-        t.advance(7)  # the renewal takes 7 s to reach the registry
-        gate.set()
-        await log.wait(LeaseEventKind.RENEWED)
-        term = h.lease.current
-        assert term.renewed_at == sent_at
-        assert term.deadline == sent_at + TTL
-        status = lease_status(h.inner, term.lease_id)
-        assert status is not None
-        assert status.expires_at == WALL + sent_at + 7 + TTL
-        # Read in one timebase (both clocks are the same fake time at different offsets):
-        assert WALL + term.deadline <= status.expires_at
+    reg, v = h.registry, h.versioning
+    await v.open_session("s").generate(turn("s"))
+    log = Events(h.lease)
+    gate = reg.gate("renew_lease")
+    await t.sleeping()
+    t.advance(RENEW)
+    sent_at = t.now
+    await reg.entered["renew_lease"].wait()
+    t.advance(7)  # the renewal takes 7 s to reach the registry
+    gate.set()
+    await log.wait(LeaseEventKind.RENEWED)
+    term = h.lease.current
+    assert term.renewed_at == sent_at
+    assert term.deadline == sent_at + TTL
+    status = lease_status(h.inner, term.lease_id)
+    assert status is not None
+    assert status.expires_at == WALL + sent_at + 7 + TTL
+    # Read in one timebase (both clocks are the same fake time at different offsets):
+    assert WALL + term.deadline <= status.expires_at
 
 
 async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline(
     t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:  # retries every 5 s of fake time
-        reg, v = h.registry, h.versioning
-        s = await bound_session(v, "s")
-        term = h.lease.current
-        assert term.deadline == t.now + TTL
-        log = Events(h.lease)
-        reg.fail_before["renew_lease"] = 10**6
+    # The keeper retries every 5 s of fake time (the leased default).
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    term = h.lease.current
+    assert term.deadline == t.now + TTL
+    log = Events(h.lease)
+    reg.fail_before["renew_lease"] = 10**6
+    await t.sleeping()
+    t.advance(RENEW)
+    for n in range(1, 8):  # tries at +20, +25, ..., +50 s
+        await reg.called("renew_lease", n)
         await t.sleeping()
-        t.advance(RENEW)
-        for n in range(1, 8):  # tries at +20, +25, ..., +50 s
-            await reg.called("renew_lease", n)
-            await t.sleeping()
-            await s.generate(turn("s", n))  # dispatch goes on while the renewal retries
-            t.advance(5)
-        await reg.called("renew_lease", 8)  # the try at +55 s: the next could only land after +60
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "renew_failed"
-        assert t.now < term.deadline  # given up just before the deadline, not after
-        assert len(set(reg.request_ids("renew_lease"))) == 1
-        with pytest.raises(SessionExpiredError) as err:
-            await s.generate(turn("s", 9))
-        assert err.value.details["reason"] == "renew_failed"
-        assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
+        await s.generate(turn("s", n))  # dispatch goes on while the renewal retries
+        t.advance(5)
+    await reg.called("renew_lease", 8)  # the try at +55 s: the next could only land after +60
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "renew_failed"
+    assert t.now < term.deadline  # given up just before the deadline, not after
+    assert len(set(reg.request_ids("renew_lease"))) == 1
+    with pytest.raises(SessionExpiredError) as err:
+        await s.generate(turn("s", 9))
+    assert err.value.details["reason"] == "renew_failed"
+    assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
 
 
 async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease(
     t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = await bound_session(v, "s")
-        log = Events(h.lease)
-        gate = reg.gate("renew_lease")
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.entered["renew_lease"].wait()
-        t.advance(TTL - RENEW)  # the old deadline passes while the renewal is in flight
-        gate.set()
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "local_deadline"
-        assert not log.of(LeaseEventKind.RENEWED)
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    gate = reg.gate("renew_lease")
+    await t.sleeping()
+    t.advance(RENEW)
+    await reg.entered["renew_lease"].wait()
+    t.advance(TTL - RENEW)  # the old deadline passes while the renewal is in flight
+    gate.set()
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "local_deadline"
+    assert not log.of(LeaseEventKind.RENEWED)
+    await refused_as_expired(s)
 
 
-async def test_an_open_granted_after_its_own_deadline_does_not_count(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        first = h.lease.current
-        gate = reg.gate("open_lease")
-        s = v.open_session("s")
-        pending = asyncio.create_task(s.generate(turn("s")))
-        await reg.entered["open_lease"].wait()
-        t.advance(TTL)  # the open takes a whole TTL to come back
-        gate.set()
-        await pending  # the bind goes on under a fresh incarnation
-        assert first.state is LeaseState.LOST
-        assert s.lease is h.lease.current
-        assert s.lease is not first
-        assert reg.calls["open_lease"] == 2
-        assert reg.calls["renew_lease"] == 1  # the probe: was the first one superseded? no
-        assert lease_status(h.inner, first.lease_id) is None  # ended by the new incarnation
-        assert refs(h, "A") == 1
+async def test_an_open_granted_after_its_own_deadline_does_not_count(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    first = h.lease.current
+    gate = reg.gate("open_lease")
+    s = v.open_session("s")
+    pending = asyncio.create_task(s.generate(turn("s")))
+    await reg.entered["open_lease"].wait()
+    t.advance(TTL)  # the open takes a whole TTL to come back
+    gate.set()
+    await pending  # the bind goes on under a fresh incarnation
+    assert first.state is LeaseState.LOST
+    assert s.lease is h.lease.current
+    assert s.lease is not first
+    assert reg.calls["open_lease"] == 2
+    assert reg.calls["renew_lease"] == 1  # the probe: was the first one superseded? no
+    assert lease_status(h.inner, first.lease_id) is None  # ended by the new incarnation
+    assert refs(h, "A") == 1
 
 
 async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation(t: FakeTime) -> None:
@@ -656,48 +667,46 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
 
 async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing(
     t: FakeTime,
+    h: Leased,
 ) -> None:
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("a").generate(turn("a"))
-        v.open_session("b")  # never dispatched
-        lease_id = h.lease.lease_id
-        log = Events(h.lease)
-        await v.aclose()
-        verbs = [verb for _, verb, _ in reg.log]
-        releases = [i for i, verb in enumerate(verbs) if verb == "release"]
-        assert len(releases) == 2
-        assert verbs.index("close_lease") > max(releases)
-        closed = log.of(LeaseEventKind.CLOSED)[0]
-        assert closed.released == ()  # a clean shutdown leaves nothing for the lease to release
-        assert lease_status(h.inner, lease_id) is None
-        assert refs(h, "A") == 0
-        assert h.lease.closed
-        assert h.lease.state is LeaseState.CLOSED
-        t.advance(10 * TTL)  # nothing renews any more
-        await v.aclose()  # idempotent
-        assert reg.calls["close_lease"] == 1
-        assert reg.calls["renew_lease"] == 0
-        with pytest.raises(SessionExpiredError) as err:
-            await v.open_session("late").generate(turn("late"))
-        assert err.value.details["reason"] == "closed"
-        with pytest.raises(SessionExpiredError):
-            h.lease.check()
+    reg, v = h.registry, h.versioning
+    await v.open_session("a").generate(turn("a"))
+    v.open_session("b")  # never dispatched
+    lease_id = h.lease.lease_id
+    log = Events(h.lease)
+    await v.aclose()
+    verbs = [verb for _, verb, _ in reg.log]
+    releases = [i for i, verb in enumerate(verbs) if verb == "release"]
+    assert len(releases) == 2
+    assert verbs.index("close_lease") > max(releases)
+    closed = log.of(LeaseEventKind.CLOSED)[0]
+    assert closed.released == ()  # a clean shutdown leaves nothing for the lease to release
+    assert lease_status(h.inner, lease_id) is None
+    assert refs(h, "A") == 0
+    assert h.lease.closed
+    assert h.lease.state is LeaseState.CLOSED
+    t.advance(10 * TTL)  # nothing renews any more
+    await v.aclose()  # idempotent
+    assert reg.calls["close_lease"] == 1
+    assert reg.calls["renew_lease"] == 0
+    with pytest.raises(SessionExpiredError) as err:
+        await v.open_session("late").generate(turn("late"))
+    assert err.value.details["reason"] == "closed"
+    with pytest.raises(SessionExpiredError):
+        h.lease.check()
 
 
-async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them(t: FakeTime) -> None:
-    async with leased(t, published="A") as h:
-        v = h.versioning
-        s = await bound_session(v, "s")
-        log = Events(h.lease)
-        await h.lease.aclose()
-        assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
-        assert refs(h, "A") == 0
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
-        result = await s.close()
-        assert result is not None
-        assert result.released_now is False
+async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them(h: Leased) -> None:
+    v = h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    await h.lease.aclose()
+    assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
+    assert refs(h, "A") == 0
+    await refused_as_expired(s)
+    result = await s.close()
+    assert result is not None
+    assert result.released_now is False
 
 
 async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
@@ -940,8 +949,7 @@ async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses(t: Fak
         await asyncio.wait({renewer})  # it ends with the injected failure, not by cancellation
         assert isinstance(renewer.exception(), RuntimeError)
         t.advance(TTL)
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+        await refused_as_expired(s)
 
 
 async def test_a_deployment_reclaims_as_soon_as_a_lease_releases_a_dead_workers_sessions(
