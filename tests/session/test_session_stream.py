@@ -19,14 +19,21 @@ from agentic_lora.errors import InvalidRequestError, RequestIndeterminateError, 
 from agentic_lora.foundation.requests import Route
 from agentic_lora.session.middleware import EngineCall, InFlight
 from agentic_lora.session.streaming import StreamChunk, StreamEndpoint, UpstreamStream
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
 from agentic_lora.testing.streams import ScriptedStream, StreamEnding, generate_chunks
-from agentic_lora.testing.vllm_engine import VllmOp
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
 from tests.streaming_support import BASE_MODEL, URL, read_all, stream_harness
 
 pytestmark = pytest.mark.asyncio
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def hold_next(engine: ScriptedSGLangEngine | ScriptedVllmEngine) -> ScriptedStream:
+    """The engine's next stream: one chunk, then held open until the test releases it."""
+    held = ScriptedStream(hold_after=1)
+    engine.streams.append(held)
+    return held
 
 
 async def test_sglang_streams_carry_their_sessions_version_across_a_publication() -> None:
@@ -83,8 +90,7 @@ async def test_dispatch_with_stream_true_is_refused_before_binding() -> None:
 async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() -> None:
     async with stream_harness("vllm") as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.vllm.streams.append(held)
+        held = hold_next(h.vllm)
         s = h.versioning.open_session("S")
         it = s.stream(Route.COMPLETIONS, {"prompt": "long"})
         first = await anext(it)
@@ -112,8 +118,7 @@ async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() 
 async def test_an_sglang_unload_waits_for_an_open_stream_on_its_adapter() -> None:
     async with stream_harness() as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        held = hold_next(h.sglang)
         s = h.versioning.open_session("S")
         it = s.stream(Route.GENERATE, {"text": "long"})
         await anext(it)
@@ -193,8 +198,7 @@ async def test_a_failure_after_the_first_chunk_delivers_the_partial_output_then_
 async def test_a_reader_leaving_an_sglang_stream_aborts_the_request_by_id(how: str) -> None:
     async with stream_harness() as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        held = hold_next(h.sglang)
         s = h.versioning.open_session("S")
         if how == "aclose":
             it = s.stream(Route.GENERATE, {"text": "long"})
@@ -238,8 +242,7 @@ async def s_drained(s: object) -> None:
 async def test_a_reader_leaving_a_vllm_stream_closes_the_engine_connection() -> None:
     async with stream_harness("vllm") as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.vllm.streams.append(held)
+        held = hold_next(h.vllm)
         s = h.versioning.open_session("S")
         it = s.stream(Route.CHAT_COMPLETIONS, CHAT)
         await anext(it)
@@ -252,8 +255,7 @@ async def test_a_reader_leaving_a_vllm_stream_closes_the_engine_connection() -> 
 async def test_close_aborts_an_open_sglang_stream_which_then_ends() -> None:
     async with stream_harness() as h:
         await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        hold_next(h.sglang)
         s = h.versioning.open_session("S")
         it = s.stream(Route.GENERATE, {"text": "long"})
         await anext(it)
