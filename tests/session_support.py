@@ -291,6 +291,12 @@ class Harness:
     inner: LocalRegistry  # the real registry behind the recorder, for reads the recorder hides
     lease: LeaseKeeper | None = None
 
+    def refs(self, version_id: str) -> int:
+        """How many Sessions the registry counts on ``version_id``."""
+        status = self.inner.peek_version(version_id)
+        assert status is not None
+        return status.session_refs
+
 
 def make_transport(kind: str = "aiohttp") -> EngineTransport:
     return EngineTransport(

@@ -157,12 +157,6 @@ def sent(h: Harness, tag: str) -> int:
     return len([g for g in h.engines.generations() if str(g.body["text"]).startswith(tag + " ")])
 
 
-def refs(h: Harness, version_id: str) -> int:
-    status = h.registry.peek_version(version_id)
-    assert status is not None
-    return int(status.session_refs)
-
-
 async def bound_session(v: Versioning, name: str) -> Session:
     """Session ``name`` after its first turn: bound, under the owner's lease."""
     session = v.open_session(name)
@@ -240,7 +234,7 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         reg, v = h.registry, h.versioning
         s1, s2 = await bound_session(v, "s1"), await bound_session(v, "s2")
         await publish(reg, "B")
-        assert refs(h, "A") == 2
+        assert h.refs("A") == 2
         # Killed: its renewer never runs again, nothing is closed.
         t.advance(TTL - 1)
         assert await h.inner.sweep_if_due() is None
@@ -251,7 +245,7 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         assert swept is not None
         assert swept.expired_leases == (h.lease.lease_id,)
         assert sorted(swept.expired_sessions) == sorted([s1.key, s2.key])
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
         assert claim.version_id == "A"
         assert h.inner.state_of("A") is VersionState.RECLAIMING
@@ -289,7 +283,7 @@ async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(
     assert sent(h, "s") == 2
     # The registry has not swept: for it the lease and the ref still exist.
     assert lease_status(h.inner, h.lease.lease_id) is not None
-    assert refs(h, "A") == 1
+    assert h.refs("A") == 1
     swept = await h.inner.sweep_if_due()
     assert swept is not None
     assert swept.expired_sessions == (s.key,)
@@ -342,7 +336,7 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once(t: F
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=t.sleep)
         log = Events(successor)
         term = await successor.acquire()  # no time passes
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         opened = log.of(LeaseEventKind.OPENED)[0]
         assert sorted(opened.released) == sorted([s1.key, s2.key])
         assert term.incarnation != h.lease.incarnation
@@ -376,7 +370,7 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
     assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
     assert successor.state is LeaseState.HELD
     assert lease_status(h.inner, successor.lease_id) is not None
-    assert refs(h, survivor.version_id) == 1
+    assert h.refs(survivor.version_id) == 1
     assert sent(h, "s") == 1
     assert sent(h, "newcomer") == 0
     await successor.aclose()
@@ -399,7 +393,7 @@ async def test_after_a_partition_the_keeper_asks_before_it_reopens(t: FakeTime, 
     assert fresh.lease is not None
     assert fresh.lease is not first
     assert lease_status(h.inner, first.lease_id) is None
-    assert refs(h, "A") == 1  # only the fresh Session's; the old one's ref was released
+    assert h.refs("A") == 1  # only the fresh Session's; the old one's ref was released
     await refused_as_expired(s)
 
 
@@ -439,7 +433,7 @@ async def test_renewals_keep_a_busy_session_alive_across_many_ttls(t: FakeTime, 
         await s.generate(turn("s", n + 1))
         assert await h.inner.sweep_if_due() is None
     assert t.now - start == 10 * TTL
-    assert refs(h, "A") == 1
+    assert h.refs("A") == 1
     assert sent(h, "s") == 31
     assert h.lease.state is LeaseState.HELD
     ids = reg.request_ids("renew_lease")
@@ -459,7 +453,7 @@ async def test_an_idle_owner_renews_in_the_background(t: FakeTime) -> None:
             t.advance(RENEW)
             await log.wait(LeaseEventKind.RENEWED, n)
             assert await h.inner.sweep_if_due() is None
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
 
 
 async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it(t: FakeTime) -> None:
@@ -600,7 +594,7 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count(
     assert reg.calls["open_lease"] == 2
     assert reg.calls["renew_lease"] == 1  # the probe: was the first one superseded? no
     assert lease_status(h.inner, first.lease_id) is None  # ended by the new incarnation
-    assert refs(h, "A") == 1
+    assert h.refs("A") == 1
 
 
 async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation(t: FakeTime) -> None:
@@ -682,7 +676,7 @@ async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing
     closed = log.of(LeaseEventKind.CLOSED)[0]
     assert closed.released == ()  # a clean shutdown leaves nothing for the lease to release
     assert lease_status(h.inner, lease_id) is None
-    assert refs(h, "A") == 0
+    assert h.refs("A") == 0
     assert h.lease.closed
     assert h.lease.state is LeaseState.CLOSED
     t.advance(10 * TTL)  # nothing renews any more
@@ -702,7 +696,7 @@ async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them(h: Leased
     log = Events(h.lease)
     await h.lease.aclose()
     assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
-    assert refs(h, "A") == 0
+    assert h.refs("A") == 0
     await refused_as_expired(s)
     result = await s.close()
     assert result is not None

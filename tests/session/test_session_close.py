@@ -16,12 +16,6 @@ def phase_of(s: Session) -> SessionPhase:
     return s.phase
 
 
-def refs(h: object, version: str) -> int:
-    status = h.registry.peek_version(version)  # type: ignore[attr-defined]
-    assert status is not None
-    return int(status.session_refs)
-
-
 @pytest.mark.asyncio
 async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_closed() -> None:
     async with harness(published="A") as h:
@@ -35,7 +29,7 @@ async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_clo
         with pytest.raises(SessionClosedError):
             await s.generate({"text": "late"})
         assert h.registry.calls["bind_first"] == 0
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.engines.sent == []
 
 
@@ -44,7 +38,7 @@ async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
     async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         first, second = await asyncio.gather(s.close(), s.close())
         third = await s.close()
         assert first is second is third
@@ -53,7 +47,7 @@ async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
         assert first.released_now
         assert h.registry.calls["begin_close"] == 1
         assert h.registry.calls["release"] == 1
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
@@ -76,7 +70,7 @@ async def test_late_bind_after_begin_close_is_refused_and_nothing_is_held() -> N
             "bind_first",
             "begin_close",
         ]  # the bind call was issued first, but the registry ran begin_close first
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.engines.sent == []
 
 
@@ -88,12 +82,12 @@ async def test_bind_that_won_the_race_is_released_by_close() -> None:
         with pytest.raises(Exception, match="binding was not confirmed"):
             await s.generate({"text": "x"})
         assert s.binding is None
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         result = await s.close()
         assert result is not None
         assert result.version_id == "A"
         assert result.released_now
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
@@ -112,7 +106,7 @@ async def test_release_failure_is_retried_with_the_same_request_id() -> None:
         # The third call replays the second: the registry hands back the original answer and the
         # ref was dropped once (a second drop would make it negative).
         assert result.released_now is True
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
@@ -127,7 +121,7 @@ async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> Non
         assert err.value.details["stage"] == "release"
         assert s.phase is SessionPhase.FINALIZING
         assert h.versioning.get("S") is s
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         with pytest.raises(SessionClosedError):
             await s.generate({"text": "no new dispatch while finalizing"})
         with pytest.raises(SessionStateError):
@@ -140,7 +134,7 @@ async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> Non
         assert len(set(h.registry.request_ids("release"))) == 1
         assert h.registry.calls["begin_close"] == 2  # replayed with its own request id
         assert len(set(h.registry.request_ids("begin_close"))) == 1
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.versioning.get("S") is None
         assert phase_of(s) is SessionPhase.CLOSED
 
@@ -186,7 +180,7 @@ async def test_context_manager_closes_even_when_the_block_raises() -> None:
             await episode()
         (s,) = opened
         assert s.phase is SessionPhase.CLOSED
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
