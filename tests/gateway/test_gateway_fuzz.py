@@ -113,9 +113,8 @@ def test_fuzzed_requests_never_get_a_5xx_match_the_schema_and_leak_no_session(
     assert http is not None
     strategy = _strategy(gateway)
 
-    @settings(
+    @settings(  # no deadline: the project's hypothesis profile (tests/conftest.py)
         max_examples=150,
-        deadline=None,
         derandomize=True,
         database=None,
         suppress_health_check=list(HealthCheck),

@@ -208,10 +208,11 @@ async def h(t: FakeTime) -> AsyncIterator[Leased]:
         yield h
 
 
-async def refused_as_expired(session: Session) -> None:
-    """The Session's next turn is refused as expired (a refusal: nothing is sent)."""
-    with pytest.raises(SessionExpiredError):
-        await session.generate(turn(session.session_id, 2))
+async def refused_as_expired(session: Session, n: int = 2) -> SessionExpiredError:
+    """The Session's turn ``n`` is refused as expired (a refusal: nothing is sent)."""
+    with pytest.raises(SessionExpiredError) as err:
+        await session.generate(turn(session.session_id, n))
+    return err.value
 
 
 async def partition(h: Leased, t: FakeTime) -> None:
@@ -277,9 +278,7 @@ async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(
     await partition(h, t)
     await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
     t.advance(TTL - RENEW)  # exactly the local deadline
-    with pytest.raises(SessionExpiredError) as err:
-        await s.generate(turn("s", 3))
-    assert err.value.details["reason"] == "local_deadline"
+    assert (await refused_as_expired(s, 3)).details["reason"] == "local_deadline"
     assert sent(h, "s") == 2
     # The registry has not swept: for it the lease and the ref still exist.
     assert lease_status(h.inner, h.lease.lease_id) is not None
@@ -302,9 +301,7 @@ async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_
     # An unbound Session binds under it: the registry answers LEASE_EXPIRED, nothing was
     # bound, and the caller gets SESSION_EXPIRED with nothing sent.
     late = v.open_session("late")
-    with pytest.raises(SessionExpiredError) as err:
-        await late.generate(turn("late"))
-    assert err.value.details["reason"] == "expired"
+    assert (await refused_as_expired(late, 1)).details["reason"] == "expired"
     assert late.lease is first
     assert first.state is LeaseState.LOST
     await refused_as_expired(bound)
@@ -345,8 +342,7 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once(t: F
 
 
 async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back(
-    t: FakeTime,
-    h: Leased,
+    t: FakeTime, h: Leased
 ) -> None:
     reg, v = h.registry, h.versioning
     s = await bound_session(v, "s")
@@ -363,9 +359,7 @@ async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_
     assert lost.reason == "owner_restarted"
     await refused_as_expired(s)
     newcomer = v.open_session("newcomer")
-    with pytest.raises(SessionExpiredError) as err:
-        await newcomer.generate(turn("newcomer"))
-    assert err.value.details["reason"] == "owner_restarted"
+    assert (await refused_as_expired(newcomer, 1)).details["reason"] == "owner_restarted"
     assert h.lease.superseded
     assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
     assert successor.state is LeaseState.HELD
@@ -504,8 +498,7 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
 
 
 async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys(
-    t: FakeTime,
-    h: Leased,
+    t: FakeTime, h: Leased
 ) -> None:
     reg, v = h.registry, h.versioning
     await v.open_session("s").generate(turn("s"))
@@ -529,8 +522,7 @@ async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_
 
 
 async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline(
-    t: FakeTime,
-    h: Leased,
+    t: FakeTime, h: Leased
 ) -> None:
     # The keeper retries every 5 s of fake time (the leased default).
     reg, v = h.registry, h.versioning
@@ -551,15 +543,12 @@ async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_
     assert lost.reason == "renew_failed"
     assert t.now < term.deadline  # given up just before the deadline, not after
     assert len(set(reg.request_ids("renew_lease"))) == 1
-    with pytest.raises(SessionExpiredError) as err:
-        await s.generate(turn("s", 9))
-    assert err.value.details["reason"] == "renew_failed"
+    assert (await refused_as_expired(s, 9)).details["reason"] == "renew_failed"
     assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
 
 
 async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease(
-    t: FakeTime,
-    h: Leased,
+    t: FakeTime, h: Leased
 ) -> None:
     reg, v = h.registry, h.versioning
     s = await bound_session(v, "s")
@@ -660,8 +649,7 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
 
 
 async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing(
-    t: FakeTime,
-    h: Leased,
+    t: FakeTime, h: Leased
 ) -> None:
     reg, v = h.registry, h.versioning
     await v.open_session("a").generate(turn("a"))
