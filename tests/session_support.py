@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -64,11 +65,10 @@ class Clock:
     """A shared sequence counter, to order engine and registry events."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self._ticks = itertools.count(1)
 
     def tick(self) -> int:
-        self.n += 1
-        return self.n
+        return next(self._ticks)
 
 
 def ok_body(path: str, body: dict[str, Any], *, finish: str = "stop") -> dict[str, Any]:
@@ -288,8 +288,14 @@ class Harness:
     engines: FakeEngines
     transport: EngineTransport
     clock: Clock
+    inner: LocalRegistry  # the real registry behind the recorder, for reads the recorder hides
     lease: LeaseKeeper | None = None
-    inner: LocalRegistry | None = None
+
+    def refs(self, version_id: str) -> int:
+        """How many Sessions the registry counts on ``version_id``."""
+        status = self.inner.peek_version(version_id)
+        assert status is not None
+        return status.session_refs
 
 
 def make_transport(kind: str = "aiohttp") -> EngineTransport:
@@ -306,12 +312,14 @@ async def harness(
     enabled: bool = True,
     registry_options: Mapping[str, Any] | None = None,
     lease: Mapping[str, Any] | None = None,
+    published: str | None = None,
     **versioning_options: Any,
 ) -> AsyncIterator[Harness]:
     """A real LocalRegistry and Versioning over respx-mocked engines.
 
     ``registry_options`` go to the LocalRegistry (e.g. an injected ``clock``); ``lease`` (keyword
-    arguments of :class:`LeaseKeeper`) gives the Versioning an owner lease over the recorder.
+    arguments of :class:`LeaseKeeper`) gives the Versioning an owner lease over the recorder;
+    ``published`` is published (through the recorder) before the harness is handed out.
     """
     clock = Clock()
     inner = LocalRegistry(engines=tuple(ENGINES), capacity=2, **(registry_options or {}))
@@ -331,7 +339,9 @@ async def harness(
             **versioning_options,
         )
         try:
-            yield Harness(versioning, registry, engines, transport, clock, keeper, inner)
+            if published is not None:
+                await publish(registry, published)
+            yield Harness(versioning, registry, engines, transport, clock, inner, keeper)
         finally:
             for hold in engines.held:
                 if hold.reply is not None and not hold.reply.done():

@@ -28,16 +28,15 @@ FLEET = [f"{n}={u}" for n, u in ENGINES.items()]
 
 def on(**values: Any) -> dict[str, Any]:
     """A valid versioned configuration, with ``values`` changed."""
-    base: dict[str, Any] = {
+    return {
         "enable_versioned_lora_publication": True,
         "engines": FLEET,
         "capacity": 2,
         "base_model_name": "Qwen/Qwen3-0.6B",
         "engine_max_loaded_loras": 3,
         "engine_max_loras_per_batch": 3,
+        **values,
     }
-    base.update(values)
-    return base
 
 
 def check_of(**values: Any) -> str:

@@ -18,15 +18,15 @@ from tests.gateway.test_gateway import (
     gateway_stack,
 )
 
+pytestmark = pytest.mark.asyncio
+
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-@pytest.mark.asyncio
 async def test_malformed_bodies_and_ids_are_400s_that_never_reach_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         generations = stack.fleet.calls(EngineOp.GENERATE)
 
@@ -59,7 +59,6 @@ async def test_malformed_bodies_and_ids_are_400s_that_never_reach_an_engine(
         assert stack.gateway.versioning.get(too_long) is None
 
 
-@pytest.mark.asyncio
 async def test_publish_requests_without_both_fields_are_refused_before_any_transfer(
     tmp_path: Path,
 ) -> None:
@@ -85,14 +84,12 @@ async def test_publish_requests_without_both_fields_are_refused_before_any_trans
         assert (await stack.admin().status())["registry"]["versions"] == []
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("value", [b"Infinity", b"NaN"])
 async def test_a_body_with_a_non_finite_number_is_refused_as_invalid(
     tmp_path: Path, value: bytes
 ) -> None:
     # Python's JSON reader takes NaN; JSON cannot carry it to an engine: refused before sending.
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         generations = stack.fleet.calls(EngineOp.GENERATE)
         response = await stack.http().post(
             "/generate",
@@ -107,10 +104,8 @@ async def test_a_body_with_a_non_finite_number_is_refused_as_invalid(
         )
 
 
-@pytest.mark.asyncio
 async def test_an_engine_4xx_passes_through_and_is_not_retryable(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.script(EngineOp.GENERATE, Fault(FaultKind.REFUSE, "prompt too long"))
         response = await stack.http().post(

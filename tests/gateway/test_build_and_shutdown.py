@@ -24,10 +24,11 @@ from tests.gateway.test_gateway import (
     settings_for,
 )
 
+pytestmark = pytest.mark.asyncio
+
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-@pytest.mark.asyncio
 async def test_gateway_settings_are_checked_before_anything_runs(tmp_path: Path) -> None:
     with ScriptedFleet() as fleet:
         with pytest.raises(ConfigurationError) as off:
@@ -54,7 +55,6 @@ async def test_gateway_settings_are_checked_before_anything_runs(tmp_path: Path)
             assert fleet.calls(op) == 0
 
 
-@pytest.mark.asyncio
 async def test_a_journal_that_is_not_a_database_fails_the_build_with_a_typed_error(
     tmp_path: Path,
 ) -> None:
@@ -73,7 +73,6 @@ async def test_a_journal_that_is_not_a_database_fails_the_build_with_a_typed_err
     assert journal.read_bytes() == before  # never overwritten
 
 
-@pytest.mark.asyncio
 async def test_without_metrics_the_metrics_route_is_a_typed_404(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path, with_metrics=False) as stack:
         assert stack.gateway.metrics is None
@@ -89,7 +88,6 @@ async def test_without_metrics_the_metrics_route_is_a_typed_404(tmp_path: Path) 
 # --- shutdown -----------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_closing_the_gateway_lets_a_running_publication_finish(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         gate, reached = asyncio.Event(), asyncio.Event()
@@ -111,7 +109,6 @@ async def test_closing_the_gateway_lets_a_running_publication_finish(tmp_path: P
 # --- resolving a blocked publication -----------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_the_resolve_route_needs_the_admin_token_and_frees_a_blocked_slot(
     tmp_path: Path,
 ) -> None:

@@ -39,6 +39,8 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
 from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
 
+pytestmark = pytest.mark.asyncio
+
 BASE_MODEL = "base-model"  # what ScriptedSGLangEngine serves
 ADMIN_TOKEN = "admin-secret-token"
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -195,14 +197,23 @@ class Stack:
     async def publish(self, version_id: str, seed: int) -> dict[str, Any]:
         return await self.admin().publish(self.adapter(seed), version_id)
 
+    async def close_own(self, session: str) -> httpx.Response:
+        """Close a Session with its own credential (its id is its API key)."""
+        return await self.http().post(
+            f"/v1/sessions/{session}/close", headers={"authorization": f"Bearer {session}"}
+        )
+
     async def aclose_clients(self) -> None:
         for client in self._clients:
             await (client.close() if isinstance(client, openai.AsyncOpenAI) else client.aclose())
 
 
 @contextlib.asynccontextmanager
-async def gateway_stack(root: Path, **gateway_options: Any) -> AsyncIterator[Stack]:
-    """A started gateway (its own registry, publisher, reclaimer) over two scripted engines."""
+async def gateway_stack(
+    root: Path, *, published: str | None = None, **gateway_options: Any
+) -> AsyncIterator[Stack]:
+    """A started gateway (its own registry, publisher, reclaimer) over two scripted engines
+    (with ``published`` already published from the adapter of seed 1, when given)."""
     with ScriptedFleet() as fleet:
         routes = OpenAIRoutes(fleet)
         gateway_options.setdefault("admin_token", ADMIN_TOKEN)
@@ -214,6 +225,8 @@ async def gateway_stack(root: Path, **gateway_options: Any) -> AsyncIterator[Sta
         stack = Stack(fleet, routes, gateway, root)
         try:
             async with gateway:
+                if published is not None:
+                    await stack.publish(published, 1)
                 yield stack
         finally:
             await stack.aclose_clients()
@@ -230,10 +243,17 @@ async def chat(client: openai.AsyncOpenAI, text: str = "hello") -> Any:
     )
 
 
+async def served_version(client: openai.AsyncOpenAI, text: str) -> str:
+    """One chat turn; the version the gateway says served it (``x-agentic-version``)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model=BASE_MODEL, messages=[{"role": "user", "content": text}]
+    )
+    return raw.headers["x-agentic-version"]
+
+
 # --- pinning across a publication ---------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_one_gets_b(
     tmp_path: Path,
 ) -> None:
@@ -255,10 +275,7 @@ async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_on
         await old.completions.create(model=BASE_MODEL, prompt="resume", max_tokens=2)
 
         new = stack.agent("episode-new")
-        raw_new = await new.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "turn 1"}]
-        )
-        assert raw_new.headers["x-agentic-version"] == "B"
+        assert await served_version(new, "turn 1") == "B"
 
         sent = [
             (
@@ -275,10 +292,8 @@ async def test_openai_client_stays_on_a_across_the_publication_of_b_and_a_new_on
         ]
 
 
-@pytest.mark.asyncio
 async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         old = stack.agent("episode-old")
         await chat(old)
         await stack.publish("B", 2)
@@ -289,10 +304,7 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert report["results"] == []
         assert all(e.holds(a_name) for e in stack.fleet.engines.values())
 
-        http = stack.http()
-        closed = await http.post(
-            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
-        )
+        closed = await stack.close_own("episode-old")
         assert closed.status_code == 200
         assert closed.json() == {
             "session": "episode-old",
@@ -316,16 +328,12 @@ async def test_close_releases_the_binding_and_a_reclaim_unloads_a_once(tmp_path:
         assert err.value.response.headers["x-agentic-outcome"] == "refused"
         assert len(stack.routes.sent) == 1
 
-        again = await http.post(
-            "/v1/sessions/episode-old/close", headers={"authorization": "Bearer episode-old"}
-        )
+        again = await stack.close_own("episode-old")
         assert again.json()["found"] is False
 
 
-@pytest.mark.asyncio
 async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("mine"))
         response = await stack.http().post(
             "/v1/sessions/mine/close", headers={"authorization": "Bearer someone-else"}
@@ -339,11 +347,8 @@ async def test_closing_another_sessions_id_is_refused(tmp_path: Path) -> None:
 # --- refusals and failures ----------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
-
+    async with gateway_stack(tmp_path, published="A") as stack:
         stack.routes.fail_next("unreachable")
         with pytest.raises(openai.APIStatusError) as refused:
             await chat(stack.agent("s-refused"))
@@ -366,10 +371,8 @@ async def test_refused_and_indeterminate_failures_stay_distinguishable(tmp_path:
         assert len(stack.routes.sent) == 1, "an indeterminate generation was sent twice"
 
 
-@pytest.mark.asyncio
 async def test_native_generate_failures_carry_the_same_classification(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         headers = {"x-agentic-session": "native-1"}
         ok = await http.post("/generate", json={"text": "hi"}, headers=headers)
@@ -384,12 +387,10 @@ async def test_native_generate_failures_carry_the_same_classification(tmp_path: 
         assert failed.headers["x-agentic-outcome"] == "indeterminate"
 
 
-@pytest.mark.asyncio
 async def test_a_bad_model_name_is_an_adapter_mismatch_and_never_reaches_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         with pytest.raises(openai.BadRequestError) as err:
             await stack.agent("s").chat.completions.create(
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
@@ -399,7 +400,6 @@ async def test_a_bad_model_name_is_an_adapter_mismatch_and_never_reaches_an_engi
         assert stack.routes.sent == []
 
 
-@pytest.mark.asyncio
 async def test_before_the_first_publication_a_generation_is_a_retryable_503(
     tmp_path: Path,
 ) -> None:
@@ -411,16 +411,11 @@ async def test_before_the_first_publication_a_generation_is_a_retryable_503(
         assert err.value.response.headers["x-should-retry"] == "true"
         # The failed bind left the Session open and unbound: after A it binds to A.
         await stack.publish("A", 1)
-        raw = await stack.agent("early").chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "hi"}]
-        )
-        assert raw.headers["x-agentic-version"] == "A"
+        assert await served_version(stack.agent("early"), "hi") == "A"
 
 
-@pytest.mark.asyncio
 async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         http = stack.http()
         missing = await http.post("/v1/chat/completions", json={"messages": []})
         assert missing.status_code == 401
@@ -441,12 +436,10 @@ async def test_requests_without_a_session_or_with_a_bad_one_are_refused(tmp_path
         assert stack.fleet.calls(EngineOp.GENERATE) == 2  # the two publication probes only
 
 
-@pytest.mark.asyncio
 async def test_two_headers_naming_different_sessions_are_a_400_that_opens_nothing(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         agent = stack.agent("key-is-not-the-session", default_headers={"X-Agentic-Session": "s7"})
         with pytest.raises(openai.BadRequestError) as err:
             await chat(agent)
@@ -477,11 +470,9 @@ class FakeClock:
         return self.now
 
 
-@pytest.mark.asyncio
 async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path: Path) -> None:
     clock = FakeClock()
-    async with gateway_stack(tmp_path, clock=clock) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, published="A") as stack:
         http = stack.http()
         await http.post("/generate", json={"text": "x"}, headers={"x-agentic-session": "idle"})
         # Hold one request of "busy" inside an engine.
@@ -512,28 +503,20 @@ async def test_idle_sessions_expire_but_never_with_a_request_in_flight(tmp_path:
         assert status.versions[0].session_refs == 1  # "busy" only
 
 
-@pytest.mark.asyncio
 async def test_reuse_closed_ids_opens_a_new_session_bound_to_the_new_default(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path, reuse_closed_ids=True) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, reuse_closed_ids=True, published="A") as stack:
         agent = stack.agent("worker-3")
         await chat(agent)
-        await stack.http().post(
-            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
-        )
+        await stack.close_own("worker-3")
         await stack.publish("B", 2)
-        raw = await agent.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "next episode"}]
-        )
-        assert raw.headers["x-agentic-version"] == "B"
+        assert await served_version(agent, "next episode") == "B"
 
 
 # --- admin --------------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         for token in (None, "wrong", "admin-secret-tok"):
@@ -547,7 +530,6 @@ async def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
         assert (await stack.admin().status())["registry"]["versions"] == []
 
 
-@pytest.mark.asyncio
 async def test_without_an_admin_token_the_admin_routes_are_disabled(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path, admin_token=None) as stack:
         with pytest.raises(AccessDeniedError) as err:
@@ -556,7 +538,6 @@ async def test_without_an_admin_token_the_admin_routes_are_disabled(tmp_path: Pa
         assert stack.fleet.calls(EngineOp.LOAD) == 0
 
 
-@pytest.mark.asyncio
 async def test_publish_streams_progress_per_engine_and_phase(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         events: list[dict[str, Any]] = []
@@ -582,10 +563,8 @@ async def test_publish_streams_progress_per_engine_and_phase(tmp_path: Path) -> 
         assert len(stack.gateway.progress) == 1, "the stream's listener was not removed"
 
 
-@pytest.mark.asyncio
 async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         admin = stack.admin()
         with pytest.raises(VersionConflictError):
             await admin.publish(stack.adapter(2), "A")
@@ -605,12 +584,10 @@ async def test_publication_errors_come_back_typed(tmp_path: Path) -> None:
         assert [v["version_id"] for v in status["versions"]] == ["A"]
 
 
-@pytest.mark.asyncio
 async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("holds-a"))
         await stack.publish("B", 2)
         loads = stack.fleet.calls(EngineOp.LOAD)
@@ -629,10 +606,8 @@ async def test_a_full_fleet_skips_a_publication_without_touching_an_engine(
         assert plain.json()["outcome"] == "SKIPPED"
 
 
-@pytest.mark.asyncio
 async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         await chat(stack.agent("one"))
         payload = await stack.admin().status()
         assert payload["fleet"] == [
@@ -646,7 +621,6 @@ async def test_status_lists_fleet_versions_and_sessions(tmp_path: Path) -> None:
         assert payload["registry"]["default_version"] == "A"
 
 
-@pytest.mark.asyncio
 async def test_models_and_health(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path) as stack:
         models = await stack.agent("m").models.list()
@@ -657,12 +631,10 @@ async def test_models_and_health(tmp_path: Path) -> None:
 # --- logs ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_dispatch_logs_carry_the_stable_keys(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         agent = stack.agent("logged")
         with caplog.at_level(logging.INFO, logger="agentic_lora.gateway.app"):
             await chat(agent)
@@ -698,7 +670,6 @@ async def _adapter_cards(client: httpx.AsyncClient, base_url: str) -> set[str]:
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first user of the shared fleet may pay for starting it
-@pytest.mark.asyncio
 async def test_openai_client_pinned_across_a_publication_on_real_engines(
     engine_fleet: Any, tmp_path: Path
 ) -> None:

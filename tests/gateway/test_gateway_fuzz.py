@@ -85,17 +85,22 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_GatewayThread
 _ids = itertools.count()
 
 
-def _strategy(gateway: _GatewayThread) -> Any:
-    assert gateway.http is not None
-    document = gateway.run(gateway.http.get("/openapi.json")).json()
+def post_operations(document: dict[str, Any], paths: tuple[str, ...]) -> list[Any]:
+    """The POST operations on ``paths`` of an OpenAPI ``document`` (those schemathesis parsed)."""
     schema = schemathesis.openapi.from_dict(document)
-    operations = [
+    return [
         result.ok()
         for result in schema.get_all_operations()
         if isinstance(result, Ok)
-        and result.ok().path in FUZZED
+        and result.ok().path in paths
         and result.ok().method.upper() == "POST"
     ]
+
+
+def _strategy(gateway: _GatewayThread) -> Any:
+    assert gateway.http is not None
+    document = gateway.run(gateway.http.get("/openapi.json")).json()
+    operations = post_operations(document, FUZZED)
     assert len(operations) == len(FUZZED)
     return st.one_of([op.as_strategy() for op in operations])
 
@@ -108,9 +113,8 @@ def test_fuzzed_requests_never_get_a_5xx_match_the_schema_and_leak_no_session(
     assert http is not None
     strategy = _strategy(gateway)
 
-    @settings(
+    @settings(  # no deadline: the project's hypothesis profile (tests/conftest.py)
         max_examples=150,
-        deadline=None,
         derandomize=True,
         database=None,
         suppress_health_check=list(HealthCheck),

@@ -58,8 +58,7 @@ async def _refused_before_any_session(
 @pytest.mark.asyncio
 async def test_a_body_over_the_limit_is_413_without_reading_the_rest(tmp_path: Path) -> None:
     settings = {"gateway_max_body_bytes": 4096}
-    async with gateway_stack(tmp_path, settings=settings) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, settings=settings, published="A") as stack:
         # Declared too large: refused before a byte of the body is read.
         error = await _refused_before_any_session(
             stack, CHAT, b"x" * 5000, status=413, session="big"
@@ -85,8 +84,7 @@ async def test_a_body_over_the_limit_is_413_without_reading_the_rest(tmp_path: P
 
 @pytest.mark.asyncio
 async def test_deep_json_is_a_400_never_a_500(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         deep = b"[" * 100_000 + b"]" * 100_000
         error = await _refused_before_any_session(stack, CHAT, deep)
         assert (error["code"], error["details"]["reason"]) == ("INVALID_REQUEST", "too_deep")
@@ -125,8 +123,7 @@ async def test_deep_json_is_a_400_never_a_500(tmp_path: Path) -> None:
 async def test_out_of_bounds_fields_are_400s_that_open_no_session(
     tmp_path: Path, path: str, body: dict[str, Any], field: str
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         error = await _refused_before_any_session(stack, path, json.dumps(body).encode())
         assert error["code"] == "INVALID_REQUEST"
         assert error["details"]["reason"] == "schema"
@@ -153,8 +150,7 @@ async def test_out_of_bounds_fields_are_400s_that_open_no_session(
 )
 @pytest.mark.asyncio
 async def test_malformed_json_is_a_typed_400(tmp_path: Path, raw: bytes, reason: str) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         error = await _refused_before_any_session(stack, CHAT, raw)
         assert (error["code"], error["details"]["reason"]) == ("INVALID_REQUEST", reason)
 
@@ -163,8 +159,7 @@ async def test_malformed_json_is_a_typed_400(tmp_path: Path, raw: bytes, reason:
 async def test_a_model_no_session_can_serve_is_refused_before_a_session_opens(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         body = json.dumps(_chat_body(model="gpt-4o")).encode()
         error = await _refused_before_any_session(stack, CHAT, body)
         assert (error["code"], error["details"]["reason"]) == ("ADAPTER_MISMATCH", "unknown_model")
@@ -192,8 +187,9 @@ async def test_max_tokens_is_bounded_by_the_engines_context_length(tmp_path: Pat
 async def test_the_session_bound_answers_429_with_retry_after_and_frees_on_close(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path, settings={"gateway_max_sessions": 2}) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(
+        tmp_path, settings={"gateway_max_sessions": 2}, published="A"
+    ) as stack:
         http = stack.http()
         for session_id in ("one", "two"):
             assert (await http.post(CHAT, json=_chat_body(), headers=_as(session_id))).is_success
@@ -228,8 +224,7 @@ async def test_idle_expiry_is_on_by_default_and_can_be_turned_off(tmp_path: Path
 async def test_a_session_is_closed_only_with_its_own_credential_or_the_admin_token(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for victim in ("victim", "victim-2", "victim-3"):
             await chat(stack.agent(victim))
         http = stack.http()
@@ -264,8 +259,7 @@ async def test_a_session_is_closed_only_with_its_own_credential_or_the_admin_tok
 
 @pytest.mark.asyncio
 async def test_the_admin_token_is_never_a_session_id(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         response = await stack.http().post(CHAT, json=_chat_body(), headers=_as(ADMIN_TOKEN))
         assert response.status_code == 401
         assert response.json()["error"]["details"]["reason"] == "missing_session"
@@ -280,8 +274,7 @@ async def test_no_log_record_carries_the_session_id(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     secret = "sk-credential-0123456789"
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         with caplog.at_level(logging.DEBUG):
             await chat(stack.agent(secret))
             stack.routes.fail_next("lose_reply")
@@ -400,8 +393,7 @@ def test_bad_limit_settings_are_config_errors() -> None:
 
 @pytest.mark.asyncio
 async def test_an_engine_reply_json_cannot_carry_is_a_502_indeterminate(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             stack.fleet.router.post(engine.base_url + CHAT).mock(
                 return_value=httpx.Response(

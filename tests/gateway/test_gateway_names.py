@@ -46,6 +46,7 @@ from tests.gateway.test_gateway import (
     Stack,
     chat,
     lora_name,
+    served_version,
     settings_for,
 )
 
@@ -112,6 +113,19 @@ async def start_gateway(
     return Stack(fleet, routes, gateway, root)
 
 
+@contextlib.asynccontextmanager
+async def gateway_on(
+    fleet: ScriptedFleet, routes: OpenAIRoutes, root: Path, **options: Any
+) -> AsyncIterator[Stack]:
+    """:func:`start_gateway`, closed (the gateway, then the clients) when the block ends."""
+    stack = await start_gateway(fleet, routes, root, **options)
+    try:
+        yield stack
+    finally:
+        await stack.gateway.aclose()
+        await stack.aclose_clients()
+
+
 async def crash(stack: Stack) -> None:
     """Leave ``stack``'s gateway as a kill -9 would: Sessions open, lease unclosed; then close
     its registry object (as the dead process's journal handle and lock go away)."""
@@ -130,6 +144,18 @@ async def bury(stack: Stack) -> None:
     await stack.aclose_clients()
 
 
+@contextlib.asynccontextmanager
+async def restarted(first: Stack, **options: Any) -> AsyncIterator[Stack]:
+    """Crash ``first`` and start its successor on the same fleet and root (``options`` name the
+    journal and the rest); close the successor, then :func:`bury` ``first``."""
+    await crash(first)
+    try:
+        async with gateway_on(first.fleet, first.routes, first.root, **options) as second:
+            yield second
+    finally:
+        await bury(first)
+
+
 def engine_models(routes: OpenAIRoutes) -> list[str]:
     return routes.models()
 
@@ -146,23 +172,15 @@ async def test_a_restarted_gateway_continues_an_agent_on_its_bound_version(
         await first.publish("A", 1)
         a_name = lora_name(first, "A")
         await chat(first.agent("agent-x"), "turn 1")
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             # Its lease opened at start and adopted the predecessor's Session at once.
             assert second.gateway.sessions.adopted() == 1
             assert (await second.publish("B", 2))["outcome"] == "PUBLISHED"
             b_name = lora_name(second, "B")
 
-            raw = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 2"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
-            raw_new = await second.agent("agent-y").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 1"}]
-            )
-            assert raw_new.headers["x-agentic-version"] == "B"
+            assert await served_version(second.agent("agent-x"), "turn 2") == "A"
+            assert await served_version(second.agent("agent-y"), "turn 1") == "B"
             # What the engines received, turn by turn: agent x never left A.
             assert engine_models(routes) == [
                 f"{BASE_MODEL}:{a_name}",
@@ -173,10 +191,6 @@ async def test_a_restarted_gateway_continues_an_agent_on_its_bound_version(
             status = await second.gateway.deployment.status()
             refs = {v.version_id: v.session_refs for v in status.versions}
             assert refs == {"A": 1, "B": 1}
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None:
@@ -186,14 +200,10 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
         await first.publish("A", 1)
         agent = first.agent("agent-x")
         await chat(agent)
-        closed = await first.http().post(
-            "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-        )
+        closed = await first.close_own("agent-x")
         assert closed.json()["found"] is True
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             await second.publish("B", 2)
             with pytest.raises(openai.ConflictError) as err:
                 await chat(second.agent("agent-x"), "straggler")
@@ -204,14 +214,8 @@ async def test_a_closed_id_stays_refused_after_a_restart(tmp_path: Path) -> None
             }
             assert err.value.response.headers["x-agentic-outcome"] == "refused"
             assert len(routes.sent) == 1  # the straggler reached no engine
-            again = await second.http().post(
-                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-            )
+            again = await second.close_own("agent-x")
             assert again.json()["found"] is False
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
@@ -223,10 +227,8 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("gone"))
-        await crash(first)
 
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal, clock=clock)
-        try:
+        async with restarted(first, journal_path=journal, clock=clock) as second:
             await second.publish("B", 2)
             sessions = second.gateway.sessions
             assert (sessions.adopted(), sessions.live()) == (1, 1)
@@ -245,10 +247,6 @@ async def test_an_adopted_session_whose_agent_never_returns_is_closed_when_idle(
             )
             assert refused.status_code == 409
             assert refused.json()["error"]["code"] == "SESSION_CLOSED"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_another_tag_key(
@@ -263,31 +261,19 @@ async def test_an_adopted_session_in_use_is_not_reaped_after_a_restart_with_anot
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("agent-x"), "turn 1")
-        await crash(first)
 
         monkeypatch.setenv("AGENTIC_LORA_SESSION_HASH_KEY", "another key after it")
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal, clock=clock)
-        try:
+        async with restarted(first, journal_path=journal, clock=clock) as second:
             sessions = second.gateway.sessions
             assert sessions.adopted() == 1
             await second.publish("B", 2)
             clock.now += 29.0
-            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 2"}]
-            )
-            assert turn.headers["x-agentic-version"] == "A"
+            assert await served_version(second.agent("agent-x"), "turn 2") == "A"
             # Held under its name again: not an adopted leftover the idle expiry may close.
             assert (sessions.adopted(), sessions.live()) == (0, 1)
             clock.now += 1.0
             assert await sessions.reap_idle(30.0) == IdleReaped()
-            turn = await second.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "turn 3"}]
-            )
-            assert turn.headers["x-agentic-version"] == "A"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
+            assert await served_version(second.agent("agent-x"), "turn 3") == "A"
 
 
 async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) -> None:
@@ -299,21 +285,12 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
         await first.publish("A", 1)
         worker = first.agent("worker-3")
         await chat(worker, "episode 1")
-        await first.http().post(
-            "/v1/sessions/worker-3/close", headers={"authorization": "Bearer worker-3"}
-        )
+        await first.close_own("worker-3")
         await first.publish("B", 2)
-        raw = await worker.chat.completions.with_raw_response.create(
-            model=BASE_MODEL, messages=[{"role": "user", "content": "episode 2"}]
-        )
-        assert raw.headers["x-agentic-version"] == "B"  # a new lifecycle, on purpose
+        assert await served_version(worker, "episode 2") == "B"  # a new lifecycle, on purpose
         b_name = lora_name(first, "B")
-        await crash(first)
 
-        second = await start_gateway(
-            fleet, routes, tmp_path, journal_path=journal, reuse_closed_ids=True
-        )
-        try:
+        async with restarted(first, journal_path=journal, reuse_closed_ids=True) as second:
             await second.gateway.deployment.reclaimer.settled()
             assert (await second.publish("C", 3))["outcome"] == "PUBLISHED"
             raw = await second.agent("worker-3").chat.completions.with_raw_response.create(
@@ -322,10 +299,6 @@ async def test_reused_ids_survive_a_restart_of_the_same_gateway(tmp_path: Path) 
             # Adopted at the restart: episode 2 stays on B although C is the default.
             assert raw.headers["x-agentic-version"] == "B"
             assert engine_models(routes)[-1] == f"{BASE_MODEL}:{b_name}"
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 # --- two replicas on one registry ---------------------------------------------------------------
@@ -343,29 +316,18 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             await one.publish("B", 2)
 
             # Replica 2 continues it on A (and takes it onto its own lease), new ids get B.
-            raw = await two.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "on replica 2"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(two.agent("agent-x"), "on replica 2") == "A"
             named = registry.core.named("agent-x")
             assert named is not None
             assert named.lease is not None
             assert named.lease.startswith("gw-2/")
-            raw = await two.agent("agent-y").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "new"}]
-            )
-            assert raw.headers["x-agentic-version"] == "B"
+            assert await served_version(two.agent("agent-y"), "new") == "B"
             # Back on replica 1 (its cached Session): still A.
-            raw = await one.agent("agent-x").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "back on replica 1"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(one.agent("agent-x"), "back on replica 1") == "A"
             assert routes.models().count(f"{BASE_MODEL}:{a_name}") == 3
 
             # Closed on replica 1: refused on replica 2, which holds a cached copy.
-            closed = await one.http().post(
-                "/v1/sessions/agent-x/close", headers={"authorization": "Bearer agent-x"}
-            )
+            closed = await one.close_own("agent-x")
             assert closed.json()["version_id"] == "A"
             sent = len(routes.sent)
             with pytest.raises(openai.ConflictError) as err:
@@ -374,9 +336,7 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
             assert len(routes.sent) == sent
 
             # Opened only on replica 2, closed through replica 1 (which never saw it).
-            closed = await one.http().post(
-                "/v1/sessions/agent-y/close", headers={"authorization": "Bearer agent-y"}
-            )
+            closed = await one.close_own("agent-y")
             assert closed.json() == {
                 "session": "agent-y",
                 "found": True,
@@ -401,19 +361,14 @@ async def test_two_replicas_on_one_registry_agree_on_a_session(tmp_path: Path) -
 async def test_concurrent_first_requests_of_one_id_share_one_registry_session(
     tmp_path: Path,
 ) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path)
-        try:
-            sessions = stack.gateway.sessions
-            a, b = await asyncio.gather(sessions.open("twin"), sessions.open("twin"))
-            assert a is b
-            registry: Any = stack.gateway.deployment.registry
-            named = registry.core.named("twin")
-            assert named is not None
-            assert named.session_key == a.key
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with fleet_and_routes() as (fleet, routes), gateway_on(fleet, routes, tmp_path) as stack:
+        sessions = stack.gateway.sessions
+        a, b = await asyncio.gather(sessions.open("twin"), sessions.open("twin"))
+        assert a is b
+        registry: Any = stack.gateway.deployment.registry
+        named = registry.core.named("twin")
+        assert named is not None
+        assert named.session_key == a.key
 
 
 # --- tombstones are bounded by age ------------------------------------------------------------
@@ -426,16 +381,16 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, clock=clock, sweep_interval=None, name_ttl=600.0)
         # A lease far longer than the fake time this test skips: only names age here.
-        stack = await start_gateway(
-            fleet, routes, tmp_path, registry=registry, lease_ttl=1e6, session_name_ttl=600.0
-        )
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(
+                fleet, routes, tmp_path, registry=registry, lease_ttl=1e6, session_name_ttl=600.0
+            ) as stack,
+        ):
             await stack.publish("A", 1)
             agent = stack.agent("episode-7")
             await chat(agent)
-            await stack.http().post(
-                "/v1/sessions/episode-7/close", headers={"authorization": "Bearer episode-7"}
-            )
+            await stack.close_own("episode-7")
             await stack.publish("B", 2)
 
             clock.now += 599.0
@@ -446,31 +401,22 @@ async def test_a_tombstone_is_forgotten_after_name_ttl_then_the_id_opens_anew(
             swept = await registry.sweep_if_due()
             assert swept is not None
             assert swept.forgotten_names == 1
-            raw = await agent.chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "a new lifecycle"}]
-            )
-            assert raw.headers["x-agentic-version"] == "B"
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
+            assert await served_version(agent, "a new lifecycle") == "B"
 
 
 async def test_session_name_ttl_reaches_the_registry_the_gateway_builds(tmp_path: Path) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path, session_name_ttl=0.001)
-        try:
-            sessions = stack.gateway.sessions
-            await sessions.open("short-lived")
-            await sessions.close("short-lived")
-            await asyncio.sleep(0.01)  # lets 10 ttls of wall time pass; nothing races
-            registry: Any = stack.gateway.deployment.registry
-            await registry.sweep_if_due()  # unless the background sweeper did it already
-            reopened = await sessions.open("short-lived")
-            assert reopened.phase is SessionPhase.OPEN
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with (
+        fleet_and_routes() as (fleet, routes),
+        gateway_on(fleet, routes, tmp_path, session_name_ttl=0.001) as stack,
+    ):
+        sessions = stack.gateway.sessions
+        await sessions.open("short-lived")
+        await sessions.close("short-lived")
+        await asyncio.sleep(0.01)  # lets 10 ttls of wall time pass; nothing races
+        registry: Any = stack.gateway.deployment.registry
+        await registry.sweep_if_due()  # unless the background sweeper did it already
+        reopened = await sessions.open("short-lived")
+        assert reopened.phase is SessionPhase.OPEN
 
 
 async def test_ten_thousand_closed_ids_grow_only_the_registry_which_ages_them_out() -> None:
@@ -513,32 +459,25 @@ async def test_ten_thousand_closed_ids_grow_only_the_registry_which_ages_them_ou
 
 
 async def test_closing_an_id_the_registry_never_saw_tombstones_it(tmp_path: Path) -> None:
-    async with fleet_and_routes() as (fleet, routes):
-        stack = await start_gateway(fleet, routes, tmp_path)
-        try:
-            await stack.publish("A", 1)
-            probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
-            http = stack.http()
-            closed = await http.post(
-                "/v1/sessions/never-used/close", headers={"authorization": "Bearer never-used"}
-            )
-            assert closed.json() == {
-                "session": "never-used",
-                "found": False,
-                "version_id": None,
-                "released_now": False,
-            }
-            # A straggler of that id must not open a fresh Session either.
-            refused = await http.post(
-                "/generate", json={"text": "x"}, headers={"x-agentic-session": "never-used"}
-            )
-            assert refused.status_code == 409
-            assert refused.json()["error"]["code"] == "SESSION_CLOSED"
-            assert routes.sent == []
-            assert stack.fleet.calls(EngineOp.GENERATE) == probes
-        finally:
-            await stack.gateway.aclose()
-            await stack.aclose_clients()
+    async with fleet_and_routes() as (fleet, routes), gateway_on(fleet, routes, tmp_path) as stack:
+        await stack.publish("A", 1)
+        probes = stack.fleet.calls(EngineOp.GENERATE)  # the publication's own
+        http = stack.http()
+        closed = await stack.close_own("never-used")
+        assert closed.json() == {
+            "session": "never-used",
+            "found": False,
+            "version_id": None,
+            "released_now": False,
+        }
+        # A straggler of that id must not open a fresh Session either.
+        refused = await http.post(
+            "/generate", json={"text": "x"}, headers={"x-agentic-session": "never-used"}
+        )
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "SESSION_CLOSED"
+        assert routes.sent == []
+        assert stack.fleet.calls(EngineOp.GENERATE) == probes
 
 
 async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced(
@@ -547,8 +486,10 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
     clock = FakeClock()
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, clock=clock, sweep_interval=None)
-        stack = await start_gateway(fleet, routes, tmp_path, registry=registry, lease_ttl=30.0)
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(fleet, routes, tmp_path, registry=registry, lease_ttl=30.0) as stack,
+        ):
             await stack.publish("A", 1)
             await chat(stack.agent("before"))
             lease = stack.gateway.versioning.lease
@@ -561,10 +502,7 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
             assert swept is not None
             assert swept.expired_leases == (old,)
             # The next new id finds out at open_named and opens under a fresh incarnation.
-            raw = await stack.agent("after").chat.completions.with_raw_response.create(
-                model=BASE_MODEL, messages=[{"role": "user", "content": "x"}]
-            )
-            assert raw.headers["x-agentic-version"] == "A"
+            assert await served_version(stack.agent("after"), "x") == "A"
             assert lease.current.lease_id != old
             named = registry.core.named("after")
             assert named is not None
@@ -573,10 +511,6 @@ async def test_a_lease_the_registry_expired_behind_the_gateways_back_is_replaced
             with pytest.raises(openai.ConflictError) as err:
                 await chat(stack.agent("before"), "late")
             assert err.value.body["code"] == "SESSION_EXPIRED"  # type: ignore[index]
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
 
 
 # --- the registry's answers -----------------------------------------------------------------------
@@ -611,8 +545,10 @@ async def test_a_lost_open_named_reply_is_replayed_with_the_same_request_id(
 ) -> None:
     async with fleet_and_routes() as (fleet, routes):
         registry = shared_registry(fleet, LosingRegistry)
-        stack = await start_gateway(fleet, routes, tmp_path, registry=registry)
-        try:
+        async with (
+            contextlib.aclosing(registry),
+            gateway_on(fleet, routes, tmp_path, registry=registry) as stack,
+        ):
             await stack.publish("A", 1)
             registry.lose_replies = 2
             reply = await stack.http().post(
@@ -638,10 +574,6 @@ async def test_a_lost_open_named_reply_is_replayed_with_the_same_request_id(
             assert refused.json()["error"]["code"] == "REQUEST_REFUSED"
             assert refused.headers["x-agentic-outcome"] == "refused"
             registry.unreachable = False
-        finally:
-            await stack.gateway.aclose()
-            await registry.aclose()
-            await stack.aclose_clients()
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -700,19 +632,13 @@ async def test_the_gateway_logs_a_session_it_continues(
         first = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
         await first.publish("A", 1)
         await chat(first.agent("agent-x"))
-        await crash(first)
-        second = await start_gateway(fleet, routes, tmp_path, journal_path=journal)
-        try:
+        async with restarted(first, journal_path=journal) as second:
             with caplog.at_level(logging.INFO, logger="agentic_lora.gateway.sessions"):
                 await chat(second.agent("agent-x"))
             (record,) = [
                 r for r in caplog.records if r.getMessage() == "session continued from the registry"
             ]
             assert getattr(record, "version") == "A"  # noqa: B009
-        finally:
-            await second.gateway.aclose()
-            await second.aclose_clients()
-            await bury(first)
 
 
 # --- GatewaySessions on its own (no engine is called) --------------------------------------------

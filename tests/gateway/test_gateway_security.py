@@ -57,8 +57,7 @@ async def test_an_unknown_route_or_method_is_a_typed_error_that_names_no_path(
 async def test_a_malformed_id_in_the_close_path_is_a_400_that_touches_nothing(
     tmp_path: Path, bad_id: str
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         status_before = await stack.gateway.deployment.status()
         admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
         response = await stack.http().post(f"/v1/sessions/{bad_id}/close", headers=admin)
@@ -99,8 +98,7 @@ class _Records(logging.Handler):
 @pytest.mark.asyncio
 async def test_a_real_uvicorn_access_log_never_shows_a_session_id(tmp_path: Path) -> None:
     secrets = ("sk-plain-0123", "sk/with/slash")
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for secret in secrets:
             await chat(stack.agent(secret))
         # A bound socket accepts connections before uvicorn serves: no wait for its start.

@@ -26,6 +26,8 @@ from agentic_lora.testing.streams import (
 from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
 from tests.streaming_support import served
 
+pytestmark = pytest.mark.asyncio
+
 CHAT = {"model": BASE_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
@@ -39,10 +41,8 @@ def events(text: str) -> list[Any]:
     return out
 
 
-@pytest.mark.asyncio
 async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         old = stack.agent("episode-old")
         first = await old.chat.completions.create(**CHAT, stream=True)
         on_a = [chunk async for chunk in first]
@@ -72,10 +72,8 @@ async def test_openai_client_streams_on_a_and_b_across_a_publication(tmp_path: P
         assert all(body["stream"] is True for _, _, body in stack.routes.sent)
 
 
-@pytest.mark.asyncio
 async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         response = await stack.http().post(
             "/generate",
             json={"text": "hi", "stream": True},
@@ -91,7 +89,6 @@ async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -
         assert {m["lora_path"] for m in metas} == {lora_name(stack, "A")}
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("fault", "status", "outcome", "code"),
     [
@@ -102,8 +99,7 @@ async def test_generate_streams_carry_the_version_in_meta_info(tmp_path: Path) -
 async def test_a_failure_before_the_first_chunk_is_an_ordinary_error_answer(
     tmp_path: Path, fault: FaultKind, status: int, outcome: str, code: str
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.script(EngineOp.GENERATE, Fault(fault))
         response = await stack.http().post(
@@ -117,10 +113,8 @@ async def test_a_failure_before_the_first_chunk_is_an_ordinary_error_answer(
         assert response.json()["error"]["code"] == code
 
 
-@pytest.mark.asyncio
 async def test_a_failure_mid_stream_ends_with_a_final_error_event(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         for engine in stack.fleet.engines.values():
             engine.streams.append(
                 ScriptedStream(generate_chunks(3, None, None)[:2], ending=StreamEnding.ERROR)
@@ -152,10 +146,8 @@ async def drain(stream: AsyncIterator[Any]) -> None:
         pass
 
 
-@pytest.mark.asyncio
 async def test_a_client_disconnect_aborts_the_engine_request(tmp_path: Path) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         held = [ScriptedStream(hold_after=1) for _ in stack.fleet.engines]
         for engine, stream in zip(stack.fleet.engines.values(), held, strict=True):
             engine.streams.append(stream)

@@ -23,6 +23,8 @@ from tests.gateway.test_gateway import (
     gateway_stack,
 )
 
+pytestmark = pytest.mark.asyncio
+
 
 class ReadCountingClock(FakeClock):
     """A fake clock that also lets a test wait for its next reads (each reap round reads once)."""
@@ -48,14 +50,12 @@ class ReadCountingClock(FakeClock):
             await self._read.wait()
 
 
-@pytest.mark.asyncio
 async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = ReadCountingClock()
     # idle_timeout only paces the loop here; idleness is measured on the fake clock.
-    async with gateway_stack(tmp_path, clock=clock, idle_timeout=0.004) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, idle_timeout=0.004, published="A") as stack:
         await chat(stack.agent("sleepy"))
         await clock.reads_after(2)  # the loop runs, and the Session is not idle yet
         assert stack.gateway.versioning.get("sleepy") is not None
@@ -81,11 +81,9 @@ async def test_the_expiry_loop_closes_idle_sessions_and_survives_a_failed_round(
         assert refused.json()["error"]["details"] == {"session": "sleepy", "reason": "closed"}
 
 
-@pytest.mark.asyncio
 async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
     clock = FakeClock()
-    async with gateway_stack(tmp_path, clock=clock) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, clock=clock, published="A") as stack:
         await chat(stack.agent("via-http"))
         assert stack.gateway.sessions.live() == 1
         # The Python API closes it, not the gateway.
@@ -97,7 +95,6 @@ async def test_reap_forgets_sessions_closed_elsewhere(tmp_path: Path) -> None:
         assert stack.gateway.sessions.live() == 0
 
 
-@pytest.mark.asyncio
 async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_its_id(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -134,7 +131,6 @@ async def test_an_idle_close_whose_release_fails_keeps_the_session_and_refuses_i
             await stack_context.__aexit__(None, None, None)
 
 
-@pytest.mark.asyncio
 async def test_closed_ids_are_remembered_by_the_registry_none_forgotten_by_count(
     tmp_path: Path,
 ) -> None:

@@ -15,10 +15,11 @@ from agentic_lora.gateway.client import AdminClient
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
 
+pytestmark = pytest.mark.asyncio
+
 TOKEN = "admin-secret-token"
 
 
-@pytest.mark.asyncio
 async def test_a_gateway_session_generates_through_the_pd_router_on_its_version(
     tmp_path: Path,
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_fixed, wait_none
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import (
@@ -41,7 +44,7 @@ from agentic_lora.publication.publisher import PublicationOutcome, Publisher, Re
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import LeaseStatus, VersionState, new_request_id
-from agentic_lora.session import SessionPhase, Versioning
+from agentic_lora.session import Session, SessionPhase, Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
@@ -101,6 +104,12 @@ class FakeTime:
                 fut.set_result(None)
 
 
+@pytest.fixture
+def t() -> FakeTime:
+    """The test's one fake time: the keeper's clock and sleeps, and the registry's at an offset."""
+    return FakeTime()
+
+
 class RegistryClock:
     """The registry host's wall clock: the same fake time at another offset, plus a step."""
 
@@ -148,27 +157,28 @@ def sent(h: Harness, tag: str) -> int:
     return len([g for g in h.engines.generations() if str(g.body["text"]).startswith(tag + " ")])
 
 
-def refs(h: Harness, version_id: str) -> int:
-    status = h.registry.peek_version(version_id)
-    assert status is not None
-    return int(status.session_refs)
+async def bound_session(v: Versioning, name: str) -> Session:
+    """Session ``name`` after its first turn: bound, under the owner's lease."""
+    session = v.open_session(name)
+    await session.generate(turn(name))
+    return session
 
 
 def lease_status(registry: LocalRegistry, lease_id: str) -> LeaseStatus | None:
     return registry.core.lease(lease_id)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Leased(Harness):
     """A :class:`Harness` whose Versioning binds under a lease (both are always there)."""
 
     lease: LeaseKeeper
-    inner: LocalRegistry
+    wall: RegistryClock  # the registry host's clock: a test can step it apart from the keeper's
 
 
 @contextlib.asynccontextmanager
 async def leased(
-    t: FakeTime, clock: RegistryClock | None = None, *, published: str | None = None, **lease: Any
+    t: FakeTime, *, published: str | None = None, **lease: Any
 ) -> AsyncIterator[Leased]:
     """A harness whose Versioning binds under owner ``w0``'s lease, on fake time (with
     ``published`` already published, when given)."""
@@ -180,31 +190,52 @@ async def leased(
         "retry_wait": wait_fixed(5),
     }
     options.update(lease)
+    wall = RegistryClock(t)
     async with harness(
-        registry_options={"clock": clock or RegistryClock(t), "sweep_interval": None},
+        registry_options={"clock": wall, "sweep_interval": None},
         lease=options,
+        published=published,
     ) as h:
         assert h.lease is not None
-        assert h.inner is not None
-        if published is not None:
-            await publish(h.registry, published)
-        yield Leased(h.versioning, h.registry, h.engines, h.transport, h.clock, h.lease, h.inner)
+        fields = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
+        yield Leased(**fields, wall=wall)
+
+
+@pytest_asyncio.fixture
+async def h(t: FakeTime) -> AsyncIterator[Leased]:
+    """The common start: :func:`leased` on the defaults, with A published."""
+    async with leased(t, published="A") as h:
+        yield h
+
+
+async def refused_as_expired(session: Session, n: int = 2) -> SessionExpiredError:
+    """The Session's turn ``n`` is refused as expired (a refusal: nothing is sent)."""
+    with pytest.raises(SessionExpiredError) as err:
+        await session.generate(turn(session.session_id, n))
+    return err.value
+
+
+async def partition(h: Leased, t: FakeTime) -> None:
+    """Cut the keeper off from the registry at its next renewal; return once that renewal has
+    failed and its retry waits on fake time (``fail_before["renew_lease"] = 0`` heals it)."""
+    h.registry.fail_before["renew_lease"] = 10**6
+    await t.sleeping()
+    t.advance(RENEW)
+    await h.registry.called("renew_lease")
+    await t.sleeping()
 
 
 # --- a dead owner ----------------------------------------------------------------------------
 
 
-async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_sends_nothing() -> (
-    None
-):
-    t = FakeTime()
+async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_sends_nothing(
+    t: FakeTime,
+) -> None:
     async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        s1, s2 = v.open_session("s1"), v.open_session("s2")
-        await s1.generate(turn("s1"))
-        await s2.generate(turn("s2"))
+        s1, s2 = await bound_session(v, "s1"), await bound_session(v, "s2")
         await publish(reg, "B")
-        assert refs(h, "A") == 2
+        assert h.refs("A") == 2
         # Killed: its renewer never runs again, nothing is closed.
         t.advance(TTL - 1)
         assert await h.inner.sweep_if_due() is None
@@ -215,7 +246,7 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         assert swept is not None
         assert swept.expired_leases == (h.lease.current.lease_id,)
         assert sorted(swept.expired_sessions) == sorted([s1.key, s2.key])
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
         assert claim.version_id == "A"
         assert h.inner.state_of("A") is VersionState.RECLAIMING
@@ -239,88 +270,70 @@ async def test_a_killed_owner_loses_its_refs_after_the_ttl_and_a_late_dispatch_s
         assert h.inner.core.session(s1.key) is None  # the tombstone was forgotten too
 
 
-async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        reg.fail_before["renew_lease"] = 10**6  # partitioned from the registry from now on
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
-        await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
-        t.advance(TTL - RENEW)  # exactly the local deadline
-        with pytest.raises(SessionExpiredError) as err:
-            await s.generate(turn("s", 3))
-        assert err.value.details["reason"] == "local_deadline"
-        assert sent(h, "s") == 2
-        # The registry has not swept: for it the lease and the ref still exist.
-        assert lease_status(h.inner, h.lease.current.lease_id) is not None
-        assert refs(h, "A") == 1
-        swept = await h.inner.sweep_if_due()
-        assert swept is not None
-        assert swept.expired_sessions == (s.key,)
+async def test_the_local_deadline_refuses_dispatch_before_the_registry_sweeps(
+    t: FakeTime, h: Leased
+) -> None:
+    v = h.versioning
+    s = await bound_session(v, "s")
+    await partition(h, t)
+    await s.generate(turn("s", 2))  # still inside its lease: dispatch does not wait
+    t.advance(TTL - RENEW)  # exactly the local deadline
+    assert (await refused_as_expired(s, 3)).details["reason"] == "local_deadline"
+    assert sent(h, "s") == 2
+    # The registry has not swept: for it the lease and the ref still exist.
+    assert lease_status(h.inner, h.lease.current.lease_id) is not None
+    assert h.refs("A") == 1
+    swept = await h.inner.sweep_if_due()
+    assert swept is not None
+    assert swept.expired_sessions == (s.key,)
 
 
-async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_a_new_incarnation() -> (
-    None
-):
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
-        reg, v = h.registry, h.versioning
-        bound = v.open_session("bound")
-        await bound.generate(turn("bound"))
-        first = h.lease.current
-        clock.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
-        assert (await h.inner.sweep_if_due()) is not None
-        assert first.state is LeaseState.HELD  # our own deadline has not passed
+async def test_a_lease_the_registry_ended_refuses_its_sessions_and_new_ones_get_a_new_incarnation(
+    h: Leased,
+) -> None:
+    reg, v = h.registry, h.versioning
+    bound = await bound_session(v, "bound")
+    first = h.lease.current
+    h.wall.step = TTL  # the registry host's clock leaps ahead: it expires the lease early
+    assert (await h.inner.sweep_if_due()) is not None
+    assert first.state is LeaseState.HELD  # our own deadline has not passed
 
-        # An unbound Session binds under it: the registry answers LEASE_EXPIRED, nothing was
-        # bound, and the caller gets SESSION_EXPIRED with nothing sent.
-        late = v.open_session("late")
-        with pytest.raises(SessionExpiredError) as err:
-            await late.generate(turn("late"))
-        assert err.value.details["reason"] == "expired"
-        assert late.lease is first
-        assert first.state is LeaseState.LOST
-        with pytest.raises(SessionExpiredError):
-            await bound.generate(turn("bound", 2))
-        with pytest.raises(SessionExpiredError):  # pinned to the lost lease for good
-            await late.generate(turn("late", 2))
-        assert sent(h, "late") == 0
-        assert sent(h, "bound") == 1
+    # An unbound Session binds under it: the registry answers LEASE_EXPIRED, nothing was
+    # bound, and the caller gets SESSION_EXPIRED with nothing sent.
+    late = v.open_session("late")
+    assert (await refused_as_expired(late, 1)).details["reason"] == "expired"
+    assert late.lease is first
+    assert first.state is LeaseState.LOST
+    await refused_as_expired(bound)
+    with pytest.raises(SessionExpiredError):  # pinned to the lost lease for good
+        await late.generate(turn("late", 2))
+    assert sent(h, "late") == 0
+    assert sent(h, "bound") == 1
 
-        # A new Session works, under a fresh incarnation of the same owner.
-        fresh = v.open_session("fresh")
-        await fresh.generate(turn("fresh"))
-        assert fresh.lease is h.lease.current
-        assert fresh.lease is not first
-        assert fresh.lease.lease_id.startswith("w0/")
-        assert [lease.lease_id for lease in h.inner.core.status().leases] == [fresh.lease.lease_id]
-        assert reg.calls["renew_lease"] == 0  # the registry said so at the bind; no probe needed
-        result = await late.close()
-        assert result is not None
-        assert result.version_id is None  # it never bound
+    # A new Session works, under a fresh incarnation of the same owner.
+    fresh = await bound_session(v, "fresh")
+    assert fresh.lease is h.lease.current
+    assert fresh.lease is not first
+    assert fresh.lease.lease_id.startswith("w0/")
+    assert [lease.lease_id for lease in h.inner.core.status().leases] == [fresh.lease.lease_id]
+    assert reg.calls["renew_lease"] == 0  # the registry said so at the bind; no probe needed
+    result = await late.close()
+    assert result is not None
+    assert result.version_id is None  # it never bound
 
 
 # --- restarts --------------------------------------------------------------------------------
 
 
-async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() -> None:
-    t = FakeTime()
+async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once(t: FakeTime) -> None:
     async with leased(t, sleep=never, published="A") as h:
         reg, v = h.registry, h.versioning
-        s1, s2 = v.open_session("s1"), v.open_session("s2")
-        await s1.generate(turn("s1"))
-        await s2.generate(turn("s2"))
+        s1, s2 = await bound_session(v, "s1"), await bound_session(v, "s2")
         await publish(reg, "B")
         successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=t.sleep)
         log = Events(successor)
         term = await successor.acquire()  # no time passes
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         opened = log.of(LeaseEventKind.OPENED)[0]
         assert sorted(opened.released) == sorted([s1.key, s2.key])
         assert term.incarnation != h.lease.current.incarnation
@@ -328,127 +341,103 @@ async def test_a_restarted_owner_releases_its_predecessors_sessions_at_once() ->
         await successor.aclose()
 
 
-async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back() -> (
-    None
-):
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
-        await successor.acquire()
-        survivor = await h.inner.bind_first(
-            request_id=new_request_id(), session_key="survivor", lease=successor.current.lease_id
-        )
-        # The old process was only hung; its next renewal learns it was superseded.
-        log = Events(h.lease)
-        await t.sleeping()
-        t.advance(RENEW)
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "owner_restarted"
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
-        newcomer = v.open_session("newcomer")
-        with pytest.raises(SessionExpiredError) as err:
-            await newcomer.generate(turn("newcomer"))
-        assert err.value.details["reason"] == "owner_restarted"
-        assert h.lease.superseded
-        assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
-        assert successor.current.state is LeaseState.HELD
-        assert lease_status(h.inner, successor.current.lease_id) is not None
-        assert refs(h, survivor.version_id) == 1
-        assert sent(h, "s") == 1
-        assert sent(h, "newcomer") == 0
-        await successor.aclose()
+async def test_a_superseded_zombie_refuses_old_and_new_sessions_and_never_takes_the_lease_back(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
+    await successor.acquire()
+    survivor = await h.inner.bind_first(
+        request_id=new_request_id(), session_key="survivor", lease=successor.current.lease_id
+    )
+    # The old process was only hung; its next renewal learns it was superseded.
+    log = Events(h.lease)
+    await t.sleeping()
+    t.advance(RENEW)
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "owner_restarted"
+    await refused_as_expired(s)
+    newcomer = v.open_session("newcomer")
+    assert (await refused_as_expired(newcomer, 1)).details["reason"] == "owner_restarted"
+    assert h.lease.superseded
+    assert reg.calls["open_lease"] == 1  # it never reopened: that would end the successor's
+    assert successor.current.state is LeaseState.HELD
+    assert lease_status(h.inner, successor.current.lease_id) is not None
+    assert h.refs(survivor.version_id) == 1
+    assert sent(h, "s") == 1
+    assert sent(h, "newcomer") == 0
+    await successor.aclose()
 
 
-async def test_after_a_partition_the_keeper_asks_before_it_reopens() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        first = h.lease.current
-        reg.fail_before["renew_lease"] = 10**6
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
-        t.advance(TTL)
-        assert first.state is LeaseState.LOST  # lost on our side; the registry still holds it
-        assert first.lost_reason == "local_deadline"
-        assert lease_status(h.inner, first.lease_id) is not None
+async def test_after_a_partition_the_keeper_asks_before_it_reopens(t: FakeTime, h: Leased) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    first = h.lease.current
+    await partition(h, t)
+    t.advance(TTL)
+    assert first.state is LeaseState.LOST  # lost on our side; the registry still holds it
+    assert first.lost_reason == "local_deadline"
+    assert lease_status(h.inner, first.lease_id) is not None
 
-        # The partition heals; no other process took the slot: the probe finds the lease still
-        # live, so the keeper opens a new incarnation, which ends the old lease at once.
-        reg.fail_before["renew_lease"] = 0
-        fresh = v.open_session("fresh")
-        await fresh.generate(turn("fresh"))
-        assert fresh.lease is not None
-        assert fresh.lease is not first
-        assert lease_status(h.inner, first.lease_id) is None
-        assert refs(h, "A") == 1  # only the fresh Session's; the old one's ref was released
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+    # The partition heals; no other process took the slot: the probe finds the lease still
+    # live, so the keeper opens a new incarnation, which ends the old lease at once.
+    reg.fail_before["renew_lease"] = 0
+    fresh = await bound_session(v, "fresh")
+    assert fresh.lease is not None
+    assert fresh.lease is not first
+    assert lease_status(h.inner, first.lease_id) is None
+    assert h.refs("A") == 1  # only the fresh Session's; the old one's ref was released
+    await refused_as_expired(s)
 
 
-async def test_after_a_partition_a_superseded_keeper_does_not_reopen() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("s").generate(turn("s"))
-        reg.fail_before["renew_lease"] = 10**6
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.called("renew_lease")
-        await t.sleeping()  # the retry waits on fake time
-        t.advance(TTL)
-        assert h.lease.current.state is LeaseState.LOST
-        # Meanwhile the orchestrator restarted the worker slot elsewhere.
-        successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
-        await successor.acquire()
-        reg.fail_before["renew_lease"] = 0
-        with pytest.raises(SessionExpiredError) as err:
-            await v.open_session("newcomer").generate(turn("newcomer"))
-        assert err.value.details["reason"] == "owner_restarted"
-        assert h.lease.superseded
-        assert reg.calls["open_lease"] == 1
-        assert successor.current.state is LeaseState.HELD
-        await successor.aclose()
+async def test_after_a_partition_a_superseded_keeper_does_not_reopen(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    await v.open_session("s").generate(turn("s"))
+    await partition(h, t)
+    t.advance(TTL)
+    assert h.lease.current.state is LeaseState.LOST
+    # Meanwhile the orchestrator restarted the worker slot elsewhere.
+    successor = LeaseKeeper(h.inner, owner="w0", ttl=TTL, clock=t, sleep=never)
+    await successor.acquire()
+    reg.fail_before["renew_lease"] = 0
+    with pytest.raises(SessionExpiredError) as err:
+        await v.open_session("newcomer").generate(turn("newcomer"))
+    assert err.value.details["reason"] == "owner_restarted"
+    assert h.lease.superseded
+    assert reg.calls["open_lease"] == 1
+    assert successor.current.state is LeaseState.HELD
+    await successor.aclose()
 
 
 # --- renewal ---------------------------------------------------------------------------------
 
 
-async def test_renewals_keep_a_busy_session_alive_across_many_ttls() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        log = Events(h.lease)
-        start = t.now
-        for n in range(1, 31):
-            await t.sleeping()
-            t.advance(RENEW)
-            await log.wait(LeaseEventKind.RENEWED, n)
-            await s.generate(turn("s", n + 1))
-            assert await h.inner.sweep_if_due() is None
-        assert t.now - start == 10 * TTL
-        assert refs(h, "A") == 1
-        assert sent(h, "s") == 31
-        assert h.lease.current.state is LeaseState.HELD
-        ids = reg.request_ids("renew_lease")
-        assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
-        status = lease_status(h.inner, h.lease.current.lease_id)
-        assert status is not None
-        assert status.expires_at == clock() + TTL
+async def test_renewals_keep_a_busy_session_alive_across_many_ttls(t: FakeTime, h: Leased) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    start = t.now
+    for n in range(1, 31):
+        await t.sleeping()
+        t.advance(RENEW)
+        await log.wait(LeaseEventKind.RENEWED, n)
+        await s.generate(turn("s", n + 1))
+        assert await h.inner.sweep_if_due() is None
+    assert t.now - start == 10 * TTL
+    assert h.refs("A") == 1
+    assert sent(h, "s") == 31
+    assert h.lease.current.state is LeaseState.HELD
+    ids = reg.request_ids("renew_lease")
+    assert len(ids) == len(set(ids)) == 30  # one round each, no replays needed
+    status = lease_status(h.inner, h.lease.current.lease_id)
+    assert status is not None
+    assert status.expires_at == h.wall() + TTL
 
 
-async def test_an_idle_owner_renews_in_the_background() -> None:
-    t = FakeTime()
+async def test_an_idle_owner_renews_in_the_background(t: FakeTime) -> None:
     async with leased(t) as h:
         await publish(h.registry, "A")
         await h.versioning.open_session("idle").generate(turn("idle"))
@@ -458,17 +447,15 @@ async def test_an_idle_owner_renews_in_the_background() -> None:
             t.advance(RENEW)
             await log.wait(LeaseEventKind.RENEWED, n)
             assert await h.inner.sweep_if_due() is None
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
 
 
-async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() -> None:
-    t = FakeTime()
+async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it(t: FakeTime) -> None:
     async with leased(
         t, sleep=never, published="A"
     ) as h:  # the timer never fires: only dispatches renew
         reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
+        s = await bound_session(v, "s")
         log = Events(h.lease)
         t.advance(RENEW - 1)
         await s.generate(turn("s", 2))
@@ -486,10 +473,10 @@ async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it() ->
         assert reg.calls["bind_first"] == 1
 
 
-async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, retry_wait=wait_none()) as h:
+async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id(
+    t: FakeTime,
+) -> None:
+    async with leased(t, retry_wait=wait_none()) as h:
         reg, v = h.registry, h.versioning
         reg.lose_reply["open_lease"] = 1
         reg.lose_reply["renew_lease"] = 2
@@ -507,107 +494,100 @@ async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id
         assert len(set(renews)) == 1
         status = lease_status(h.inner, h.lease.current.lease_id)
         assert status is not None
-        assert status.expires_at == clock() + TTL
+        assert status.expires_at == h.wall() + TTL
 
 
-async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("s").generate(turn("s"))
-        log = Events(h.lease)
-        gate = reg.gate("renew_lease")
+async def test_the_local_deadline_counts_from_the_send_so_it_is_never_after_the_registrys(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    await v.open_session("s").generate(turn("s"))
+    log = Events(h.lease)
+    gate = reg.gate("renew_lease")
+    await t.sleeping()
+    t.advance(RENEW)
+    sent_at = t.now
+    await reg.entered["renew_lease"].wait()
+    t.advance(7)  # the renewal takes 7 s to reach the registry
+    gate.set()
+    await log.wait(LeaseEventKind.RENEWED)
+    term = h.lease.current
+    assert term.renewed_at == sent_at
+    assert term.deadline == sent_at + TTL
+    status = lease_status(h.inner, term.lease_id)
+    assert status is not None
+    assert status.expires_at == WALL + sent_at + 7 + TTL
+    # Read in one timebase (both clocks are the same fake time at different offsets):
+    assert WALL + term.deadline <= status.expires_at
+
+
+async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline(
+    t: FakeTime, h: Leased
+) -> None:
+    # The keeper retries every 5 s of fake time (the leased default).
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    term = h.lease.current
+    assert term.deadline == t.now + TTL
+    log = Events(h.lease)
+    reg.fail_before["renew_lease"] = 10**6
+    await t.sleeping()
+    t.advance(RENEW)
+    for n in range(1, 8):  # tries at +20, +25, ..., +50 s
+        await reg.called("renew_lease", n)
         await t.sleeping()
-        t.advance(RENEW)
-        sent_at = t.now
-        await reg.entered["renew_lease"].wait()
-        t.advance(7)  # the renewal takes 7 s to reach the registry
-        gate.set()
-        await log.wait(LeaseEventKind.RENEWED)
-        term = h.lease.current
-        assert term.renewed_at == sent_at
-        assert term.deadline == sent_at + TTL
-        status = lease_status(h.inner, term.lease_id)
-        assert status is not None
-        assert status.expires_at == WALL + sent_at + 7 + TTL
-        # Read in one timebase (both clocks are the same fake time at different offsets):
-        assert WALL + term.deadline <= status.expires_at
+        await s.generate(turn("s", n))  # dispatch goes on while the renewal retries
+        t.advance(5)
+    await reg.called("renew_lease", 8)  # the try at +55 s: the next could only land after +60
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "renew_failed"
+    assert t.now < term.deadline  # given up just before the deadline, not after
+    assert len(set(reg.request_ids("renew_lease"))) == 1
+    assert (await refused_as_expired(s, 9)).details["reason"] == "renew_failed"
+    assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
 
 
-async def test_a_failed_renewal_is_replayed_with_one_request_id_until_the_local_deadline() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:  # retries every 5 s of fake time
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        term = h.lease.current
-        assert term.deadline == t.now + TTL
-        log = Events(h.lease)
-        reg.fail_before["renew_lease"] = 10**6
-        await t.sleeping()
-        t.advance(RENEW)
-        for n in range(1, 8):  # tries at +20, +25, ..., +50 s
-            await reg.called("renew_lease", n)
-            await t.sleeping()
-            await s.generate(turn("s", n))  # dispatch goes on while the renewal retries
-            t.advance(5)
-        await reg.called("renew_lease", 8)  # the try at +55 s: the next could only land after +60
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "renew_failed"
-        assert t.now < term.deadline  # given up just before the deadline, not after
-        assert len(set(reg.request_ids("renew_lease"))) == 1
-        with pytest.raises(SessionExpiredError) as err:
-            await s.generate(turn("s", 9))
-        assert err.value.details["reason"] == "renew_failed"
-        assert repr(term) == f"LeaseTerm({term.lease_id!r}, LOST)"
+async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    gate = reg.gate("renew_lease")
+    await t.sleeping()
+    t.advance(RENEW)
+    await reg.entered["renew_lease"].wait()
+    t.advance(TTL - RENEW)  # the old deadline passes while the renewal is in flight
+    gate.set()
+    lost = await log.wait(LeaseEventKind.LOST)
+    assert lost.reason == "local_deadline"
+    assert not log.of(LeaseEventKind.RENEWED)
+    await refused_as_expired(s)
 
 
-async def test_a_renewal_answered_after_the_old_deadline_does_not_revive_the_lease() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        log = Events(h.lease)
-        gate = reg.gate("renew_lease")
-        await t.sleeping()
-        t.advance(RENEW)
-        await reg.entered["renew_lease"].wait()
-        t.advance(TTL - RENEW)  # the old deadline passes while the renewal is in flight
-        gate.set()
-        lost = await log.wait(LeaseEventKind.LOST)
-        assert lost.reason == "local_deadline"
-        assert not log.of(LeaseEventKind.RENEWED)
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+async def test_an_open_granted_after_its_own_deadline_does_not_count(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    first = h.lease.current
+    gate = reg.gate("open_lease")
+    s = v.open_session("s")
+    pending = asyncio.create_task(s.generate(turn("s")))
+    await reg.entered["open_lease"].wait()
+    t.advance(TTL)  # the open takes a whole TTL to come back
+    gate.set()
+    await pending  # the bind goes on under a fresh incarnation
+    assert first.state is LeaseState.LOST
+    assert s.lease is h.lease.current
+    assert s.lease is not first
+    assert reg.calls["open_lease"] == 2
+    assert reg.calls["renew_lease"] == 1  # the probe: was the first one superseded? no
+    assert lease_status(h.inner, first.lease_id) is None  # ended by the new incarnation
+    assert h.refs("A") == 1
 
 
-async def test_an_open_granted_after_its_own_deadline_does_not_count() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        first = h.lease.current
-        gate = reg.gate("open_lease")
-        s = v.open_session("s")
-        pending = asyncio.create_task(s.generate(turn("s")))
-        await reg.entered["open_lease"].wait()
-        t.advance(TTL)  # the open takes a whole TTL to come back
-        gate.set()
-        await pending  # the bind goes on under a fresh incarnation
-        assert first.state is LeaseState.LOST
-        assert s.lease is h.lease.current
-        assert s.lease is not first
-        assert reg.calls["open_lease"] == 2
-        assert reg.calls["renew_lease"] == 1  # the probe: was the first one superseded? no
-        assert lease_status(h.inner, first.lease_id) is None  # ended by the new incarnation
-        assert refs(h, "A") == 1
-
-
-async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -> None:
-    t = FakeTime()
-    clock = RegistryClock(t)
-    async with leased(t, clock, open_attempts=2, retry_wait=wait_none(), published="A") as h:
+async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation(t: FakeTime) -> None:
+    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
@@ -615,7 +595,7 @@ async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -
         with pytest.raises(RequestRefusedError):
             await s.generate(turn("s"))
         assert lease_status(h.inner, first.lease_id) is not None  # it exists, unknown to us
-        clock.step = TTL
+        h.wall.step = TTL
         assert (await h.inner.sweep_if_due()) is not None  # and expires there
         await s.generate(turn("s", 2))  # its open is refused: LEASE_EXPIRED -> next incarnation
         assert first.state is LeaseState.LOST
@@ -628,8 +608,7 @@ async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation() -
 # --- opening and closing ---------------------------------------------------------------------
 
 
-async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
-    t = FakeTime()
+async def test_the_lease_opens_lazily_once_for_concurrent_first_binds(t: FakeTime) -> None:
     async with leased(t) as h:
         reg, v = h.registry, h.versioning
         assert h.lease.current.state is LeaseState.PENDING
@@ -650,10 +629,9 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds() -> None:
         assert status.sessions == 10  # the cancelled waiter's Session bound too (shared bind)
 
 
-async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_next_one_works() -> (
-    None
-):
-    t = FakeTime()
+async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_next_one_works(
+    t: FakeTime,
+) -> None:
     async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
         reg, v = h.registry, h.versioning
         reg.fail_before["open_lease"] = 2
@@ -670,57 +648,53 @@ async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_ne
         assert s.lease.state is LeaseState.HELD
 
 
-async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        reg, v = h.registry, h.versioning
-        await v.open_session("a").generate(turn("a"))
-        v.open_session("b")  # never dispatched
-        lease_id = h.lease.current.lease_id
-        log = Events(h.lease)
-        await v.aclose()
-        verbs = [verb for _, verb, _ in reg.log]
-        releases = [i for i, verb in enumerate(verbs) if verb == "release"]
-        assert len(releases) == 2
-        assert verbs.index("close_lease") > max(releases)
-        closed = log.of(LeaseEventKind.CLOSED)[0]
-        assert closed.released == ()  # a clean shutdown leaves nothing for the lease to release
-        assert lease_status(h.inner, lease_id) is None
-        assert refs(h, "A") == 0
-        assert h.lease.closed
-        assert h.lease.current.state is LeaseState.CLOSED
-        t.advance(10 * TTL)  # nothing renews any more
-        await v.aclose()  # idempotent
-        assert reg.calls["close_lease"] == 1
-        assert reg.calls["renew_lease"] == 0
-        with pytest.raises(SessionExpiredError) as err:
-            await v.open_session("late").generate(turn("late"))
-        assert err.value.details["reason"] == "closed"
-        with pytest.raises(SessionExpiredError):
-            h.lease.check()
+async def test_aclose_releases_sessions_then_closes_the_lease_and_stops_renewing(
+    t: FakeTime, h: Leased
+) -> None:
+    reg, v = h.registry, h.versioning
+    await v.open_session("a").generate(turn("a"))
+    v.open_session("b")  # never dispatched
+    lease_id = h.lease.current.lease_id
+    log = Events(h.lease)
+    await v.aclose()
+    verbs = [verb for _, verb, _ in reg.log]
+    releases = [i for i, verb in enumerate(verbs) if verb == "release"]
+    assert len(releases) == 2
+    assert verbs.index("close_lease") > max(releases)
+    closed = log.of(LeaseEventKind.CLOSED)[0]
+    assert closed.released == ()  # a clean shutdown leaves nothing for the lease to release
+    assert lease_status(h.inner, lease_id) is None
+    assert h.refs("A") == 0
+    assert h.lease.closed
+    assert h.lease.current.state is LeaseState.CLOSED
+    t.advance(10 * TTL)  # nothing renews any more
+    await v.aclose()  # idempotent
+    assert reg.calls["close_lease"] == 1
+    assert reg.calls["renew_lease"] == 0
+    with pytest.raises(SessionExpiredError) as err:
+        await v.open_session("late").generate(turn("late"))
+    assert err.value.details["reason"] == "closed"
+    with pytest.raises(SessionExpiredError):
+        h.lease.check()
 
 
-async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them() -> None:
-    t = FakeTime()
-    async with leased(t, published="A") as h:
-        v = h.versioning
-        s = v.open_session("s")
-        await s.generate(turn("s"))
-        log = Events(h.lease)
-        await h.lease.aclose()
-        assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
-        assert refs(h, "A") == 0
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
-        result = await s.close()
-        assert result is not None
-        assert result.released_now is False
+async def test_a_keeper_closed_with_sessions_on_its_lease_expires_them(h: Leased) -> None:
+    v = h.versioning
+    s = await bound_session(v, "s")
+    log = Events(h.lease)
+    await h.lease.aclose()
+    assert log.of(LeaseEventKind.CLOSED)[0].released == (s.key,)
+    assert h.refs("A") == 0
+    await refused_as_expired(s)
+    result = await s.close()
+    assert result is not None
+    assert result.released_now is False
 
 
 async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
     caplog: pytest.LogCaptureFixture,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
         reg = h.registry
         await publish(reg, "A")
@@ -737,8 +711,8 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
 
 async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
     caplog: pytest.LogCaptureFixture,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     async with leased(t) as h:
 
         def broken(event: LeaseEvent) -> None:
@@ -830,6 +804,9 @@ class Process:
     keeper: LeaseKeeper
     versioning: Versioning
 
+    async def publish(self, version_id: str, snapshot: AdapterSnapshot) -> PublicationOutcome:
+        return (await self.publisher.publish(version_id, snapshot)).outcome
+
     def kill(self) -> None:
         """What SIGKILL leaves: no close, no release; the OS drops the journal's lock."""
         assert self.registry._journal is not None
@@ -875,18 +852,26 @@ def start_process(
 
 
 @contextlib.asynccontextmanager
-async def killed_worker_holding_a(tmp_path: Path) -> AsyncIterator[tuple[ScriptedFleet, FakeTime]]:
-    """Process 1 publishes A, binds two Sessions on it, and is killed without closing them."""
-    t = FakeTime()
+async def after_a_killed_worker_holding_a(
+    tmp_path: Path, t: FakeTime
+) -> AsyncIterator[tuple[ScriptedFleet, Process]]:
+    """Process 1 publishes A, binds two Sessions on it, and is killed without closing them;
+    process 2 starts on the same journal and publishes B. Yields the fleet and process 2."""
+    journal, store = tmp_path / "j.sqlite", tmp_path / "store"
     with ScriptedFleet(("e0", "e1")) as fleet:
-        p1 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t, sleep=never)
+        p1 = start_process(journal, store, fleet, t, sleep=never)
         try:
-            assert (await p1.publisher.publish("A", A)).outcome is PublicationOutcome.PUBLISHED
+            assert await p1.publish("A", A) is PublicationOutcome.PUBLISHED
             for name in ("s1", "s2"):
                 await p1.versioning.open_session(name).generate(turn(name))
             assert p1.registry.core.version("A").session_refs == 2
             p1.kill()
-            yield fleet, t
+            p2 = start_process(journal, store, fleet, t)
+            try:
+                assert await p2.publish("B", B) is PublicationOutcome.PUBLISHED
+                yield fleet, p2
+            finally:
+                await p2.shutdown()
         finally:
             await p1.bury()
 
@@ -895,52 +880,44 @@ def unloads(fleet: ScriptedFleet) -> int:
     return sum(e.count(EngineOp.UNLOAD) for e in fleet.engines.values())
 
 
-async def test_a_killed_worker_blocks_c_only_until_its_lease_expires(tmp_path: Path) -> None:
-    async with killed_worker_holding_a(tmp_path) as (fleet, t):
-        p2 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t)
-        try:
-            assert (await p2.publisher.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            a = p2.registry.core.version("A")
-            assert (a.state, a.session_refs) == (VersionState.RETIRED, 2)
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            # The restarted registry gave the dead worker's lease a full TTL from its first call.
-            t.advance(TTL - 1)
-            assert await p2.registry.sweep_if_due() is None
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            assert unloads(fleet) == 0
-            t.advance(1)
-            swept = await p2.registry.sweep_if_due()
-            assert swept is not None
-            assert len(swept.expired_sessions) == 2
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
-            assert p2.registry.core.version("A").state is VersionState.RECLAIMED
-            assert unloads(fleet) == 2  # once per engine
-        finally:
-            await p2.shutdown()
+async def test_a_killed_worker_blocks_c_only_until_its_lease_expires(
+    tmp_path: Path, t: FakeTime
+) -> None:
+    async with after_a_killed_worker_holding_a(tmp_path, t) as (fleet, p2):
+        a = p2.registry.core.version("A")
+        assert (a.state, a.session_refs) == (VersionState.RETIRED, 2)
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        # The restarted registry gave the dead worker's lease a full TTL from its first call.
+        t.advance(TTL - 1)
+        assert await p2.registry.sweep_if_due() is None
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        assert unloads(fleet) == 0
+        t.advance(1)
+        swept = await p2.registry.sweep_if_due()
+        assert swept is not None
+        assert len(swept.expired_sessions) == 2
+        assert await p2.publish("C", C) is PublicationOutcome.PUBLISHED
+        assert p2.registry.core.version("A").state is VersionState.RECLAIMED
+        assert unloads(fleet) == 2  # once per engine
 
 
-async def test_a_restarted_worker_releases_the_dead_ones_sessions_at_once(tmp_path: Path) -> None:
-    async with killed_worker_holding_a(tmp_path) as (fleet, t):
-        p2 = start_process(tmp_path / "j.sqlite", tmp_path / "store", fleet, t)
-        try:
-            assert (await p2.publisher.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            assert (await p2.publisher.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            # Worker slot w0 comes back in this process: its first Session opens w0's lease,
-            # which releases the dead incarnation's two Sessions. No time passes.
-            async with p2.versioning.session("s3") as s3:
-                await s3.generate(turn("s3"))
-                assert s3.binding is not None
-                assert s3.binding.version_id == "B"
-                assert p2.registry.core.version("A").session_refs == 0
-                outcome = await p2.publisher.publish("C", C)
-                assert outcome.outcome is PublicationOutcome.PUBLISHED
-            assert p2.registry.core.version("A").state is VersionState.RECLAIMED
-        finally:
-            await p2.shutdown()
+async def test_a_restarted_worker_releases_the_dead_ones_sessions_at_once(
+    tmp_path: Path, t: FakeTime
+) -> None:
+    async with after_a_killed_worker_holding_a(tmp_path, t) as (_, p2):
+        assert await p2.publish("C", C) is PublicationOutcome.SKIPPED
+        # Worker slot w0 comes back in this process: its first Session opens w0's lease,
+        # which releases the dead incarnation's two Sessions. No time passes.
+        async with p2.versioning.session("s3") as s3:
+            await s3.generate(turn("s3"))
+            assert s3.binding is not None
+            assert s3.binding.version_id == "B"
+            assert p2.registry.core.version("A").session_refs == 0
+            assert await p2.publish("C", C) is PublicationOutcome.PUBLISHED
+        assert p2.registry.core.version("A").state is VersionState.RECLAIMED
 
 
-async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> None:
-    t = FakeTime()
+async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses(t: FakeTime) -> None:
 
     def broken_sleep(delay: float) -> asyncio.Future[None]:
         raise RuntimeError("injected sleep failed")
@@ -954,14 +931,13 @@ async def test_a_renewer_that_dies_says_so_and_the_deadline_still_refuses() -> N
         await asyncio.wait({renewer})  # it ends with the injected failure, not by cancellation
         assert isinstance(renewer.exception(), RuntimeError)
         t.advance(TTL)
-        with pytest.raises(SessionExpiredError):
-            await s.generate(turn("s", 2))
+        await refused_as_expired(s)
 
 
 async def test_a_deployment_reclaims_as_soon_as_a_lease_releases_a_dead_workers_sessions(
     tmp_path: Path,
+    t: FakeTime,
 ) -> None:
-    t = FakeTime()
     with ScriptedFleet(("e0", "e1")) as fleet:
         settings = fleet.settings(owner_id="w0")
         registry = LocalRegistry(

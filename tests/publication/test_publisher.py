@@ -8,7 +8,6 @@ timings).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +15,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from agentic_lora_http import HttpPushBackend
-from tenacity import wait_none
 
-from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import (
     BackendAmbiguousError,
@@ -34,78 +30,19 @@ from agentic_lora.publication.publisher import (
     PhaseStatus,
     PublicationOutcome,
     Publisher,
-    RegistryRetry,
 )
 from agentic_lora.publication.reclaimer import Reclaimer
-from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication_support import RegistryReads
+from tests.publication.support import FAST, A, B, C, LinkedWorld, ground, publish
 
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
-FAST = RegistryRetry(attempts=3, wait=wait_none())
-
-
-class Progress:
-    """Collects progress events; hands out asyncio.Events that fire on a matching one."""
-
-    def __init__(self) -> None:
-        self.events: list[PhaseEvent] = []
-        self._waiters: list[tuple[Callable[[PhaseEvent], bool], asyncio.Event]] = []
-
-    def __call__(self, event: PhaseEvent) -> None:
-        self.events.append(event)
-        for matches, flag in self._waiters:
-            if matches(event):
-                flag.set()
-
-    def when(
-        self, engine: str | None, phase: Phase, status: PhaseStatus = PhaseStatus.DONE
-    ) -> asyncio.Event:
-        flag = asyncio.Event()
-        self._waiters.append(
-            (lambda e: (e.engine, e.phase, e.status) == (engine, phase, status), flag)
-        )
-        return flag
-
-
-class LossyRegistry:
-    """The real registry behind a link that can drop replies: the call runs, its answer is lost."""
-
-    def __init__(self, inner: LocalRegistry) -> None:
-        self.inner = inner
-        self.drop: Counter[str] = Counter()
-        self.seen: list[tuple[str, str | None]] = []
-
-    def __getattr__(self, verb: str) -> Any:
-        target = getattr(self.inner, verb)
-        if not asyncio.iscoroutinefunction(target):
-            return target
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            self.seen.append((verb, kwargs.get("request_id")))
-            result = await target(*args, **kwargs)
-            if self.drop[verb] > 0:
-                self.drop[verb] -= 1
-                raise ConnectionError(f"{verb} reply lost")
-            return result
-
-        return call
+pytestmark = pytest.mark.asyncio
 
 
 @dataclass
-class World(RegistryReads):
-    fleet: ScriptedFleet
-    registry: LocalRegistry
-    link: LossyRegistry
-    backend: HttpPushBackend
-    publisher: Publisher
+class World(LinkedWorld):
     reclaimer: Reclaimer
-    progress: Progress
     store: Path
     sessions: dict[str, Binding] = field(default_factory=dict)
 
@@ -117,36 +54,32 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
-        link = LossyRegistry(registry)
-        backend = HttpPushBackend(tmp_path / "store")
-        progress = Progress()
-        reclaimer = Reclaimer(link, backend, fleet.refs, registry_retry=FAST)  # type: ignore[arg-type]
+    async with ground(tmp_path / "store") as g:
+        reclaimer = Reclaimer(g.link, g.backend, g.fleet.refs, registry_retry=FAST)  # type: ignore[arg-type]
         publisher = Publisher(
-            link,  # type: ignore[arg-type]
-            backend,
-            fleet.refs,
+            g.link,  # type: ignore[arg-type]
+            g.backend,
+            g.fleet.refs,
             reclaimer=reclaimer,
-            on_progress=progress,
+            on_progress=g.progress,
             registry_retry=FAST,
         )
         yield World(
-            fleet, registry, link, backend, publisher, reclaimer, progress, tmp_path / "store"
+            g.fleet,
+            g.registry,
+            g.link,
+            g.backend,
+            publisher,
+            g.progress,
+            reclaimer,
+            tmp_path / "store",
         )
         await reclaimer.stop()
-        await backend.aclose()
-        await registry.aclose()
-
-
-async def publish(world: World, version_id: str, snapshot: AdapterSnapshot) -> PublicationOutcome:
-    return (await world.publisher.publish(version_id, snapshot)).outcome
 
 
 # --- rule 7.1-1: staged READY, one engine at a time ------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_b_ready_on_e0_only_keeps_the_default_then_both_ready_commit_switches_to_b(
     world: World,
 ) -> None:
@@ -182,7 +115,6 @@ async def test_b_ready_on_e0_only_keeps_the_default_then_both_ready_commit_switc
 # --- rule 7.1-2: duplicate publication and content conflict ------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_same_id_same_content_never_loads_twice_nor_takes_a_second_slot_nor_switches_again(
     world: World,
 ) -> None:
@@ -202,11 +134,10 @@ async def test_same_id_same_content_never_loads_twice_nor_takes_a_second_slot_no
         (await world.registry.status()).default_revision,
     ) == before
     # A replay of the older version does not roll the default back either.
-    assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.ALREADY_PUBLISHED
+    assert await publish(world, "v1", A) is PublicationOutcome.ALREADY_PUBLISHED
     assert await world.default() == "v2"
 
 
-@pytest.mark.asyncio
 async def test_same_id_same_content_resumes_a_pending_publication_without_a_second_slot(
     world: World,
 ) -> None:
@@ -264,7 +195,6 @@ async def _to_reclaimed(world: World) -> None:
     assert (await world.reclaimer.reclaim_once()).reclaimed == ("v2",)
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("bring", "state"),
     [
@@ -292,7 +222,6 @@ async def test_same_id_different_content_is_a_version_conflict_in_every_state(
     assert world.state("v2") is state
 
 
-@pytest.mark.asyncio
 async def test_a_new_id_with_an_old_versions_content_is_a_new_publication(world: World) -> None:
     await publish(world, "v1", A)
     await publish(world, "v2", B)
@@ -309,7 +238,6 @@ async def test_a_new_id_with_an_old_versions_content_is_a_new_publication(world:
 # --- rule 7.1-3: failures never move the default; cleanup on both before the slot is freed ------
 
 
-@pytest.mark.asyncio
 async def test_single_engine_failure_cleans_b_on_both_engines_before_its_slot_is_freed(
     world: World,
 ) -> None:
@@ -341,7 +269,6 @@ async def test_single_engine_failure_cleans_b_on_both_engines_before_its_slot_is
     assert world.fleet["e0"].physical_unloads[world.name("v2")] == 1
 
 
-@pytest.mark.asyncio
 async def test_one_engine_failing_never_cancels_another_engines_in_flight_load(
     world: World,
 ) -> None:
@@ -360,7 +287,6 @@ async def test_one_engine_failing_never_cancels_another_engines_in_flight_load(
     assert world.fleet["e0"].physical_unloads[world.name("v2")] == 1
 
 
-@pytest.mark.asyncio
 async def test_manifest_mismatch_on_one_engine_fails_clean_on_both(world: World) -> None:
     await publish(world, "v1", A)
     lora_name = make_lora_name("policy_lora", 0, "v2", B.digest)
@@ -376,7 +302,6 @@ async def test_manifest_mismatch_on_one_engine_fails_clean_on_both(world: World)
     assert await world.slots() == 1
 
 
-@pytest.mark.asyncio
 async def test_lost_load_ack_fails_clean_and_unloads_what_the_engine_did_load(world: World) -> None:
     await publish(world, "v1", A)
     world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
@@ -391,7 +316,6 @@ async def test_lost_load_ack_fails_clean_and_unloads_what_the_engine_did_load(wo
     assert await world.slots() == 1
 
 
-@pytest.mark.asyncio
 async def test_engine_restart_mid_publication_invalidates_its_ready_and_fails_clean(
     world: World,
 ) -> None:
@@ -416,7 +340,6 @@ async def test_engine_restart_mid_publication_invalidates_its_ready_and_fails_cl
 # --- lost and unknown registry replies ----------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_a_lost_commit_reply_is_retried_with_the_same_request_id(world: World) -> None:
     await publish(world, "v1", A)
     revision = (await world.registry.status()).default_revision
@@ -431,7 +354,6 @@ async def test_a_lost_commit_reply_is_retried_with_the_same_request_id(world: Wo
     assert result.commit.default_revision == revision + 1
 
 
-@pytest.mark.asyncio
 async def test_a_commit_whose_outcome_stays_unknown_blocks_and_never_cleans(world: World) -> None:
     await publish(world, "v1", A)
     world.link.drop["commit"] = FAST.attempts
@@ -443,11 +365,10 @@ async def test_a_commit_whose_outcome_stays_unknown_blocks_and_never_cleans(worl
     assert world.fleet["e0"].holds(name)
     assert world.fleet["e1"].holds(name)
     # Publishing the same version again learns the outcome.
-    assert (await world.publisher.publish("v2", B)).outcome is PublicationOutcome.ALREADY_PUBLISHED
+    assert await publish(world, "v2", B) is PublicationOutcome.ALREADY_PUBLISHED
     assert await world.default() == "v2"
 
 
-@pytest.mark.asyncio
 async def test_an_unconfirmed_cleanup_keeps_the_slot_and_blocks_until_resolved(
     world: World,
 ) -> None:
@@ -472,7 +393,6 @@ async def test_an_unconfirmed_cleanup_keeps_the_slot_and_blocks_until_resolved(
     assert await publish(world, "v3", C) is PublicationOutcome.PUBLISHED
 
 
-@pytest.mark.asyncio
 async def test_resolve_counts_a_restarted_engine_as_cleaned_without_calling_it(
     world: World,
 ) -> None:
@@ -493,7 +413,6 @@ async def test_resolve_counts_a_restarted_engine_as_cleaned_without_calling_it(
     assert world.publisher.abandoned == set()
 
 
-@pytest.mark.asyncio
 async def test_resolve_cleans_an_engine_whose_incarnation_cannot_be_read(world: World) -> None:
     await publish(world, "v1", A)
     world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
@@ -512,7 +431,6 @@ async def test_resolve_cleans_an_engine_whose_incarnation_cannot_be_read(world: 
     )
 
 
-@pytest.mark.asyncio
 async def test_resolve_aborts_a_publication_left_loading(world: World) -> None:
     await publish(world, "v1", A)
     await _to_loading(world)
@@ -528,7 +446,6 @@ async def test_resolve_aborts_a_publication_left_loading(world: World) -> None:
 # --- bootstrap and capacity -------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_a_failed_bootstrap_publication_is_fatal(world: World) -> None:
     world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
     with pytest.raises(BackendRefusedError) as info:
@@ -537,7 +454,6 @@ async def test_a_failed_bootstrap_publication_is_fatal(world: World) -> None:
     assert await world.default() is None
 
 
-@pytest.mark.asyncio
 async def test_an_ambiguous_bootstrap_publication_is_fatal(world: World) -> None:
     world.fleet["e0"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
     world.fleet["e0"].script(EngineOp.UNLOAD, Fault(FaultKind.UNREACHABLE))
@@ -545,7 +461,6 @@ async def test_an_ambiguous_bootstrap_publication_is_fatal(world: World) -> None
         await world.publisher.publish("v1", A)
 
 
-@pytest.mark.asyncio
 async def test_capacity_refusal_after_bootstrap_is_a_skip_with_zero_engine_calls(
     world: World,
 ) -> None:
@@ -565,7 +480,6 @@ async def test_capacity_refusal_after_bootstrap_is_a_skip_with_zero_engine_calls
 # --- progress and timings ---------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_results_carry_per_engine_per_phase_timings_and_progress_events(world: World) -> None:
     result = await world.publisher.publish("v1", A)
     for engine in ("e0", "e1"):
@@ -580,7 +494,6 @@ async def test_results_carry_per_engine_per_phase_timings_and_progress_events(wo
     assert {e.version_id for e in world.progress.events} == {"v1"}
 
 
-@pytest.mark.asyncio
 async def test_a_failing_progress_callback_does_not_fail_the_publication(world: World) -> None:
     def broken(event: PhaseEvent) -> None:
         raise RuntimeError("display gone")

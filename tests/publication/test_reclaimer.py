@@ -15,22 +15,18 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
-from tenacity import wait_none
 
 from agentic_lora.errors import CapacityError
-from agentic_lora.publication.publisher import PublicationOutcome, Publisher, RegistryRetry
+from agentic_lora.publication.publisher import PublicationOutcome, Publisher
 from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from tests.publication.support import FAST, A, B, C, ground, publish
 from tests.publication_support import RegistryReads
 
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
-FAST = RegistryRetry(attempts=3, wait=wait_none())
+pytestmark = pytest.mark.asyncio
 
 
 class SteppedClock:
@@ -63,31 +59,26 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
-        backend = HttpPushBackend(tmp_path / "store")
+    async with ground(tmp_path / "store") as g:
         clock = SteppedClock()
-        reclaimer = Reclaimer(registry, backend, fleet.refs, registry_retry=FAST, clock=clock)
+        reclaimer = Reclaimer(g.registry, g.backend, g.fleet.refs, registry_retry=FAST, clock=clock)
         publisher = Publisher(
-            registry, backend, fleet.refs, reclaimer=reclaimer, registry_retry=FAST
+            g.registry, g.backend, g.fleet.refs, reclaimer=reclaimer, registry_retry=FAST
         )
-        yield World(fleet, registry, backend, publisher, reclaimer, clock)
+        yield World(g.fleet, g.registry, g.backend, publisher, reclaimer, clock)
         await reclaimer.stop()
-        await backend.aclose()
-        await registry.aclose()
 
 
 async def a_retired_and_bound_b_published(world: World) -> None:
-    assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
     assert await world.bind("s_a") == "v1"
-    assert (await world.publisher.publish("v2", B)).outcome is PublicationOutcome.PUBLISHED
+    assert await publish(world, "v2", B) is PublicationOutcome.PUBLISHED
     assert world.state("v1") is VersionState.RETIRED
 
 
 # --- rule 7.1-8: capacity 2, repeated reclaim, late unload receipts ----------------------------
 
 
-@pytest.mark.asyncio
 async def test_capacity_2_refuses_c_with_zero_engine_calls_until_a_is_reclaimed_once_on_both(
     world: World,
 ) -> None:
@@ -120,7 +111,6 @@ async def test_capacity_2_refuses_c_with_zero_engine_calls_until_a_is_reclaimed_
     assert world.unloads("v1") == {"e0": 1, "e1": 1}
 
 
-@pytest.mark.asyncio
 async def test_a_lost_unload_receipt_is_retried_without_a_second_unload_and_the_slot_waits_for_both(
     world: World,
 ) -> None:
@@ -148,7 +138,6 @@ async def test_a_lost_unload_receipt_is_retried_without_a_second_unload_and_the_
     assert await world.slots() == 1
 
 
-@pytest.mark.asyncio
 async def test_a_late_duplicate_confirmation_changes_nothing(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     await world.close("s_a")
@@ -166,7 +155,6 @@ async def test_a_late_duplicate_confirmation_changes_nothing(world: World) -> No
 # --- Session refs say when reclaim may start; the engine's refcount when unload may happen ------
 
 
-@pytest.mark.asyncio
 async def test_a_bound_version_is_not_claimed(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     assert (await world.reclaimer.reclaim_once()).results == ()
@@ -176,7 +164,6 @@ async def test_a_bound_version_is_not_claimed(world: World) -> None:
     assert world.fleet.calls(EngineOp.UNLOAD) == 0
 
 
-@pytest.mark.asyncio
 async def test_reclaim_waits_for_requests_already_in_the_engine(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     request = world.fleet["e0"].acquire(world.name("v1"))  # a long A request on E0
@@ -191,7 +178,6 @@ async def test_reclaim_waits_for_requests_already_in_the_engine(world: World) ->
     assert world.unloads("v1") == {"e0": 1, "e1": 1}
 
 
-@pytest.mark.asyncio
 async def test_concurrent_reclaims_of_one_version_share_one_unload_per_engine(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     await world.close("s_a")
@@ -208,7 +194,6 @@ async def test_concurrent_reclaims_of_one_version_share_one_unload_per_engine(wo
     assert world.fleet["e1"].count(EngineOp.UNLOAD) == 1
 
 
-@pytest.mark.asyncio
 async def test_the_background_loop_reclaims_after_a_commit_poke(world: World) -> None:
     async with world.reclaimer:
         await world.publisher.publish("v1", A)
@@ -219,7 +204,6 @@ async def test_the_background_loop_reclaims_after_a_commit_poke(world: World) ->
         assert world.unloads("v1") == {"e0": 1, "e1": 1}
 
 
-@pytest.mark.asyncio
 async def test_a_failing_round_does_not_stop_the_loop(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     await world.close("s_a")
@@ -235,7 +219,6 @@ async def test_a_failing_round_does_not_stop_the_loop(world: World) -> None:
     assert world.unloads("v1") == {"e0": 1, "e1": 1}
 
 
-@pytest.mark.asyncio
 async def test_pokes_during_a_versions_backoff_send_it_no_unload(world: World) -> None:
     # Under agent load every Session release pokes the reclaimer. An engine that is down must
     # cost one unload per backoff step, not one per release.
@@ -269,7 +252,6 @@ async def test_pokes_during_a_versions_backoff_send_it_no_unload(world: World) -
         assert world.reclaimer.retry_in is None
 
 
-@pytest.mark.asyncio
 async def test_reclaim_results_carry_per_engine_timings(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     await world.close("s_a")
@@ -283,7 +265,6 @@ async def test_reclaim_results_carry_per_engine_timings(world: World) -> None:
     } <= phases
 
 
-@pytest.mark.asyncio
 async def test_a_claim_whose_replies_are_lost_is_replayed_by_the_next_round(world: World) -> None:
     await a_retired_and_bound_b_published(world)
     await world.close("s_a")

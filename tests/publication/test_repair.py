@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
@@ -97,6 +98,20 @@ async def deployment(fleet: ScriptedFleet, root: Path, **kw: Any) -> AsyncIterat
             _OPEN_GATES.clear()
 
 
+@pytest.fixture
+def fleet() -> Iterator[ScriptedFleet]:
+    with ScriptedFleet() as fleet:
+        yield fleet
+
+
+@pytest_asyncio.fixture
+async def d(fleet: ScriptedFleet, tmp_path: Path) -> AsyncIterator[Deployment]:
+    """The common start: a started :func:`deployment` on the default settings, A published."""
+    async with deployment(fleet, tmp_path) as d:
+        assert (await d.publish("A", A)).ok
+        yield d
+
+
 def _status(d: Deployment, version_id: str) -> VersionStatus:
     status = d.registry.peek_version(version_id)  # type: ignore[attr-defined]
     assert isinstance(status, VersionStatus)
@@ -127,128 +142,113 @@ def _ops(engine: ScriptedSGLangEngine, since: int, lora_name: str) -> list[Engin
 
 
 async def test_a_restarted_engine_gets_no_request_for_a_until_a_is_loaded_on_it_again(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
     """8 Sessions on A, 4 of them with affinity to e1; e1 restarts (no adapters): before, their
     12 later turns were all 400s and A never came back. Now: they run on e0 while A is loaded
     onto e1 again, e1 sees no request for A before that load, and then they return to e1."""
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            name_a = _status(d, "A").lora_name
-            homes = {
-                e: [await open_on(d.versioning, e, f"{e}-{i}") for i in range(4)]
-                for e in fleet.engines
-            }
-            sessions = [s for group in homes.values() for s in group]
-            first = await asyncio.gather(*(s.generate({"text": "turn 0"}) for s in sessions))
-            assert [r.engine for r in first] == ["e0"] * 4 + ["e1"] * 4
+    name_a = _status(d, "A").lora_name
+    homes = {
+        e: [await open_on(d.versioning, e, f"{e}-{i}") for i in range(4)] for e in fleet.engines
+    }
+    sessions = [s for group in homes.values() for s in group]
+    first = await asyncio.gather(*(s.generate({"text": "turn 0"}) for s in sessions))
+    assert [r.engine for r in first] == ["e0"] * 4 + ["e1"] * 4
 
-            e1 = fleet["e1"]
-            e1.restart()
-            since = len(e1.calls)
-            gate, reached = _gate(e1)
-            d.repairer.poke()  # the probe tick
-            await reached.wait()
-            # The registry knows e1 lost A: it is no longer a holder, so nothing is routed there.
-            assert _status(d, "A").ready_engines == ("e0",)
-            for turn in range(1, 13):
-                replies = await asyncio.gather(
-                    *(s.generate({"text": f"turn {turn}"}) for s in sessions)
-                )
-                assert {r.engine for r in replies} == {"e0"}
-                assert {r.body["meta_info"]["lora_path"] for r in replies} == {name_a}
-            assert _ops(e1, since, name_a) == [EngineOp.LOAD]  # only the held load itself
+    e1 = fleet["e1"]
+    e1.restart()
+    since = len(e1.calls)
+    gate, reached = _gate(e1)
+    d.repairer.poke()  # the probe tick
+    await reached.wait()
+    # The registry knows e1 lost A: it is no longer a holder, so nothing is routed there.
+    assert _status(d, "A").ready_engines == ("e0",)
+    for turn in range(1, 13):
+        replies = await asyncio.gather(*(s.generate({"text": f"turn {turn}"}) for s in sessions))
+        assert {r.engine for r in replies} == {"e0"}
+        assert {r.body["meta_info"]["lora_path"] for r in replies} == {name_a}
+    assert _ops(e1, since, name_a) == [EngineOp.LOAD]  # only the held load itself
 
-            gate.set()
-            await d.repairer.settled()
-            assert _status(d, "A").ready_engines == ("e0", "e1")
-            assert e1.holds(name_a)
-            back = await asyncio.gather(*(s.generate({"text": "turn 13"}) for s in homes["e1"]))
-            assert {r.engine for r in back} == {"e1"}
-            # On e1: the load, then its probe, then the Sessions' turns; never a turn before it.
-            ops = _ops(e1, since, name_a)
-            assert ops[0] is EngineOp.LOAD
-            assert ops.count(EngineOp.GENERATE) == 1 + 4  # the backend's probe, one turn each
-            assert e1.implicit_reloads[name_a] == 0
-            assert d.repairer.outcomes[RepairOutcome.REPAIRED] == 1
+    gate.set()
+    await d.repairer.settled()
+    assert _status(d, "A").ready_engines == ("e0", "e1")
+    assert e1.holds(name_a)
+    back = await asyncio.gather(*(s.generate({"text": "turn 13"}) for s in homes["e1"]))
+    assert {r.engine for r in back} == {"e1"}
+    # On e1: the load, then its probe, then the Sessions' turns; never a turn before it.
+    ops = _ops(e1, since, name_a)
+    assert ops[0] is EngineOp.LOAD
+    assert ops.count(EngineOp.GENERATE) == 1 + 4  # the backend's probe, one turn each
+    assert e1.implicit_reloads[name_a] == 0
+    assert d.repairer.outcomes[RepairOutcome.REPAIRED] == 1
 
 
 async def test_with_every_holder_restarted_a_dispatch_is_refused_as_unavailable_and_sent_nowhere(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            s = d.versioning.open_session("agent")
-            await s.generate({"text": "turn 0"})
-            gates = {}
-            for name, engine in fleet.engines.items():
-                engine.restart()
-                gates[name] = _gate(engine)
-            d.repairer.poke()
-            for _, reached in gates.values():
-                await reached.wait()
-            sent = fleet.calls(EngineOp.GENERATE)
-            with pytest.raises(VersionUnavailableError) as err:
-                await s.generate({"text": "turn 1"})
-            assert err.value.code == "VERSION_UNAVAILABLE"
-            assert isinstance(err.value, RequestRefusedError)  # refused: nothing was sent
-            assert err.value.details["lacking"] == ["e0", "e1"]
-            assert err.value.details["holders"] == []
-            assert err.value.details["version"] == "A"
-            assert fleet.calls(EngineOp.GENERATE) == sent
-            for gate, _ in gates.values():
-                gate.set()
-            await d.repairer.settled()
-            assert (await s.generate({"text": "turn 2"})).status_code == 200
+    s = d.versioning.open_session("agent")
+    await s.generate({"text": "turn 0"})
+    gates = {}
+    for name, engine in fleet.engines.items():
+        engine.restart()
+        gates[name] = _gate(engine)
+    d.repairer.poke()
+    for _, reached in gates.values():
+        await reached.wait()
+    sent = fleet.calls(EngineOp.GENERATE)
+    with pytest.raises(VersionUnavailableError) as err:
+        await s.generate({"text": "turn 1"})
+    assert err.value.code == "VERSION_UNAVAILABLE"
+    assert isinstance(err.value, RequestRefusedError)  # refused: nothing was sent
+    assert err.value.details["lacking"] == ["e0", "e1"]
+    assert err.value.details["holders"] == []
+    assert err.value.details["version"] == "A"
+    assert fleet.calls(EngineOp.GENERATE) == sent
+    for gate, _ in gates.values():
+        gate.set()
+    await d.repairer.settled()
+    assert (await s.generate({"text": "turn 2"})).status_code == 200
 
 
 async def test_a_refused_dispatch_pokes_the_repair_without_waiting_for_a_probe_tick(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            s = await open_on(d.versioning, "e1", "agent")
-            await s.generate({"text": "turn 0"})
-            rounds = d.repairer.rounds
-            fleet["e1"].restart()  # nobody probes: the interval is an hour
-            with pytest.raises(RequestRefusedError) as err:
-                await s.generate({"text": "turn 1"})
-            # The engine's own 400 for an adapter it never loaded: that is the detection.
-            assert err.value.details["status"] == 400
-            assert not isinstance(err.value, VersionUnavailableError)
-            await d.repairer.settled()
-            assert d.repairer.rounds > rounds
-            assert _status(d, "A").ready_engines == ("e0", "e1")
-            assert (await s.generate({"text": "turn 2"})).engine == "e1"
+    s = await open_on(d.versioning, "e1", "agent")
+    await s.generate({"text": "turn 0"})
+    rounds = d.repairer.rounds
+    fleet["e1"].restart()  # nobody probes: the interval is an hour
+    with pytest.raises(RequestRefusedError) as err:
+        await s.generate({"text": "turn 1"})
+    # The engine's own 400 for an adapter it never loaded: that is the detection.
+    assert err.value.details["status"] == 400
+    assert not isinstance(err.value, VersionUnavailableError)
+    await d.repairer.settled()
+    assert d.repairer.rounds > rounds
+    assert _status(d, "A").ready_engines == ("e0", "e1")
+    assert (await s.generate({"text": "turn 2"})).engine == "e1"
 
 
 async def test_an_engine_that_does_not_answer_is_routed_around_until_it_answers_again(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            s = await open_on(d.versioning, "e1", "agent")
-            await s.generate({"text": "turn 0"})
-            d.versioning.health.mark_unhealthy("e0")  # an operator's mark
-            fleet["e1"].script(EngineOp.SERVER_INFO, Fault(FaultKind.UNREACHABLE))
-            d.repairer.poke()
-            await d.repairer.settled()
-            assert not d.versioning.health.is_healthy("e1")
-            assert d.repairer.ready_engines == ("e0",)
-            with pytest.raises(RequestRefusedError, match="no healthy engine"):
-                await s.generate({"text": "turn 1"})
-            d.versioning.health.mark_healthy("e0")
-            assert (await s.generate({"text": "turn 2"})).engine == "e0"
-            d.versioning.health.mark_unhealthy("e0")
-            d.repairer.poke()
-            await d.repairer.settled()
-            # e1 answers again and is routed to again; the operator's mark on e0 stands.
-            assert d.versioning.health.healthy() == ("e1",)
-            assert (await s.generate({"text": "turn 3"})).engine == "e1"
+    s = await open_on(d.versioning, "e1", "agent")
+    await s.generate({"text": "turn 0"})
+    d.versioning.health.mark_unhealthy("e0")  # an operator's mark
+    fleet["e1"].script(EngineOp.SERVER_INFO, Fault(FaultKind.UNREACHABLE))
+    d.repairer.poke()
+    await d.repairer.settled()
+    assert not d.versioning.health.is_healthy("e1")
+    assert d.repairer.ready_engines == ("e0",)
+    with pytest.raises(RequestRefusedError, match="no healthy engine"):
+        await s.generate({"text": "turn 1"})
+    d.versioning.health.mark_healthy("e0")
+    assert (await s.generate({"text": "turn 2"})).engine == "e0"
+    d.versioning.health.mark_unhealthy("e0")
+    d.repairer.poke()
+    await d.repairer.settled()
+    # e1 answers again and is routed to again; the operator's mark on e0 stands.
+    assert d.versioning.health.healthy() == ("e1",)
+    assert (await s.generate({"text": "turn 3"})).engine == "e1"
 
 
 # --- repair vs reclaim ---------------------------------------------------------------------------
@@ -371,56 +371,50 @@ async def test_a_repair_that_waited_for_a_reclaim_loads_nothing(tmp_path: Path) 
 
 
 async def test_stopping_the_repairer_lets_a_running_load_finish_and_record(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            fleet["e1"].restart()
-            gate, reached = _gate(fleet["e1"])
-            d.repairer.poke()
-            await reached.wait()
-            stopping = asyncio.create_task(d.repairer.stop())
-            for _ in range(10):
-                await asyncio.sleep(0)
-            assert not stopping.done()  # it waits for the load rather than cut it off
-            gate.set()
-            await stopping
-            assert _status(d, "A").ready_engines == ("e0", "e1")
+    fleet["e1"].restart()
+    gate, reached = _gate(fleet["e1"])
+    d.repairer.poke()
+    await reached.wait()
+    stopping = asyncio.create_task(d.repairer.stop())
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not stopping.done()  # it waits for the load rather than cut it off
+    gate.set()
+    await stopping
+    assert _status(d, "A").ready_engines == ("e0", "e1")
 
 
 async def test_an_engine_restarting_again_mid_repair_is_repaired_anew_without_a_cleanup(
-    tmp_path: Path,
+    fleet: ScriptedFleet, d: Deployment
 ) -> None:
     """The READY carries the incarnation read before the load; the engine restarts again while
     the load waits (the load then lands on the new process). The registry refuses it with
     ENGINE_RESTARTED; A is still dispatchable, so the copy is not cleaned (that would fence the
     committed attempt) and the next round records it without loading it twice."""
-    with ScriptedFleet() as fleet:
-        async with deployment(fleet, tmp_path) as d:
-            assert (await d.publish("A", A)).ok
-            name_a = _status(d, "A").lora_name
-            await d.repairer.stop()  # rounds by hand only
-            e1 = fleet["e1"]
-            e1.restart()
-            gate, reached = _gate(e1)
-            repair = asyncio.create_task(d.repairer.repair_once())
-            await reached.wait()
-            e1.restart()
-            probe = await d.repairer.probe_once()  # the registry learns the newest incarnation
-            assert probe.restarted == ("e1",)
-            gate.set()
-            report = await repair
-            (result,) = report.results
-            assert (result.outcome, result.error_code) == (RepairOutcome.STALE, "ENGINE_RESTARTED")
-            assert result.cleaned is None
-            assert e1.holds(name_a)  # on the new process, unrecorded, so never routed to
-            assert "e1" not in _status(d, "A").ready_engines
-            loads = e1.physical_loads[name_a]
-            again = await d.repairer.repair_once()
-            assert again.repaired == (("A", "e1"),)
-            assert e1.physical_loads[name_a] == loads
-            assert e1.count(EngineOp.UNLOAD) == 0
+    name_a = _status(d, "A").lora_name
+    await d.repairer.stop()  # rounds by hand only
+    e1 = fleet["e1"]
+    e1.restart()
+    gate, reached = _gate(e1)
+    repair = asyncio.create_task(d.repairer.repair_once())
+    await reached.wait()
+    e1.restart()
+    probe = await d.repairer.probe_once()  # the registry learns the newest incarnation
+    assert probe.restarted == ("e1",)
+    gate.set()
+    report = await repair
+    (result,) = report.results
+    assert (result.outcome, result.error_code) == (RepairOutcome.STALE, "ENGINE_RESTARTED")
+    assert result.cleaned is None
+    assert e1.holds(name_a)  # on the new process, unrecorded, so never routed to
+    assert "e1" not in _status(d, "A").ready_engines
+    loads = e1.physical_loads[name_a]
+    again = await d.repairer.repair_once()
+    assert again.repaired == (("A", "e1"),)
+    assert e1.physical_loads[name_a] == loads
+    assert e1.count(EngineOp.UNLOAD) == 0
 
 
 async def test_retired_versions_are_repaired_only_while_sessions_hold_them(tmp_path: Path) -> None:

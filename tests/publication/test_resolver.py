@@ -10,6 +10,7 @@ which of two things finishes first by wall clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +27,12 @@ from agentic_lora.publication.publisher import Phase, PhaseStatus, PublicationOu
 from agentic_lora.publication.resolver import Resolver, backoff
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication.test_publisher import FAST, LossyRegistry, Progress
-from tests.publication_support import RegistryReads
+from tests.publication.support import FAST, A, B, C, LinkedWorld, Progress, ground, publish
 from tests.session_support import Calls
 
-A = tiny_snapshot(1)
-B = tiny_snapshot(2)
-C = tiny_snapshot(3)
+pytestmark = pytest.mark.asyncio
 
 
 class Naps:
@@ -65,15 +62,16 @@ class Naps:
 
 
 @dataclass
-class World(RegistryReads):
-    fleet: ScriptedFleet
-    registry: LocalRegistry
-    link: LossyRegistry
-    backend: HttpPushBackend
-    publisher: Publisher
+class World(LinkedWorld):
     resolver: Resolver
     naps: Naps
-    progress: Progress
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The resolver started and its start-up round (nothing to do yet) over; stopped after."""
+        async with self.resolver:
+            await self.resolver.settled(rounds=1)
+            yield
 
     def phases(self, engine: str | None, phase: Phase, status: PhaseStatus) -> int:
         return sum(
@@ -85,24 +83,18 @@ class World(RegistryReads):
 
 @pytest_asyncio.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    with ScriptedFleet(("e0", "e1")) as fleet:
-        registry = LocalRegistry(engines=("e0", "e1"), capacity=2)
-        link = LossyRegistry(registry)
-        backend = HttpPushBackend(tmp_path / "store")
-        progress = Progress()
+    async with ground(tmp_path / "store") as g:
         publisher = Publisher(
-            link,
-            backend,
-            fleet.refs,
-            on_progress=progress,
+            g.link,  # type: ignore[arg-type]
+            g.backend,
+            g.fleet.refs,
+            on_progress=g.progress,
             registry_retry=FAST,
         )
         naps = Naps()
         resolver = Resolver(publisher, sleep=naps)
-        yield World(fleet, registry, link, backend, publisher, resolver, naps, progress)
+        yield World(g.fleet, g.registry, g.link, g.backend, publisher, g.progress, resolver, naps)
         await resolver.stop()
-        await backend.aclose()
-        await registry.aclose()
 
 
 def pause(resolver: Resolver) -> float | None:
@@ -114,7 +106,7 @@ async def block_v2(
     world: World, unload_faults: int, kind: FaultKind = FaultKind.SERVER_ERROR
 ) -> None:
     """v1 is the default; v2's load on e1 is lost and e1's next cleanups fail: v2 is BLOCKED."""
-    assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
     world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
     world.fleet["e1"].script(EngineOp.UNLOAD, *(Fault(kind) for _ in range(unload_faults)))
     result = await world.publisher.publish("v2", B)
@@ -127,7 +119,6 @@ async def block_v2(
 # --- retried with backoff until every engine confirmed ------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_an_unanswered_cleanup_is_retried_with_backoff_until_the_slot_is_freed(
     world: World,
 ) -> None:
@@ -171,10 +162,9 @@ async def test_an_unanswered_cleanup_is_retried_with_backoff_until_the_slot_is_f
         PhaseStatus.FAILED,
         PhaseStatus.DONE,
     ]
-    assert (await world.publisher.publish("v3", C)).outcome is PublicationOutcome.PUBLISHED
+    assert await publish(world, "v3", C) is PublicationOutcome.PUBLISHED
 
 
-@pytest.mark.asyncio
 async def test_the_backoff_doubles_up_to_its_cap_and_a_poke_cuts_a_pause_short(
     world: World,
 ) -> None:
@@ -200,12 +190,10 @@ async def test_the_backoff_doubles_up_to_its_cap_and_a_poke_cuts_a_pause_short(
         assert world.naps.delays == [0.5, 1.0, 1.0, 1.0]
 
 
-@pytest.mark.asyncio
 async def test_a_round_that_cannot_read_the_registry_is_retried_after_a_pause(
     world: World,
 ) -> None:
-    async with world.resolver:
-        await world.resolver.settled(rounds=1)
+    async with world.running():
         await block_v2(world, unload_faults=1)  # only the publication's own cleanup fails
         # Set before the poked round reads the registry (nothing awaited in between): lost.
         world.link.drop["status"] = 1
@@ -222,12 +210,10 @@ async def test_a_round_that_cannot_read_the_registry_is_retried_after_a_pause(
 # --- a restart is proof of cleanup --------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_an_engine_that_restarts_while_blocked_frees_the_slot_without_a_cleanup_call(
     world: World,
 ) -> None:
-    async with world.resolver:
-        await world.resolver.settled(rounds=1)
+    async with world.running():
         await block_v2(world, unload_faults=5)
         await world.resolver.settled(rounds=2)
         await world.naps.reached(1)
@@ -244,7 +230,7 @@ async def test_an_engine_that_restarts_while_blocked_frees_the_slot_without_a_cl
         assert world.resolver.retry_in is None
         assert await world.slots() == 1
         # The restarted engine takes the next version like any other.
-        assert (await world.publisher.publish("v3", C)).outcome is PublicationOutcome.PUBLISHED
+        assert await publish(world, "v3", C) is PublicationOutcome.PUBLISHED
         assert world.fleet["e1"].holds(world.name("v3"))
 
 
@@ -255,7 +241,6 @@ def deployment_settings(fleet: ScriptedFleet, journal: Path, **extra: Any) -> An
     return fleet.settings(journal_path=journal, **extra)
 
 
-@pytest.mark.asyncio
 async def test_a_version_a_dead_publisher_left_loading_is_aborted_and_cleaned_at_start(
     tmp_path: Path,
 ) -> None:
@@ -299,13 +284,11 @@ async def test_a_version_a_dead_publisher_left_loading_is_aborted_and_cleaned_at
             assert (again.outcome, again.attempt) == (PublicationOutcome.PUBLISHED, 2)
 
 
-@pytest.mark.asyncio
 async def test_a_background_round_leaves_alone_a_loading_version_it_does_not_know_abandoned(
     world: World,
 ) -> None:
-    async with world.resolver:
-        await world.resolver.settled(rounds=1)
-        assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    async with world.running():
+        assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
         # Reserved behind this publisher's back (as another publishing process would).
         await world.registry.reserve(request_id=new_request_id(), version_id="v2", digest=B.digest)
         world.resolver.poke()
@@ -319,13 +302,11 @@ async def test_a_background_round_leaves_alone_a_loading_version_it_does_not_kno
         assert world.state("v2") is VersionState.FAILED_CLEAN
 
 
-@pytest.mark.asyncio
 async def test_a_cancelled_publication_is_aborted_and_cleaned_in_the_background(
     world: World,
 ) -> None:
-    async with world.resolver:
-        await world.resolver.settled(rounds=1)
-        assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    async with world.running():
+        assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
         gate, reached = asyncio.Event(), asyncio.Event()
         world.fleet["e1"].script(EngineOp.LOAD, Fault.waiting_for(gate, reached))
         publication = asyncio.create_task(world.publisher.publish("v2", B))
@@ -341,11 +322,9 @@ async def test_a_cancelled_publication_is_aborted_and_cleaned_in_the_background(
         assert await world.slots() == 1
 
 
-@pytest.mark.asyncio
 async def test_a_blocked_commit_that_did_happen_is_left_published(world: World) -> None:
-    async with world.resolver:
-        await world.resolver.settled(rounds=1)
-        assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    async with world.running():
+        assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
         world.link.drop["commit"] = FAST.attempts
         result = await world.publisher.publish("v2", B)
         assert result.outcome is PublicationOutcome.BLOCKED
@@ -368,11 +347,10 @@ def resolver_waits(world: World) -> Calls:
     return queued
 
 
-@pytest.mark.asyncio
 async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts_it(
     world: World, resolver_waits: Calls
 ) -> None:
-    assert (await world.publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+    assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
     gate, reached = asyncio.Event(), asyncio.Event()
     world.fleet["e0"].script(EngineOp.LOAD, Fault.waiting_for(gate, reached))
     publication = asyncio.create_task(world.publisher.publish("v2", B))
@@ -399,7 +377,6 @@ async def test_the_resolver_waits_for_a_publication_in_progress_and_never_aborts
 # --- through a Deployment -----------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
 async def test_a_deployment_paces_its_resolver_with_the_configured_backoff(tmp_path: Path) -> None:
     with ScriptedFleet(("e0", "e1")) as fleet:
         settings = deployment_settings(

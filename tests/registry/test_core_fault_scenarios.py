@@ -24,14 +24,14 @@ from agentic_lora.errors import (
     UnknownVersionError,
     VersionConflictError,
 )
+from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.types import ReadyReceipt, ReserveOutcome, SessionState, VersionState
 
 from .util import E0, E1, bind, call, close, digest_of, new_core, publish, ready, receipt, reclaim
 
 
 def test_split_fleet_ready_keeps_default_until_every_engine_is_ready() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     assert bind(core, "S_old") == "A"
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0)
@@ -135,8 +135,7 @@ def test_new_id_with_historical_content_is_a_new_publication() -> None:
 
 
 def test_failed_candidate_frees_its_slot_only_after_every_cleanup_is_confirmed() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0)
     call(core, "abort", version_id="B", attempt=1, reason="E1 refused")
@@ -181,8 +180,7 @@ def test_unconfirmed_cleanup_keeps_the_slot_and_blocks_publication() -> None:
 
 
 def test_lost_commit_reply_is_answered_by_a_replay_with_the_same_request_id() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     first, applied = core.execute(
@@ -198,8 +196,7 @@ def test_lost_commit_reply_is_answered_by_a_replay_with_the_same_request_id() ->
 
 
 def test_engine_restart_invalidates_its_ready_for_the_pending_version() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     assert call(core, "observe_incarnation", engine=E1, incarnation="inc-2") is True
@@ -235,8 +232,7 @@ def _naming(receipt: ReadyReceipt, **ref_parts: Any) -> ReadyReceipt:
 
 
 def test_commit_against_a_moved_default_revision_is_refused() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb)
     with pytest.raises(RevisionConflictError):
@@ -244,9 +240,14 @@ def test_commit_against_a_moved_default_revision_is_refused() -> None:
     assert core.default_version == "A"
 
 
+def _refuses_a_bind(core: RegistryCore, session: str) -> None:
+    """A Session that began to close never binds again, whatever its closing has reached."""
+    with pytest.raises(SessionClosedError):
+        call(core, "bind_first", session_key=session)
+
+
 def test_one_session_binds_once_and_holds_one_ref() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     first = call(core, "bind_first", session_key="s")
     for _ in range(5):
         assert call(core, "bind_first", session_key="s") == first
@@ -254,24 +255,20 @@ def test_one_session_binds_once_and_holds_one_ref() -> None:
 
 
 def test_close_before_bind_refuses_a_late_bind_and_releases_nothing() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     status = call(core, "begin_close", session_key="s")
     assert status.state is SessionState.CLOSING
     assert status.version_id is None
-    with pytest.raises(SessionClosedError):
-        call(core, "bind_first", session_key="s")
+    _refuses_a_bind(core, "s")
     released = call(core, "release", session_key="s")
     assert released.version_id is None
     assert released.released_now
     assert core.version("A").session_refs == 0
-    with pytest.raises(SessionClosedError):
-        call(core, "bind_first", session_key="s")
+    _refuses_a_bind(core, "s")
 
 
 def test_duplicate_close_and_release_drop_the_ref_exactly_once() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     bind(core, "s1")
     bind(core, "s2")
     call(core, "begin_close", session_key="s1")
@@ -280,13 +277,11 @@ def test_duplicate_close_and_release_drop_the_ref_exactly_once() -> None:
     assert not call(core, "release", session_key="s1").released_now
     assert not call(core, "release", session_key="s1").released_now
     assert core.version("A").session_refs == 1
-    with pytest.raises(SessionClosedError):
-        call(core, "bind_first", session_key="s1")
+    _refuses_a_bind(core, "s1")
 
 
 def test_release_needs_begin_close_first() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     bind(core, "s")
     with pytest.raises(InvalidStateError):
         call(core, "release", session_key="s")
@@ -332,8 +327,7 @@ def test_capacity_refusal_happens_before_any_transfer_and_clears_after_reclaim()
 
 
 def test_repeated_reclaim_and_late_unload_receipts_are_idempotent() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     publish(core, "B")
     c1 = call(core, "claim_reclaim", version_id="A")
     c2 = call(core, "claim_reclaim", version_id="A")
@@ -350,8 +344,7 @@ def test_repeated_reclaim_and_late_unload_receipts_are_idempotent() -> None:
 
 
 def test_the_default_and_pending_versions_cannot_be_reclaimed() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     with pytest.raises(InvalidStateError):
         call(core, "claim_reclaim", version_id="A")
     call(core, "reserve", version_id="B", digest=digest_of("B"))
@@ -362,8 +355,7 @@ def test_the_default_and_pending_versions_cannot_be_reclaimed() -> None:
 
 
 def test_forget_sessions_drops_tombstones_but_never_a_live_session() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     bind(core, "live")
     bind(core, "done")
     close(core, "done")
@@ -376,8 +368,7 @@ def test_forget_sessions_drops_tombstones_but_never_a_live_session() -> None:
 
 
 def test_a_request_id_reused_for_another_call_is_refused() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     core.execute("rid", "bind_first", {"session_key": "s1"})
     with pytest.raises(InvalidStateError) as err:
         core.execute("rid", "bind_first", {"session_key": "s2"})
@@ -413,8 +404,7 @@ def test_bad_input_gets_typed_errors() -> None:
 
 
 def test_abort_and_cleanup_follow_the_transition_table() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     with pytest.raises(InvalidStateError):
         call(core, "abort", version_id="A", attempt=1, reason="too late")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
@@ -446,8 +436,7 @@ def test_late_duplicate_ready_after_commit_is_harmless() -> None:
 
 
 def test_status_reports_versions_engines_and_capacity() -> None:
-    core = new_core()
-    publish(core, "A")
+    core = new_core(published="A")
     bind(core, "s")
     st = core.status()
     assert st.default_version == "A"

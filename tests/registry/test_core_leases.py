@@ -8,10 +8,12 @@ on :class:`LocalRegistry` with an injected clock and no background sweeper.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from agentic_lora.errors import (
     AgenticLoRAError,
@@ -68,12 +70,6 @@ def _refused(core: RegistryCore, verb: str, **args: Any) -> AgenticLoRAError:
     return err.value
 
 
-def _published_core(capacity: int = 2) -> RegistryCore:
-    core = new_core(capacity)
-    publish(core, "A")
-    return core
-
-
 def _state_of(core: RegistryCore, session: str) -> SessionState:
     s = core.session(session)
     assert s is not None
@@ -111,7 +107,7 @@ def _state_of(core: RegistryCore, session: str) -> SessionState:
 def test_open_lease_refuses_bad_input_and_changes_nothing(
     field: str, value: object, reason: str
 ) -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=5.0)
     bind_on(core, "s1", grant.lease_id)
     # A new incarnation of a known owner: a refusal must not end the live lease either.
@@ -143,7 +139,7 @@ def test_open_lease_grants_a_lease_named_owner_slash_incarnation() -> None:
 
 
 def test_open_lease_again_with_the_same_incarnation_renews_it() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     first = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", first.lease_id)
     again = lease(core, W, "i1", now=4.0, ttl=20.0, on_restart="adopt")
@@ -158,7 +154,7 @@ def test_open_lease_again_with_the_same_incarnation_renews_it() -> None:
 
 
 def test_new_incarnation_with_release_expires_the_predecessors_sessions_at_once() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     old = lease(core, W, "i1", now=0.0)
     for s in ("s1", "s2", "s3", "s4"):
         bind_on(core, s, old.lease_id)
@@ -188,7 +184,7 @@ def test_new_incarnation_with_release_expires_the_predecessors_sessions_at_once(
 
 
 def test_new_incarnation_with_adopt_moves_sessions_and_names_to_the_new_lease() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     old = lease(core, G, "g1", now=0.0)
     bind_on(core, "s1", old.lease_id)
     call(core, "open_named", name="bound", session_key="k1", lease=old.lease_id, now=0.0)
@@ -285,7 +281,7 @@ def test_renew_after_the_expiry_sweep_is_lease_expired() -> None:
 def test_a_lease_past_its_deadline_lives_until_a_sweep_decides() -> None:
     # Expiry is decided in one place (the sweep), so a renewal that arrives late but before the
     # sweep still counts; the holder is expected to renew well inside its own TTL anyway.
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     assert core.sweep_due(12.0, NAME_TTL)
     bind_on(core, "s1", grant.lease_id)
@@ -295,7 +291,7 @@ def test_a_lease_past_its_deadline_lives_until_a_sweep_decides() -> None:
 
 
 def test_sweep_expires_exactly_the_leases_whose_deadline_is_reached() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     a = lease(core, "a", "1", now=0.0, ttl=10.0)  # deadline 10.0
     b = lease(core, "b", "1", now=0.5, ttl=10.0)  # deadline 10.5
     c = lease(core, "c", "1", now=1.0, ttl=10.0)  # deadline 11.0
@@ -326,7 +322,7 @@ def test_sweep_refuses_a_bad_name_ttl_and_changes_nothing() -> None:
 
 
 def test_a_closing_session_whose_lease_expires_releases_late_without_a_second_decrement() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", grant.lease_id)
     bind_on(core, "s2", grant.lease_id)
@@ -350,7 +346,7 @@ def test_a_closing_session_whose_lease_expires_releases_late_without_a_second_de
 
 
 def test_bind_first_on_an_expired_session_is_session_expired() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0, ttl=10.0)
     bind_on(core, "s1", grant.lease_id)
     call(core, "sweep", now=10.0, name_ttl=NAME_TTL)
@@ -363,7 +359,7 @@ def test_bind_first_on_an_expired_session_is_session_expired() -> None:
 
 @pytest.mark.parametrize("how", ["never_granted", "expired", "superseded", "closed"])
 def test_bind_first_under_a_dead_lease_is_lease_expired_and_takes_no_ref(how: str) -> None:
-    core = _published_core()
+    core = new_core(published="A")
     lease(core, W, "i1", now=0.0, ttl=10.0)
     if how == "expired":
         call(core, "sweep", now=10.0, name_ttl=NAME_TTL)
@@ -379,7 +375,7 @@ def test_bind_first_under_a_dead_lease_is_lease_expired_and_takes_no_ref(how: st
 
 
 def test_close_lease_releases_its_sessions_and_is_idempotent() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, W, "i1", now=0.0)
     bind_on(core, "s1", grant.lease_id)
     bind_on(core, "s2", grant.lease_id)
@@ -490,7 +486,7 @@ def test_open_named_first_use_records_the_callers_key() -> None:
 
 
 def test_open_named_again_returns_the_same_key_and_its_binding() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     binding = bind(core, "k1")
@@ -503,7 +499,7 @@ def test_open_named_again_returns_the_same_key_and_its_binding() -> None:
 
 
 def test_open_named_from_another_lease_adopts_the_name_and_its_session() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     g1 = lease(core, G, "g1", now=0.0)
     g2 = lease(core, "gateway-b", "1", now=0.0, ttl=50.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=g1.lease_id, now=0.0)
@@ -531,7 +527,7 @@ def test_open_named_from_another_lease_adopts_the_name_and_its_session() -> None
 
 
 def test_bind_first_of_a_named_key_binds_under_the_names_lease() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     g1 = lease(core, G, "g1", now=0.0)
     other = lease(core, "other", "1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=g1.lease_id, now=0.0)
@@ -542,7 +538,7 @@ def test_bind_first_of_a_named_key_binds_under_the_names_lease() -> None:
 
 
 def test_open_named_after_begin_close_is_session_closed_even_with_a_new_key() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     bind(core, "k1")
@@ -562,7 +558,7 @@ def test_open_named_after_begin_close_is_session_closed_even_with_a_new_key() ->
 
 
 def test_open_named_after_its_lease_expired_is_session_expired() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     grant = lease(core, G, "g1", now=0.0, ttl=10.0)
     call(core, "open_named", name="chat-1", session_key="k1", lease=grant.lease_id, now=0.0)
     call(core, "open_named", name="idle", session_key="k2", lease=grant.lease_id, now=0.0)
@@ -581,7 +577,7 @@ def test_open_named_after_its_lease_expired_is_session_expired() -> None:
 
 
 def test_a_name_tombstone_is_forgotten_by_the_sweep_after_name_ttl_and_only_then() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     call(core, "open_named", name="chat-1", session_key="k1", lease=None, now=5.0)
     bind(core, "k1")
     call(core, "begin_close", session_key="k1")  # tombstoned at core.now == 5.0
@@ -602,7 +598,7 @@ def test_a_name_tombstone_is_forgotten_by_the_sweep_after_name_ttl_and_only_then
 
 
 def test_open_named_refuses_bad_names_and_keys_in_use() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     bind(core, "taken")
     call(core, "open_named", name="n1", session_key="k1", lease=None, now=0.0)
     for args, reason in (
@@ -618,7 +614,7 @@ def test_open_named_refuses_bad_names_and_keys_in_use() -> None:
 
 @pytest.mark.parametrize("t", [0.0, 9.999, 10.0, 10.5, 14.999, 15.0, 104.999, 105.0, 1e9])
 def test_sweep_due_agrees_with_what_sweep_does(t: float) -> None:
-    core = _published_core()
+    core = new_core(published="A")
     lease(core, "a", "1", now=0.0, ttl=10.0)  # due at 10
     lease(core, "b", "1", now=0.0, ttl=15.0)  # due at 15
     call(core, "open_named", name="n", session_key="k", lease=None, now=5.0)
@@ -641,7 +637,7 @@ def _restart(core: RegistryCore, engine: str, incarnation: str) -> bool:
 def test_an_engine_restart_drops_it_from_a_dispatchable_versions_ready_engines(
     retired: bool,
 ) -> None:
-    core = _published_core()
+    core = new_core(published="A")
     bind(core, "s1")
     if retired:
         publish(core, "B")
@@ -656,7 +652,7 @@ def test_an_engine_restart_drops_it_from_a_dispatchable_versions_ready_engines(
 
 
 def test_a_repair_ready_from_the_current_incarnation_re_adds_the_engine() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     ra = core.version("A")
     _restart(core, E1, "inc-2")
     r = call(core, "reserve", version_id="A", digest=ra.digest)  # the committed reservation
@@ -666,19 +662,22 @@ def test_a_repair_ready_from_the_current_incarnation_re_adds_the_engine() -> Non
     assert core.default_revision == 1  # a repair never touches the default
 
 
-def test_a_repair_ready_from_the_old_incarnation_is_engine_restarted() -> None:
-    core = _published_core()
+@pytest.mark.parametrize("named", ["inc-1", "inc-3"], ids=["old", "unobserved_newer"])
+def test_a_ready_from_an_incarnation_other_than_the_observed_one_is_engine_restarted(
+    named: str,
+) -> None:
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     _restart(core, E1, "inc-2")
-    err = _refused(core, "record_ready", receipt=receipt(core, r, E1, "inc-1"))
+    err = _refused(core, "record_ready", receipt=receipt(core, r, E1, named))
     assert isinstance(err, EngineRestartedError)
-    assert (err.details["incarnation"], err.details["current_incarnation"]) == ("inc-1", "inc-2")
+    assert (err.details["incarnation"], err.details["current_incarnation"]) == (named, "inc-2")
     assert core.version("A").ready_engines == (E0,)
 
 
 @pytest.mark.parametrize("state", ["RECLAIMING", "RECLAIMED"])
 def test_a_repair_ready_for_a_version_on_its_way_out_is_a_no_op(state: str) -> None:
-    core = _published_core()
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     publish(core, "B")
     claim = call(core, "claim_reclaim", version_id="A")
@@ -696,7 +695,7 @@ def test_a_repair_ready_for_a_version_on_its_way_out_is_a_no_op(state: str) -> N
 
 
 def test_a_restart_counts_as_cleanup_of_an_aborted_attempt_and_frees_its_slot() -> None:
-    core = _published_core(capacity=2)
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     ready(core, rb, E0, E1)
     call(core, "abort", version_id="B", attempt=rb.attempt, reason="test")
@@ -714,7 +713,7 @@ def test_a_restart_counts_as_cleanup_of_an_aborted_attempt_and_frees_its_slot() 
 
 
 def test_a_restart_of_one_engine_alone_does_not_free_an_aborted_slot() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     rb = call(core, "reserve", version_id="B", digest=digest_of("B"))
     call(core, "abort", version_id="B", attempt=rb.attempt, reason="test")
     _restart(core, E0, "inc-2")
@@ -724,7 +723,7 @@ def test_a_restart_of_one_engine_alone_does_not_free_an_aborted_slot() -> None:
 
 
 def test_a_restart_counts_as_reclaim_of_a_reclaiming_version() -> None:
-    core = _published_core()
+    core = new_core(published="A")
     publish(core, "B")
     claim = call(core, "claim_reclaim", version_id="A")
     call(core, "confirm_reclaim", version_id="A", reclaim_id=claim.reclaim_id, engine=E0)
@@ -749,13 +748,11 @@ def test_a_first_sighting_of_an_engine_changes_nothing_else() -> None:
     assert core.version("A").state is VersionState.ABORTED
 
 
-def test_a_ready_naming_an_unobserved_newer_incarnation_is_refused_until_observed() -> None:
-    core = _published_core()
+def test_a_ready_from_a_newer_incarnation_counts_once_it_is_observed() -> None:
+    core = new_core(published="A")
     r = call(core, "reserve", version_id="A", digest=digest_of("A"))
     _restart(core, E1, "inc-2")
-    err = _refused(core, "record_ready", receipt=receipt(core, r, E1, "inc-3"))
-    assert isinstance(err, EngineRestartedError)
-    _restart(core, E1, "inc-3")
+    _restart(core, E1, "inc-3")  # refused before this: see the test above
     assert call(core, "record_ready", receipt=receipt(core, r, E1, "inc-3")).ready_engines == (
         E0,
         E1,
@@ -815,16 +812,55 @@ def test_a_snapshot_round_trip_with_leases_names_and_dead_leases_is_exact() -> N
         call(copy, "open_named", name="chat-3", session_key="z", lease=None, now=40.0)
 
 
-def _local(path: Path, clock: FakeClock, **kw: Any) -> LocalRegistry:
-    return LocalRegistry(
-        engines=(E0, E1),
-        capacity=2,
-        journal_path=path,
-        clock=clock,
-        sweep_interval=None,
-        name_ttl=NAME_TTL,
-        **kw,
-    )
+class Restartable:
+    """A :class:`LocalRegistry` on one journal file and one injected clock, restarted at will.
+
+    A restart closes the registry and opens a new one on the same journal: what the new one holds
+    comes from the journal alone, so comparing images across it proves the replay exact.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.clock = FakeClock(0.0)
+        self.options: dict[str, Any] = {}
+        self.reg: LocalRegistry | None = None
+
+    def open(self, **options: Any) -> LocalRegistry:
+        """The first registry on the journal; ``options`` hold for every restart too."""
+        self.options = options
+        self.reg = LocalRegistry(
+            engines=(E0, E1),
+            capacity=2,
+            journal_path=self.path,
+            clock=self.clock,
+            sweep_interval=None,
+            name_ttl=NAME_TTL,
+            **options,
+        )
+        return self.reg
+
+    async def restart(self, at: float | None = None) -> LocalRegistry:
+        """Close the registry; when ``at`` is given it was down until then; open it again."""
+        assert self.reg is not None
+        await self.reg.aclose()
+        if at is not None:
+            self.clock.t = at
+        return self.open(**self.options)
+
+    async def replays_exactly(self) -> dict[str, Any]:
+        """Restart with the clock unmoved and prove the journal rebuilt the same image."""
+        assert self.reg is not None
+        image = _state(self.reg.core)
+        assert _state((await self.restart()).core) == image
+        return image
+
+
+@pytest_asyncio.fixture
+async def local(tmp_path: Path) -> AsyncIterator[Restartable]:
+    registry = Restartable(tmp_path / "j.sqlite")
+    yield registry
+    if registry.reg is not None:
+        await registry.reg.aclose()  # idempotent: a test may have closed it already
 
 
 async def _publish_local(reg: LocalRegistry, version_id: str) -> None:
@@ -855,94 +891,76 @@ async def _local_scenario(reg: LocalRegistry, clock: FakeClock) -> None:
 
 
 @pytest.mark.asyncio
-async def test_local_registry_stamps_timed_verbs_with_its_own_clock(tmp_path: Path) -> None:
-    clock = FakeClock(100.0)
-    reg = _local(tmp_path / "j.sqlite", clock)
+async def test_local_registry_stamps_timed_verbs_with_its_own_clock(local: Restartable) -> None:
+    local.clock.t = 100.0
+    reg = local.open()
     grant = await reg.open_lease(request_id="r1", owner=W, incarnation="i1", ttl=10.0)
     assert (grant.expires_at, reg.core.now) == (110.0, 100.0)
     assert await reg.sweep_if_due() is None  # not due: nothing journaled
     seq = reg.core.seq
-    clock.t = 110.0
+    local.clock.t = 110.0
     assert (await reg.sweep_if_due()) == SweepResult(("worker/i1",), (), 0)
     assert reg.core.seq == seq + 1
-    await reg.aclose()
 
 
 @pytest.mark.asyncio
 async def test_a_close_through_local_registry_dates_the_name_tombstone_itself(
-    tmp_path: Path,
+    local: Restartable,
 ) -> None:
-    clock = FakeClock(0.0)
-    reg = _local(tmp_path / "j.sqlite", clock)
+    reg = local.open()
     await reg.open_named(request_id=new_request_id(), name="chat-1", session_key="k1", lease=None)
-    clock.t = 500.0  # no other timed call in between: only the close itself brings the time
+    local.clock.t = 500.0  # no other timed call in between: only the close itself brings the time
     await reg.begin_close(request_id=new_request_id(), session_key="k1")
     assert _state(reg.core)["names"] == [["chat-1", "k1", None, 500.0, "closed"]]
-    clock.t = 500.0 + NAME_TTL - 0.5
+    local.clock.t = 500.0 + NAME_TTL - 0.5
     assert await reg.sweep_if_due() is None
-    clock.t = 500.0 + NAME_TTL
+    local.clock.t = 500.0 + NAME_TTL
     assert await reg.sweep_if_due() == SweepResult((), (), 1)
-    await reg.aclose()
 
 
 @pytest.mark.asyncio
 async def test_a_replay_through_local_registry_answers_the_original_even_after_a_restart(
-    tmp_path: Path,
+    local: Restartable,
 ) -> None:
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(0.0)
-    reg = _local(path, clock)
+    reg = local.open()
     first = await reg.open_lease(request_id="open-1", owner=W, incarnation="i1", ttl=10.0)
-    clock.t = 7.0
+    local.clock.t = 7.0
     again = await reg.open_lease(request_id="open-1", owner=W, incarnation="i1", ttl=10.0)
     assert again == first
     assert reg.core.now == 0.0  # the replay ran nothing, so it brought no time
-    await reg.aclose()
 
-    clock.t = 8.0
-    reg = _local(path, clock)
+    reg = await local.restart(at=8.0)
     late = await reg.open_lease(request_id="open-1", owner=W, incarnation="i1", ttl=10.0)
     assert late == first  # the journal remembers the answer; expires_at is the original 10.0
     # That replay was the first call after the restart: the lease grace ran before it.
     status = reg.core.lease("worker/i1")
     assert status is not None
     assert status.expires_at == 18.0
-    await reg.aclose()
 
 
 @pytest.mark.parametrize("compact_every", [50_000, 4])
 @pytest.mark.asyncio
 async def test_journal_replay_rebuilds_leases_names_and_the_clock_exactly(
-    tmp_path: Path, compact_every: int
+    local: Restartable, compact_every: int
 ) -> None:
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(0.0)
-    reg = _local(path, clock, compact_every=compact_every)
-    await _local_scenario(reg, clock)
+    reg = local.open(compact_every=compact_every)
+    await _local_scenario(reg, local.clock)
     image = _state(reg.core)
     assert image["now"] == 5.0
-    await reg.aclose()
-
-    clock.t = 500.0  # the registry was down far longer than any TTL
-    reg = _local(path, clock, compact_every=compact_every)
+    reg = await local.restart(at=500.0)  # the registry was down far longer than any TTL
     assert _state(reg.core) == image  # nothing ran yet: not even the lease grace
-    await reg.aclose()
 
 
 @pytest.mark.asyncio
 async def test_the_first_call_after_a_restart_with_live_leases_resumes_them_once(
-    tmp_path: Path,
+    local: Restartable,
 ) -> None:
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(0.0)
-    reg = _local(path, clock)
-    await _local_scenario(reg, clock)
+    reg = local.open()
+    await _local_scenario(reg, local.clock)
     live = {s.lease_id: s.ttl for s in reg.core.status().leases}
     assert set(live) == {"worker/i2", "gateway/g2"}
-    await reg.aclose()
 
-    clock.t = 500.0  # every deadline has passed while the registry was down
-    reg = _local(path, clock)
+    reg = await local.restart(at=500.0)  # every deadline has passed while the registry was down
     seq = reg.core.seq
     # The expiry sweep is the first call: the grace runs before it, so nothing expires.
     # (Only the tombstone of chat-2, closed at 2.0, is old enough to be forgotten.)
@@ -954,74 +972,57 @@ async def test_the_first_call_after_a_restart_with_live_leases_resumes_them_once
     }
     assert _state_of(reg.core, "k1") is SessionState.BOUND
     # Only once: the next call is just itself.
-    clock.t = 501.0
+    local.clock.t = 501.0
     await reg.renew_lease(request_id=new_request_id(), owner=W, incarnation="i2")
     assert reg.core.seq == seq + 3
-    image = _state(reg.core)
-    await reg.aclose()
-
     # The grace itself was journaled: a further restart replays it exactly.
-    reg = _local(path, clock)
-    assert _state(reg.core) == image
-    await reg.aclose()
+    await local.replays_exactly()
 
 
 @pytest.mark.asyncio
-async def test_a_restart_without_live_leases_runs_no_grace(tmp_path: Path) -> None:
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(0.0)
-    reg = _local(path, clock)
+async def test_a_restart_without_live_leases_runs_no_grace(local: Restartable) -> None:
+    reg = local.open()
     await _publish_local(reg, "A")
     await reg.open_lease(request_id=new_request_id(), owner=W, incarnation="i1", ttl=10.0)
     await reg.close_lease(request_id=new_request_id(), owner=W, incarnation="i1")
-    await reg.aclose()
 
-    clock.t = 50.0
-    reg = _local(path, clock)
+    reg = await local.restart(at=50.0)
     seq = reg.core.seq
     await reg.bind_first(request_id=new_request_id(), session_key="s1")
     assert reg.core.seq == seq + 1
     assert reg.core.now == 0.0  # no timed verb ran
-    await reg.aclose()
 
 
 @pytest.mark.asyncio
-async def test_the_grace_also_runs_before_a_first_call_that_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(0.0)
-    reg = _local(path, clock)
+async def test_the_grace_also_runs_before_a_first_call_that_is_refused(
+    local: Restartable,
+) -> None:
+    reg = local.open()
     await reg.open_lease(request_id=new_request_id(), owner=W, incarnation="i1", ttl=10.0)
-    await reg.aclose()
 
-    clock.t = 20.0
-    reg = _local(path, clock)
+    reg = await local.restart(at=20.0)
     with pytest.raises(LeaseExpiredError):
         await reg.renew_lease(request_id=new_request_id(), owner=W, incarnation="other")
     status = reg.core.lease("worker/i1")
     assert status is not None
     assert status.expires_at == 30.0
-    image = _state(reg.core)
-    await reg.aclose()
-    reg = _local(path, clock)
-    assert _state(reg.core) == image
-    await reg.aclose()
+    await local.replays_exactly()
 
 
 @pytest.mark.asyncio
 async def test_a_refused_timed_call_leaves_memory_and_journal_in_agreement(
-    tmp_path: Path,
+    local: Restartable,
 ) -> None:
     # A refused call is not journaled. Had it moved the registry's clock, the tombstone made by a
     # later untimed step (here close_lease) would carry another time live than after a replay, and
     # the name would be forgotten at another moment by each.
-    path = tmp_path / "j.sqlite"
-    clock = FakeClock(10.0)
-    reg = _local(path, clock)
+    local.clock.t = 10.0
+    reg = local.open()
     await reg.open_lease(request_id=new_request_id(), owner=G, incarnation="g1", ttl=100.0)
     await reg.open_named(
         request_id=new_request_id(), name="chat-1", session_key="k1", lease="gateway/g1"
     )
-    clock.t = 50.0
+    local.clock.t = 50.0
     with pytest.raises(LeaseExpiredError):
         await reg.renew_lease(request_id=new_request_id(), owner=W, incarnation="never")
     with pytest.raises(InvalidStateError):
@@ -1030,9 +1031,5 @@ async def test_a_refused_timed_call_leaves_memory_and_journal_in_agreement(
         )
     assert reg.core.now == 10.0
     await reg.close_lease(request_id=new_request_id(), owner=G, incarnation="g1")
-    image = _state(reg.core)
+    image = await local.replays_exactly()
     assert image["names"] == [["chat-1", "k1", "gateway/g1", 10.0, "owner_closed"]]
-    await reg.aclose()
-    reg = _local(path, clock)
-    assert _state(reg.core) == image
-    await reg.aclose()

@@ -8,12 +8,15 @@ registry loaded from them must answer exactly as the registry that lived through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from agentic_lora import VersionRef
 from agentic_lora.errors import JournalCorruptError
@@ -235,52 +238,52 @@ def test_a_snapshot_written_flat_loads_to_the_registry_that_lived_through_it() -
     assert answer.ref == A1  # the digest the flat CommitReceipt did not write
 
 
-def _journal_of(tmp_path: Path) -> tuple[Path, LocalRegistry]:
+def _open(path: Path) -> LocalRegistry:
+    return LocalRegistry(engines=(E0, E1), capacity=2, journal_path=path)
+
+
+@pytest_asyncio.fixture
+async def journal(tmp_path: Path) -> Path:
+    """A closed journal that lived through STEPS: each test rewrites part of it in the old form."""
     path = tmp_path / "registry.sqlite"
-    return path, LocalRegistry(engines=(E0, E1), capacity=2, journal_path=path)
+    async with contextlib.aclosing(_open(path)) as registry:
+        for request_id, verb, args in STEPS:
+            await getattr(registry, verb)(request_id=request_id, **args)
+    return path
 
 
-async def _run_steps(registry: LocalRegistry) -> None:
-    for request_id, verb, args in STEPS:
-        await getattr(registry, verb)(request_id=request_id, **args)
+@contextlib.contextmanager
+def _rewriting(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection to the closed journal that commits what the test wrote, then closes."""
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        yield conn
 
 
 @pytest.mark.asyncio
 async def test_a_journal_whose_snapshot_was_written_flat_recovers_the_same_registry(
-    tmp_path: Path,
+    journal: Path,
 ) -> None:
-    path, registry = _journal_of(tmp_path)
-    await _run_steps(registry)
-    await registry.aclose()
-    with sqlite3.connect(path) as conn:
+    with _rewriting(journal) as conn:
         conn.execute("INSERT INTO snapshots VALUES (?, ?)", (len(STEPS), json.dumps(_flat_image())))
-    conn.close()
 
-    _, again = _journal_of(tmp_path)
-    try:
+    async with contextlib.aclosing(_open(journal)) as again:
         assert await again.status() == _live().status()
         rebound = await again.bind_first(request_id="bind-s1", session_key="s1")
         assert rebound == Binding("s1", A1, default_revision=1)
         assert again.core.version("A").session_refs == 1  # a replay, not a second bind
-    finally:
-        await again.aclose()
 
 
 @pytest.mark.asyncio
 async def test_a_flat_receipt_that_disagrees_with_the_record_stops_recovery(
-    tmp_path: Path,
+    journal: Path,
 ) -> None:
-    path, registry = _journal_of(tmp_path)
-    await _run_steps(registry)
-    await registry.aclose()
     other = digest_of("other")
-    with sqlite3.connect(path) as conn:
+    with _rewriting(journal) as conn:
         image = _flat_image(s2_digest=other)
         conn.execute("INSERT INTO snapshots VALUES (?, ?)", (len(STEPS), json.dumps(image)))
-    conn.close()
 
     with pytest.raises(JournalCorruptError):
-        _journal_of(tmp_path)
+        _open(journal)
 
 
 # --- journal rows written flat --------------------------------------------------------------------
@@ -288,19 +291,15 @@ async def test_a_flat_receipt_that_disagrees_with_the_record_stops_recovery(
 
 @pytest.mark.asyncio
 async def test_a_journal_whose_ready_rows_were_written_flat_replays_the_same_registry(
-    tmp_path: Path,
+    journal: Path,
 ) -> None:
-    path, registry = _journal_of(tmp_path)
-    await _run_steps(registry)
-    before = await registry.status()
-    await registry.aclose()
     flat = {
         "ready-A-e0": _ready(E0, "A", DA, NAME_A, 1),
         "ready-A-e1": _ready(E1, "A", DA, NAME_A, 1),
         "ready-B-e0": _ready(E0, "B", DB, NAME_B, 2),
         "ready-B-e1": _ready(E1, "B", DB, NAME_B, 2),
     }
-    with sqlite3.connect(path) as conn:
+    with _rewriting(journal) as conn:
         for request_id, receipt in flat.items():
             (seq,) = conn.execute(
                 "SELECT seq FROM events WHERE request_id = ?", (request_id,)
@@ -310,11 +309,9 @@ async def test_a_journal_whose_ready_rows_were_written_flat_replays_the_same_reg
                 "UPDATE events SET args = ?, checksum = ? WHERE seq = ?",
                 (args, _checksum(seq, request_id, "record_ready", args), seq),
             )
-    conn.close()
 
-    _, again = _journal_of(tmp_path)
-    try:
-        assert await again.status() == before
+    async with contextlib.aclosing(_open(journal)) as again:
+        assert await again.status() == _live().status()
         ready = again.core.to_state()["versions"][1]["ready"]
         assert [from_wire(r) for r in ready] == [ReadyReceipt(e, B2, "inc-1") for e in (E0, E1)]
         # A replay with the new form is the same call as the flat row it was journaled as.
@@ -323,5 +320,3 @@ async def test_a_journal_whose_ready_rows_were_written_flat_replays_the_same_reg
         )
         assert replayed.ready_engines == (E0, E1)
         assert again.core.seq == len(STEPS)  # answered from memory: nothing was applied
-    finally:
-        await again.aclose()

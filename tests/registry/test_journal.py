@@ -27,6 +27,12 @@ from .util import E0, E1, digest_of
 pytestmark = pytest.mark.asyncio
 
 
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    """Where the test's journal lives (not created: the registry or the test makes it)."""
+    return tmp_path / "registry.sqlite"
+
+
 def _registry(path: Path, **kw: object) -> LocalRegistry:
     return LocalRegistry(engines=(E0, E1), capacity=2, journal_path=path, **kw)  # type: ignore[arg-type]
 
@@ -48,9 +54,8 @@ async def _scenario(reg: LocalRegistry) -> None:
 
 @pytest.mark.parametrize("group_commit", [False, True])
 async def test_restart_loses_no_version_default_binding_tombstone_or_slot(
-    tmp_path: Path, group_commit: bool
+    path: Path, group_commit: bool
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg = _registry(path, group_commit=group_commit)
     await _scenario(reg)
     before = await reg.status()
@@ -72,8 +77,7 @@ async def test_restart_loses_no_version_default_binding_tombstone_or_slot(
     await again.aclose()
 
 
-async def test_concurrent_calls_with_group_commit_are_all_durable(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
+async def test_concurrent_calls_with_group_commit_are_all_durable(path: Path) -> None:
     reg = _registry(path, group_commit=True)
     await _publish(reg, "A")
     bindings = await asyncio.gather(
@@ -86,8 +90,7 @@ async def test_concurrent_calls_with_group_commit_are_all_durable(tmp_path: Path
     await again.aclose()
 
 
-async def test_compaction_keeps_state_and_idempotency(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
+async def test_compaction_keeps_state_and_idempotency(path: Path) -> None:
     reg = _registry(path, compact_every=7)
     await _scenario(reg)
     for i in range(30):
@@ -117,8 +120,7 @@ async def test_a_file_that_is_not_a_database_stops_start_up(tmp_path: Path) -> N
     assert path.read_bytes().startswith(b"this is not sqlite")  # never silently reset
 
 
-async def test_a_foreign_sqlite_file_stops_start_up(tmp_path: Path) -> None:
-    path = tmp_path / "other.sqlite"
+async def test_a_foreign_sqlite_file_stops_start_up(path: Path) -> None:
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE things (x)")
     conn.close()
@@ -126,8 +128,7 @@ async def test_a_foreign_sqlite_file_stops_start_up(tmp_path: Path) -> None:
         _registry(path)
 
 
-async def test_a_journal_of_another_fleet_stops_start_up(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
+async def test_a_journal_of_another_fleet_stops_start_up(path: Path) -> None:
     reg = _registry(path)
     await _publish(reg, "A")
     await reg.aclose()
@@ -138,8 +139,7 @@ async def test_a_journal_of_another_fleet_stops_start_up(tmp_path: Path) -> None
         LocalRegistry(engines=(E0, E1), capacity=2, deployment_epoch=1, journal_path=path)
 
 
-async def test_another_journal_format_stops_start_up(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
+async def test_another_journal_format_stops_start_up(path: Path) -> None:
     await _registry(path).aclose()
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE meta SET value='99' WHERE key='format'")
@@ -167,9 +167,8 @@ async def test_another_journal_format_stops_start_up(tmp_path: Path) -> None:
     ],
 )
 async def test_a_damaged_journal_stops_start_up(
-    tmp_path: Path, damage: str, options: dict[str, object], match: str
+    path: Path, damage: str, options: dict[str, object], match: str
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg = _registry(path, **options)
     await _scenario(reg)
     await reg.aclose()
@@ -180,8 +179,7 @@ async def test_a_damaged_journal_stops_start_up(
         _registry(path, **options)
 
 
-async def test_a_write_failure_stops_the_registry(tmp_path: Path) -> None:
-    path = tmp_path / "registry.sqlite"
+async def test_a_write_failure_stops_the_registry(path: Path) -> None:
     reg = _registry(path)
     await _publish(reg, "A")
     assert reg._journal is not None
@@ -201,7 +199,7 @@ async def test_a_write_failure_stops_the_registry(tmp_path: Path) -> None:
     await again.aclose()
 
 
-async def test_listeners_see_applied_changes_only(tmp_path: Path) -> None:
+async def test_listeners_see_applied_changes_only(path: Path) -> None:
     reg = LocalRegistry(engines=(E0, E1), capacity=2)
     seen: list[str] = []
     reg.add_listener(lambda verb, result: seen.append(verb))
@@ -243,9 +241,8 @@ def _append_raw(path: Path, seq: int, request_id: str, verb: str, args: str) -> 
     ],
 )
 async def test_a_well_formed_row_that_does_not_replay_stops_start_up(
-    tmp_path: Path, verb: str, args: str, match: str
+    path: Path, verb: str, args: str, match: str
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg = _registry(path)
     await _scenario(reg)
     seq = reg.core.seq
@@ -255,8 +252,8 @@ async def test_a_well_formed_row_that_does_not_replay_stops_start_up(
         _registry(path)
 
 
-async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(tmp_path: Path) -> None:
-    j = Journal(tmp_path / "j.sqlite", identity={"x": 1})
+async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(path: Path) -> None:
+    j = Journal(path, identity={"x": 1})
     assert j.open().entries == []
     j.append([JournalEntry(1, "a", "bind_first", "{}")])
     with pytest.raises(sqlite3.IntegrityError):
@@ -269,7 +266,7 @@ async def test_a_failed_append_rolls_back_and_leaves_the_journal_usable(tmp_path
     j.close()
     with pytest.raises(RuntimeError, match="not open"):
         j.append([])
-    again = Journal(tmp_path / "j.sqlite", identity={"x": 1})
+    again = Journal(path, identity={"x": 1})
     assert [e.seq for e in again.open().entries] == [1, 2]
     again.close()
 
@@ -323,8 +320,12 @@ async def _spin() -> None:
         await asyncio.sleep(0)
 
 
-async def _assert_truthful(path: Path, calls: Mapping[str, asyncio.Task[Any]]) -> None:
-    """Each ``bind_first`` that answered is durable; each that raised JournalError is not."""
+async def _assert_truthful(
+    reg: LocalRegistry, path: Path, calls: Mapping[str, asyncio.Task[Any]]
+) -> None:
+    """Close ``reg`` and reopen its journal: each ``bind_first`` that answered is durable, each
+    that raised JournalError is not (reopening also proves the close released the lock)."""
+    await reg.aclose()  # idempotent: a test of the close itself has already closed it
     again = _registry(path)
     try:
         for session_key, task in calls.items():
@@ -357,9 +358,8 @@ async def _writing_s1(
 @pytest.mark.parametrize("group_commit", [False, True])
 @pytest.mark.parametrize("original_row", ["being written", "queued"])
 async def test_a_replay_is_answered_only_once_the_original_row_is_durable(
-    tmp_path: Path, gate: _Gate, group_commit: bool, original_row: str
+    path: Path, gate: _Gate, group_commit: bool, original_row: str
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg = _registry(path, group_commit=group_commit)
     await _publish(reg, "A")
     gate.arm()
@@ -379,14 +379,12 @@ async def test_a_replay_is_answered_only_once_the_original_row_is_durable(
     await asyncio.wait([*calls.values(), replay])
     assert replay.result() == original.result()
     assert reg.core.version("A").session_refs == len(calls)  # the replay took no second ref
-    await reg.aclose()
-    await _assert_truthful(path, calls)
+    await _assert_truthful(reg, path, calls)
 
 
 async def test_a_replay_raises_when_the_original_row_is_never_written(
-    tmp_path: Path, gate: _Gate
+    path: Path, gate: _Gate
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg = _registry(path)
     await _publish(reg, "A")
     gate.arm()
@@ -403,17 +401,15 @@ async def test_a_replay_raises_when_the_original_row_is_never_written(
     assert reg.failed is disk_full
     with pytest.raises(JournalError, match="stopped"):
         await reg.bind_first(request_id="b", session_key="s")  # a later replay too
-    await reg.aclose()
-    await _assert_truthful(path, {"s": original})
+    await _assert_truthful(reg, path, {"s": original})
 
 
 @pytest.mark.parametrize("group_commit", [False, True])
 async def test_a_call_racing_aclose_is_told_the_truth(
-    tmp_path: Path, gate: _Gate, group_commit: bool
+    path: Path, gate: _Gate, group_commit: bool
 ) -> None:
     # Formerly: aclose() flushed, then cancelled the writer while it wrote a row that arrived
     # during the flush; that row reached the disk and its caller got JournalError.
-    path = tmp_path / "registry.sqlite"
     reg, calls = await _writing_s1(path, gate, group_commit=group_commit)
     calls["s2"] = _bind(reg, "s2")  # queued behind s1
     await _spin()
@@ -427,7 +423,7 @@ async def test_a_call_racing_aclose_is_told_the_truth(
     await asyncio.wait([*calls.values(), closing])
     assert calls["s1"].exception() is None
     assert calls["s2"].exception() is None
-    await _assert_truthful(path, calls)
+    await _assert_truthful(reg, path, calls)
     assert isinstance(calls["s3"].exception(), JournalError)  # refused: nothing applied
     assert reg.closed
     assert reg.failed is None
@@ -435,11 +431,10 @@ async def test_a_call_racing_aclose_is_told_the_truth(
 
 @pytest.mark.parametrize("group_commit", [False, True])
 async def test_rows_committed_before_a_failed_snapshot_are_answered(
-    tmp_path: Path, gate: _Gate, monkeypatch: pytest.MonkeyPatch, group_commit: bool
+    path: Path, gate: _Gate, monkeypatch: pytest.MonkeyPatch, group_commit: bool
 ) -> None:
     # A batch may be several transactions: rows, then a snapshot, then (group commit) more rows.
     # Formerly one failure anywhere failed every caller of the batch.
-    path = tmp_path / "registry.sqlite"
     # 4 rows for A: a snapshot after every second one.
     reg, calls = await _writing_s1(path, gate, group_commit=group_commit, compact_every=2)
     calls["s2"] = _bind(reg, "s2")  # a snapshot is queued right behind this row
@@ -457,14 +452,12 @@ async def test_rows_committed_before_a_failed_snapshot_are_answered(
     assert calls["s2"].exception() is None, "a committed row was reported failed"
     assert isinstance(calls["s3"].exception(), JournalError)
     assert reg.failed is broken
-    await reg.aclose()
-    await _assert_truthful(path, calls)
+    await _assert_truthful(reg, path, calls)
 
 
 async def test_a_cancelled_writer_still_reports_the_batch_it_was_writing(
-    tmp_path: Path, gate: _Gate
+    path: Path, gate: _Gate
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg, calls = await _writing_s1(path, gate)
     calls["s2"] = _bind(reg, "s2")  # queued: the cancelled writer never takes it
     await _spin()
@@ -479,14 +472,12 @@ async def test_a_cancelled_writer_still_reports_the_batch_it_was_writing(
     gate.open()
     await asyncio.wait(calls.values())
     assert calls["s1"].exception() is None
-    await reg.aclose()
-    await _assert_truthful(path, calls)
+    await _assert_truthful(reg, path, calls)
 
 
 async def test_a_cancelled_aclose_still_closes_and_releases_the_journal(
-    tmp_path: Path, gate: _Gate
+    path: Path, gate: _Gate
 ) -> None:
-    path = tmp_path / "registry.sqlite"
     reg, calls = await _writing_s1(path, gate)
     first = asyncio.create_task(reg.aclose())
     second = asyncio.create_task(reg.aclose())
@@ -501,4 +492,4 @@ async def test_a_cancelled_aclose_still_closes_and_releases_the_journal(
     assert second.exception() is None
     await reg.aclose()
     assert reg.failed is None
-    await _assert_truthful(path, calls)  # reopening proves the lock was released
+    await _assert_truthful(reg, path, calls)  # reopening proves the lock was released

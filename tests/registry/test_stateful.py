@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -130,6 +130,13 @@ class Model:
 
     def slots(self) -> int:
         return sum(1 for v in self.versions.values() if v.state in HOLDS_SLOT)
+
+    def in_state(self, state: str) -> bool:
+        return any(v.state == state for v in self.versions.values())
+
+    def first_in(self, state: str) -> tuple[str, MVersion]:
+        """The oldest version in ``state`` (a rule's precondition made sure there is one)."""
+        return next((k, v) for k, v in self.versions.items() if v.state == state)
 
     def incarnation_of(self, owner: str, which: str) -> int:
         n = self.issued[owner]
@@ -450,13 +457,11 @@ class RegistryMachine(RuleBasedStateMachine):
         self._expect(result, None)
         v.state, v.ready = "ABORTED", {}
 
-    @precondition(lambda self: any(v.state == "ABORTED" for v in self.model.versions.values()))
+    @precondition(lambda self: self.model.in_state("ABORTED"))
     @rule(engine=st.sampled_from(ENGINES), delivery=DELIVERY)
     def confirm_cleanup(self, engine: str, delivery: str) -> None:
         self._begin()
-        m = self.model
-        vid = next(k for k, v in m.versions.items() if v.state == "ABORTED")
-        v = m.versions[vid]
+        vid, v = self.model.first_in("ABORTED")
         result = self._do(
             delivery, "confirm_cleanup", version_id=vid, attempt=v.attempt, engine=engine
         )
@@ -464,7 +469,7 @@ class RegistryMachine(RuleBasedStateMachine):
         v.cleaned.add(engine)
         if v.cleaned == set(ENGINES):
             v.state = "FAILED_CLEAN"
-            m.pending = None
+            self.model.pending = None
 
     @rule(engine=st.sampled_from(ENGINES), delivery=DELIVERY)
     def engine_restart(self, engine: str, delivery: str) -> None:
@@ -904,13 +909,11 @@ class RegistryMachine(RuleBasedStateMachine):
             if v.state == "RETIRED":
                 v.state = "RECLAIMING"
 
-    @precondition(lambda self: any(v.state == "RECLAIMING" for v in self.model.versions.values()))
+    @precondition(lambda self: self.model.in_state("RECLAIMING"))
     @rule(engine=st.sampled_from(ENGINES), delivery=DELIVERY)
     def confirm_reclaim(self, engine: str, delivery: str) -> None:
         self._begin()
-        m = self.model
-        vid = next(k for k, v in m.versions.items() if v.state == "RECLAIMING")
-        v = m.versions[vid]
+        vid, v = self.model.first_in("RECLAIMING")
         reclaim_id = self.reg.core.version(vid).reclaim_id
         assert reclaim_id is not None
         result = self._do(
@@ -1080,10 +1083,6 @@ class RegistryMachine(RuleBasedStateMachine):
 # 120 runs of up to 60 steps: about 25 s of CPU with the journal in memory. Of 19 bugs injected
 # by hand into the lease, name and restart code, each was caught in most runs at these settings,
 # usually within 20 examples; test_core_leases.py pins every one of them deterministically.
-RegistryMachine.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# (No deadline and no too_slow check: the project's hypothesis profile, tests/conftest.py.)
+RegistryMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=60)
 TestRegistryMachine = RegistryMachine.TestCase

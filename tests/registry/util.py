@@ -66,8 +66,12 @@ def reclaim(core: RegistryCore, version_id: str) -> None:
         call(core, "confirm_reclaim", version_id=version_id, reclaim_id=claim.reclaim_id, engine=e)
 
 
-def new_core(capacity: int = 2, **kw: Any) -> RegistryCore:
-    return RegistryCore(engines=(E0, E1), capacity=capacity, **kw)
+def new_core(capacity: int = 2, *, published: str | None = None, **kw: Any) -> RegistryCore:
+    """A core on ``e0`` and ``e1`` (with ``published`` already published on both, when given)."""
+    core = RegistryCore(engines=(E0, E1), capacity=capacity, **kw)
+    if published is not None:
+        publish(core, published)
+    return core
 
 
 def lease(

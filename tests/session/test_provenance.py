@@ -142,8 +142,7 @@ def _provenance_headers(headers: Any) -> tuple[str, str, str, str | None]:
 async def test_gateway_replies_carry_provenance_headers_and_an_extension_field(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, published="A") as stack:
         a_name = lora_name(stack, "A")
         digest: str = stack.gateway.deployment.registry.peek_version("A").digest  # type: ignore[attr-defined]
         agent = stack.agent("episode-1")
@@ -200,8 +199,7 @@ async def test_gateway_replies_carry_provenance_headers_and_an_extension_field(
 async def test_gateway_refuses_a_too_stale_session_with_409_and_lets_it_close(
     tmp_path: Path,
 ) -> None:
-    async with gateway_stack(tmp_path, settings={"max_version_lag": 0}) as stack:
-        await stack.publish("A", 1)
+    async with gateway_stack(tmp_path, settings={"max_version_lag": 0}, published="A") as stack:
         http = stack.http()
         headers = {"x-agentic-session": "old"}
         assert (await http.post("/generate", json={"text": "t0"}, headers=headers)).is_success

@@ -23,6 +23,8 @@ from agentic_lora.registry.types import Binding, VersionState, new_request_id
 from agentic_lora.session import Session, SessionPhase, Versioning
 from tests.session_support import BASE_MODEL, commit, harness, publish, ready, stage
 
+pytestmark = pytest.mark.asyncio
+
 
 def binding_of(s: Session) -> Binding | None:
     # A function call, so a type checker does not carry an earlier narrowing across awaits.
@@ -33,7 +35,6 @@ def turn(tag: str, n: int) -> dict[str, object]:
     return {"text": f"{tag} turn {n}", "sampling_params": {"max_new_tokens": 8}}
 
 
-@pytest.mark.asyncio
 async def test_old_mid_new_sessions_keep_their_versions_across_turns_retries_and_resume() -> None:
     async with harness() as h:
         reg, eng, v = h.registry, h.engines, h.versioning
@@ -90,7 +91,6 @@ async def test_old_mid_new_sessions_keep_their_versions_across_turns_retries_and
     assert reg.calls["bind_first"] == 3  # one per Session; no later request read the default
 
 
-@pytest.mark.asyncio
 async def test_hundred_concurrent_first_generations_bind_once_and_cancelled_waiters_do_not_unbind() -> (
     None
 ):
@@ -117,7 +117,6 @@ async def test_hundred_concurrent_first_generations_bind_once_and_cancelled_wait
         assert s.phase is SessionPhase.BOUND
 
 
-@pytest.mark.asyncio
 async def test_cancelling_every_waiter_still_completes_the_binding() -> None:
     async with harness() as h:
         reg = h.registry
@@ -143,7 +142,6 @@ async def test_cancelling_every_waiter_still_completes_the_binding() -> None:
         assert reply.status_code == 200
 
 
-@pytest.mark.asyncio
 async def test_no_published_version_then_the_same_bind_request_is_replayed() -> None:
     async with harness() as h:
         reg = h.registry
@@ -159,7 +157,6 @@ async def test_no_published_version_then_the_same_bind_request_is_replayed() -> 
         assert h.engines.generations()[0].body["lora_path"] == a.lora_name
 
 
-@pytest.mark.asyncio
 async def test_lost_bind_reply_is_replayed_and_keeps_the_first_answer() -> None:
     async with harness() as h:
         reg = h.registry
@@ -181,10 +178,8 @@ async def test_lost_bind_reply_is_replayed_and_keeps_the_first_answer() -> None:
         assert status.session_refs == 1
 
 
-@pytest.mark.asyncio
 async def test_reply_lost_after_the_engine_accepted_is_indeterminate_and_sent_once() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         h.engines.actions.append("lose")
         with pytest.raises(RequestIndeterminateError) as err:
@@ -195,7 +190,6 @@ async def test_reply_lost_after_the_engine_accepted_is_indeterminate_and_sent_on
         assert err.value.details["engine"] == h.engines.generations()[0].engine
 
 
-@pytest.mark.asyncio
 async def test_dispatch_after_reclaiming_never_reaches_an_engine() -> None:
     async with harness() as h:
         reg = h.registry
@@ -217,7 +211,6 @@ async def test_dispatch_after_reclaiming_never_reaches_an_engine() -> None:
         assert len(h.engines.sent) == before
 
 
-@pytest.mark.asyncio
 async def test_a_caller_naming_another_adapter_is_refused_before_sending() -> None:
     async with harness() as h:
         a = await publish(h.registry, "A")
@@ -237,10 +230,8 @@ async def test_a_caller_naming_another_adapter_is_refused_before_sending() -> No
         assert comp.body["model"] == f"{BASE_MODEL}:{a.lora_name}"
 
 
-@pytest.mark.asyncio
 async def test_malformed_and_streaming_requests_are_refused_without_binding() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         with pytest.raises(InvalidRequestError):
             await s.generate({"text": ["a", "b"]})
@@ -250,10 +241,8 @@ async def test_malformed_and_streaming_requests_are_refused_without_binding() ->
         assert h.engines.sent == []
 
 
-@pytest.mark.asyncio
 async def test_a_session_checks_the_shape_it_relies_on_and_leaves_values_to_the_engine() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         for bad in ({"text": "x", "rid": ["r1", "r2"]}, {"input_ids": [[1], [2]]}, {"rid": "r"}):
             with pytest.raises(InvalidRequestError) as err:
@@ -269,10 +258,8 @@ async def test_a_session_checks_the_shape_it_relies_on_and_leaves_values_to_the_
         assert sent.body["engine_flag"] == [1]
 
 
-@pytest.mark.asyncio
 async def test_a_session_injects_a_request_id_and_keeps_the_callers() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         r1 = await s.generate({"text": "x"})
         r2 = await s.generate({"text": "y", "rid": "caller-rid"})
@@ -282,7 +269,6 @@ async def test_a_session_injects_a_request_id_and_keeps_the_callers() -> None:
         assert g2.body["rid"] == "caller-rid" == r2.rid
 
 
-@pytest.mark.asyncio
 async def test_a_session_continued_by_key_gets_the_binding_the_registry_holds() -> None:
     async with harness() as h:
         reg, eng = h.registry, h.engines

@@ -16,16 +16,9 @@ def phase_of(s: Session) -> SessionPhase:
     return s.phase
 
 
-def refs(h: object, version: str) -> int:
-    status = h.registry.peek_version(version)  # type: ignore[attr-defined]
-    assert status is not None
-    return int(status.session_refs)
-
-
 @pytest.mark.asyncio
 async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_closed() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         result = await s.close()
         assert result is not None
@@ -36,17 +29,16 @@ async def test_close_before_bind_binds_nothing_and_later_dispatch_is_session_clo
         with pytest.raises(SessionClosedError):
             await s.generate({"text": "late"})
         assert h.registry.calls["bind_first"] == 0
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.engines.sent == []
 
 
 @pytest.mark.asyncio
 async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         first, second = await asyncio.gather(s.close(), s.close())
         third = await s.close()
         assert first is second is third
@@ -55,13 +47,12 @@ async def test_duplicate_and_concurrent_closes_release_exactly_once() -> None:
         assert first.released_now
         assert h.registry.calls["begin_close"] == 1
         assert h.registry.calls["release"] == 1
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
 async def test_late_bind_after_begin_close_is_refused_and_nothing_is_held() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         gate = h.registry.gate("bind_first")
         first_gen = asyncio.create_task(s.generate({"text": "x"}))
@@ -79,31 +70,29 @@ async def test_late_bind_after_begin_close_is_refused_and_nothing_is_held() -> N
             "bind_first",
             "begin_close",
         ]  # the bind call was issued first, but the registry ran begin_close first
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.engines.sent == []
 
 
 @pytest.mark.asyncio
 async def test_bind_that_won_the_race_is_released_by_close() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         h.registry.lose_reply["bind_first"] = 1  # bound at the registry, reply lost here
         with pytest.raises(Exception, match="binding was not confirmed"):
             await s.generate({"text": "x"})
         assert s.binding is None
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         result = await s.close()
         assert result is not None
         assert result.version_id == "A"
         assert result.released_now
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
 async def test_release_failure_is_retried_with_the_same_request_id() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         h.registry.fail_before["release"] = 1
@@ -117,13 +106,12 @@ async def test_release_failure_is_retried_with_the_same_request_id() -> None:
         # The third call replays the second: the registry hands back the original answer and the
         # ref was dropped once (a second drop would make it negative).
         assert result.released_now is True
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
 async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> None:
-    async with harness(registry_attempts=2) as h:
-        await publish(h.registry, "A")
+    async with harness(registry_attempts=2, published="A") as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         h.registry.fail_before["release"] = 5
@@ -133,7 +121,7 @@ async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> Non
         assert err.value.details["stage"] == "release"
         assert s.phase is SessionPhase.FINALIZING
         assert h.versioning.get("S") is s
-        assert refs(h, "A") == 1
+        assert h.refs("A") == 1
         with pytest.raises(SessionClosedError):
             await s.generate({"text": "no new dispatch while finalizing"})
         with pytest.raises(SessionStateError):
@@ -146,15 +134,14 @@ async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> Non
         assert len(set(h.registry.request_ids("release"))) == 1
         assert h.registry.calls["begin_close"] == 2  # replayed with its own request id
         assert len(set(h.registry.request_ids("begin_close"))) == 1
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
         assert h.versioning.get("S") is None
         assert phase_of(s) is SessionPhase.CLOSED
 
 
 @pytest.mark.asyncio
 async def test_close_aborts_and_drains_in_flight_before_release_then_forgets() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         s = h.versioning.open_session("S")
         h.engines.actions.extend(["hold", "hold"])
         t1 = asyncio.create_task(s.generate({"text": "long 1"}))
@@ -180,8 +167,7 @@ async def test_close_aborts_and_drains_in_flight_before_release_then_forgets() -
 
 @pytest.mark.asyncio
 async def test_context_manager_closes_even_when_the_block_raises() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
 
         async def episode() -> None:
             async with h.versioning.session("S") as s:
@@ -194,13 +180,12 @@ async def test_context_manager_closes_even_when_the_block_raises() -> None:
             await episode()
         (s,) = opened
         assert s.phase is SessionPhase.CLOSED
-        assert refs(h, "A") == 0
+        assert h.refs("A") == 0
 
 
 @pytest.mark.asyncio
 async def test_reused_session_id_is_a_new_lifecycle() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         async with h.versioning.session("S") as first:
             await first.generate({"text": "x"})
         await publish(h.registry, "B")
@@ -214,8 +199,7 @@ async def test_reused_session_id_is_a_new_lifecycle() -> None:
 
 @pytest.mark.asyncio
 async def test_forget_failure_is_retried_with_the_next_close() -> None:
-    async with harness() as h:
-        await publish(h.registry, "A")
+    async with harness(published="A") as h:
         h.registry.fail_before["forget_sessions"] = 1
         async with h.versioning.session("S1") as s1:
             await s1.generate({"text": "x"})

@@ -19,6 +19,8 @@ from agentic_lora.registry.types import Binding, ReleaseResult, SessionStatus, n
 from agentic_lora.session import SessionPhase, Versioning
 from tests.session_support import BASE_MODEL, Harness, harness, publish
 
+pytestmark = pytest.mark.asyncio
+
 T = TypeVar("T")
 
 BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
@@ -56,17 +58,15 @@ async def direct(
         await versioning.aclose()
 
 
-@pytest.mark.asyncio
 async def test_a_bound_session_with_nothing_in_flight_closes_in_one_step() -> None:
     async with harness() as h, direct(h) as versioning:
-        assert h.inner is not None
         heard: list[tuple[str, type]] = []
         h.inner.add_listener(lambda verb, result: heard.append((verb, type(result))))
         await publish(h.registry, "A")
         s = versioning.open_session("s1")
         await s.generate(BODY)
         assert s.phase is SessionPhase.BOUND
-        assert h.inner.peek_version("A").session_refs == 1  # type: ignore[union-attr]
+        assert h.refs("A") == 1
         remembered, seq = window(h.inner), h.inner.core.seq
         heard.clear()
 
@@ -75,7 +75,7 @@ async def test_a_bound_session_with_nothing_in_flight_closes_in_one_step() -> No
         assert result == ReleaseResult(s.key, "A", released_now=True)
         assert s.phase is SessionPhase.CLOSED
         assert s.release_result is result
-        assert h.inner.peek_version("A").session_refs == 0  # type: ignore[union-attr]
+        assert h.refs("A") == 0
         assert h.inner.core.session(s.key) is None  # the tombstone is forgotten too
         assert versioning.get("s1") is None
         assert versioning.live_sessions() == ()
@@ -93,11 +93,8 @@ async def test_a_bound_session_with_nothing_in_flight_closes_in_one_step() -> No
             await s.generate(BODY)
 
 
-@pytest.mark.asyncio
 async def test_a_session_closed_before_its_bind_answers_as_through_the_verbs() -> None:
-    async with harness() as h, direct(h) as versioning:
-        assert h.inner is not None
-        await publish(h.registry, "A")
+    async with harness(published="A") as h, direct(h) as versioning:
         now = versioning.open_session("early")
         result = run_without_suspending(now.close())
         # The same Session closed through the verbs (the recorder sends every verb).
@@ -106,10 +103,9 @@ async def test_a_session_closed_before_its_bind_answers_as_through_the_verbs() -
         assert h.registry.calls["begin_close"] == h.registry.calls["release"] == 1
         assert result == ReleaseResult(now.key, None, released_now=True)
         assert h.inner.core.session(now.key) is None
-        assert h.inner.peek_version("A").session_refs == 0  # type: ignore[union-attr]
+        assert h.refs("A") == 0
 
 
-@pytest.mark.asyncio
 async def test_a_pass_through_session_closes_in_one_step() -> None:
     async with harness(enabled=False) as h:
         s = h.versioning.open_session("p")
@@ -119,11 +115,8 @@ async def test_a_pass_through_session_closes_in_one_step() -> None:
         assert h.versioning.get("p") is None
 
 
-@pytest.mark.asyncio
 async def test_a_request_in_flight_makes_close_abort_and_drain_first() -> None:
-    async with harness() as h, direct(h) as versioning:
-        assert h.inner is not None
-        await publish(h.registry, "A")
+    async with harness(published="A") as h, direct(h) as versioning:
         s = versioning.open_session("busy")
         h.engines.actions.append("hold")
         generation = asyncio.create_task(s.generate(BODY))
@@ -132,7 +125,7 @@ async def test_a_request_in_flight_makes_close_abort_and_drain_first() -> None:
         assert (await generation).aborted  # ended by close's abort, before the release
         assert [(a.engine, a.body["rid"]) for a in h.engines.aborts] == [(held.engine, held.rid)]
         assert result == ReleaseResult(s.key, "A", released_now=True)
-        assert h.inner.peek_version("A").session_refs == 0  # type: ignore[union-attr]
+        assert h.refs("A") == 0
         assert h.inner.core.session(s.key) is None
 
 
@@ -150,7 +143,6 @@ class GatedBind(LocalRegistry):
         return await super().bind_first(**kwargs)
 
 
-@pytest.mark.asyncio
 async def test_a_bind_in_flight_makes_close_wait_for_it() -> None:
     async with harness() as h:
         registry = GatedBind(engines=("e0", "e1"), capacity=2)
@@ -175,7 +167,6 @@ async def test_a_bind_in_flight_makes_close_wait_for_it() -> None:
         await registry.aclose()
 
 
-@pytest.mark.asyncio
 async def test_a_journaled_registry_closes_through_the_verbs_and_journals_them(
     tmp_path: Path,
 ) -> None:
@@ -197,7 +188,6 @@ async def test_a_journaled_registry_closes_through_the_verbs_and_journals_them(
             await restarted.aclose()
 
 
-@pytest.mark.asyncio
 async def test_the_one_step_close_is_offered_by_the_local_registry_only_while_it_runs() -> None:
     registry = LocalRegistry(engines=("e0",), capacity=2)
     assert session_closer(registry) is registry
@@ -206,7 +196,6 @@ async def test_the_one_step_close_is_offered_by_the_local_registry_only_while_it
     assert registry.core.session("late") is None
 
 
-@pytest.mark.asyncio
 async def test_the_one_step_close_answers_every_record_state_as_release_does() -> None:
     now = [1000.0]
     registry = LocalRegistry(

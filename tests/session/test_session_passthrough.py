@@ -11,6 +11,8 @@ from agentic_lora.foundation.requests import GenerateRequest
 from agentic_lora.session import SessionPhase
 from tests.session_support import harness
 
+pytestmark = pytest.mark.asyncio
+
 LEGACY = {
     "sampling_params": {"max_new_tokens": 16, "temperature": 0.7},
     "text": "héllo — tool turn",
@@ -20,7 +22,6 @@ LEGACY = {
 }
 
 
-@pytest.mark.asyncio
 async def test_legacy_requests_reach_the_engine_byte_for_byte() -> None:
     async with harness(enabled=False) as h:
         v = h.versioning
@@ -46,7 +47,6 @@ async def test_legacy_requests_reach_the_engine_byte_for_byte() -> None:
         assert sum(h.registry.calls.values()) == 0  # no registry in pass-through mode
 
 
-@pytest.mark.asyncio
 async def test_typed_requests_and_abort_work_in_pass_through() -> None:
     async with harness(enabled=False) as h:
         s = h.versioning.open_session("legacy")

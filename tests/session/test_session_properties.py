@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentic_lora.errors import (
@@ -106,11 +106,7 @@ async def run(h: Harness, steps: list[str]) -> None:
     assert (await reg.status()).live_sessions == 0
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(max_examples=60)  # no deadline, no too_slow check: the profile in tests/conftest.py
 @given(steps=st.lists(STEPS, min_size=1, max_size=12))
 def test_any_fault_schedule_keeps_one_version_and_releases_once(steps: list[str]) -> None:
     asyncio.run(scenario(steps))

@@ -19,15 +19,23 @@ from agentic_lora.errors import InvalidRequestError, RequestIndeterminateError, 
 from agentic_lora.foundation.requests import Route
 from agentic_lora.session.middleware import EngineCall, InFlight
 from agentic_lora.session.streaming import StreamChunk, StreamEndpoint, UpstreamStream
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
 from agentic_lora.testing.streams import ScriptedStream, StreamEnding, generate_chunks
-from agentic_lora.testing.vllm_engine import VllmOp
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
 from tests.streaming_support import BASE_MODEL, URL, read_all, stream_harness
+
+pytestmark = pytest.mark.asyncio
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.asyncio
+def hold_next(engine: ScriptedSGLangEngine | ScriptedVllmEngine) -> ScriptedStream:
+    """The engine's next stream: one chunk, then held open until the test releases it."""
+    held = ScriptedStream(hold_after=1)
+    engine.streams.append(held)
+    return held
+
+
 async def test_sglang_streams_carry_their_sessions_version_across_a_publication() -> None:
     async with stream_harness() as h:
         a = await h.publish("A")
@@ -51,7 +59,6 @@ async def test_sglang_streams_carry_their_sessions_version_across_a_publication(
         assert old.in_flight == 0
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("route", [Route.CHAT_COMPLETIONS, Route.COMPLETIONS])
 async def test_vllm_streams_name_the_adapter_as_model_and_carry_the_version(route: Route) -> None:
     async with stream_harness("vllm") as h:
@@ -69,7 +76,6 @@ async def test_vllm_streams_name_the_adapter_as_model_and_carry_the_version(rout
         assert body["stream"] is True  # Session.stream always streams
 
 
-@pytest.mark.asyncio
 async def test_dispatch_with_stream_true_is_refused_before_binding() -> None:
     async with stream_harness() as h:
         await h.publish("A")
@@ -81,12 +87,10 @@ async def test_dispatch_with_stream_true_is_refused_before_binding() -> None:
         assert h.sglang.count(EngineOp.GENERATE) == 0
 
 
-@pytest.mark.asyncio
 async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() -> None:
     async with stream_harness("vllm") as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.vllm.streams.append(held)
+        held = hold_next(h.vllm)
         s = h.versioning.open_session("S")
         it = s.stream(Route.COMPLETIONS, {"prompt": "long"})
         first = await anext(it)
@@ -111,12 +115,10 @@ async def test_an_open_stream_holds_its_version_and_a_vllm_drain_waits_for_it() 
         assert h.versioning.in_flight(a.lora_name) == 0
 
 
-@pytest.mark.asyncio
 async def test_an_sglang_unload_waits_for_an_open_stream_on_its_adapter() -> None:
     async with stream_harness() as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        held = hold_next(h.sglang)
         s = h.versioning.open_session("S")
         it = s.stream(Route.GENERATE, {"text": "long"})
         await anext(it)
@@ -132,7 +134,6 @@ async def test_an_sglang_unload_waits_for_an_open_stream_on_its_adapter() -> Non
         assert h.sglang.physical_unloads[a.lora_name] == 1
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("fault", "error"),
     [
@@ -159,7 +160,6 @@ async def test_failures_before_the_first_chunk_are_classified_as_for_a_dispatch(
         assert [c.version_id for c in await read_all(s, Route.GENERATE, {"text": "y"})] == ["A"] * 3
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("status", "error"), [(400, RequestRefusedError), (500, RequestIndeterminateError)]
 )
@@ -175,7 +175,6 @@ async def test_an_error_event_before_any_chunk_keeps_the_engines_status(
         assert err.value.details["reason"] == "stream_error"  # type: ignore[attr-defined]
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("ending", [StreamEnding.ERROR, StreamEnding.DROP, StreamEnding.EOF])
 async def test_a_failure_after_the_first_chunk_delivers_the_partial_output_then_is_indeterminate(
     ending: StreamEnding,
@@ -195,13 +194,11 @@ async def test_a_failure_after_the_first_chunk_delivers_the_partial_output_then_
         assert h.versioning.in_flight(a.lora_name) == 0
 
 
-@pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_a_reader_leaving_an_sglang_stream_aborts_the_request_by_id(how: str) -> None:
     async with stream_harness() as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        held = hold_next(h.sglang)
         s = h.versioning.open_session("S")
         if how == "aclose":
             it = s.stream(Route.GENERATE, {"text": "long"})
@@ -242,12 +239,10 @@ async def s_drained(s: object) -> None:
     await s._drained.wait()  # type: ignore[attr-defined]
 
 
-@pytest.mark.asyncio
 async def test_a_reader_leaving_a_vllm_stream_closes_the_engine_connection() -> None:
     async with stream_harness("vllm") as h:
         a = await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.vllm.streams.append(held)
+        held = hold_next(h.vllm)
         s = h.versioning.open_session("S")
         it = s.stream(Route.CHAT_COMPLETIONS, CHAT)
         await anext(it)
@@ -257,12 +252,10 @@ async def test_a_reader_leaving_a_vllm_stream_closes_the_engine_connection() -> 
         assert len(await read_all(s, Route.CHAT_COMPLETIONS, CHAT)) == 3
 
 
-@pytest.mark.asyncio
 async def test_close_aborts_an_open_sglang_stream_which_then_ends() -> None:
     async with stream_harness() as h:
         await h.publish("A")
-        held = ScriptedStream(hold_after=1)
-        h.sglang.streams.append(held)
+        hold_next(h.sglang)
         s = h.versioning.open_session("S")
         it = s.stream(Route.GENERATE, {"text": "long"})
         await anext(it)
@@ -274,7 +267,6 @@ async def test_close_aborts_an_open_sglang_stream_which_then_ends() -> None:
         assert result.version_id == "A"
 
 
-@pytest.mark.asyncio
 async def test_nothing_is_read_ahead_of_the_reader() -> None:
     async with stream_harness() as h:
         await h.publish("A")

@@ -21,10 +21,11 @@ from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
 from tests.session_support import BASE_MODEL, harness, publish
 
+pytestmark = pytest.mark.asyncio
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.asyncio
 async def test_vllm_sessions_name_their_adapter_as_the_model_across_a_publication() -> None:
     async with harness(engine_kind="vllm") as h:
         a = await publish(h.registry, "A")
@@ -47,10 +48,8 @@ async def test_vllm_sessions_name_their_adapter_as_the_model_across_a_publicatio
         assert all("lora_path" not in body for _, body in sent)
 
 
-@pytest.mark.asyncio
 async def test_generate_on_vllm_is_refused_before_binding_and_nothing_is_sent() -> None:
-    async with harness(engine_kind="vllm") as h:
-        await publish(h.registry, "A")
+    async with harness(engine_kind="vllm", published="A") as h:
         s = h.versioning.open_session("S")
         with pytest.raises(InvalidRequestError) as err:
             await s.generate({"text": "x"})
@@ -64,7 +63,6 @@ async def test_generate_on_vllm_is_refused_before_binding_and_nothing_is_sent() 
         assert h.engines.sent == []
 
 
-@pytest.mark.asyncio
 async def test_a_vllm_request_naming_another_adapter_is_refused_and_not_counted() -> None:
     async with harness(engine_kind="vllm") as h:
         a = await publish(h.registry, "A")
@@ -76,10 +74,8 @@ async def test_a_vllm_request_naming_another_adapter_is_refused_and_not_counted(
         assert len(h.engines.sent) == 1
 
 
-@pytest.mark.asyncio
 async def test_vllm_sessions_cannot_abort_and_close_drains_without_an_abort_route() -> None:
-    async with harness(engine_kind="vllm") as h:
-        await publish(h.registry, "A")
+    async with harness(engine_kind="vllm", published="A") as h:
         s = h.versioning.open_session("S")
         h.engines.actions.append("hold")
         pending = asyncio.create_task(s.completions({"prompt": "long"}))
@@ -107,7 +103,6 @@ async def test_vllm_sessions_cannot_abort_and_close_drains_without_an_abort_rout
         assert h.engines.aborts == []
 
 
-@pytest.mark.asyncio
 async def test_wait_drained_returns_when_the_last_request_on_the_adapter_ends() -> None:
     async with harness() as h:
         a = await publish(h.registry, "A")
@@ -140,7 +135,6 @@ def rid_of(h: object, text: str) -> str:
     return rid
 
 
-@pytest.mark.asyncio
 async def test_failed_and_cancelled_requests_leave_the_count() -> None:
     async with harness() as h:
         a = await publish(h.registry, "A")
@@ -162,7 +156,6 @@ async def test_failed_and_cancelled_requests_leave_the_count() -> None:
         await v.wait_drained(a.lora_name)
 
 
-@pytest.mark.asyncio
 async def test_a_request_the_guard_refuses_is_never_counted() -> None:
     async with harness() as h:
         a = await publish(h.registry, "A")
@@ -178,7 +171,6 @@ async def test_a_request_the_guard_refuses_is_never_counted() -> None:
         assert [x.body["text"] for x in h.engines.sent] == ["bind"]
 
 
-@pytest.mark.asyncio
 async def test_an_unknown_engine_kind_is_a_configuration_error() -> None:
     async with harness() as h:
         with pytest.raises(ConfigurationError) as err:

@@ -5,7 +5,9 @@ the HTTP edge). Mid-generation publications are gated with events, never timed."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,168 +42,169 @@ def _settings(fleet: ScriptedFleet, *, capacity: int = 2, **kw: Any) -> AgenticL
     return fleet.settings(capacity=capacity, **kw)
 
 
-def _deployment(fleet: ScriptedFleet, tmp_path: Path, **kw: Any) -> Deployment:
-    for engine in fleet.engines.values():
-        # SGLang keeps one slot unpinned: the engines fit every managed version.
-        engine.max_loras_per_batch = kw.get("capacity", 2) + 1
-    return Deployment.from_settings(
-        _settings(fleet, **kw), backend_options={"store_root": str(tmp_path / "adapters")}
-    )
+@contextlib.asynccontextmanager
+async def _deployed(
+    tmp_path: Path, *, engines: tuple[str, ...] = ("e0", "e1"), **kw: Any
+) -> AsyncIterator[tuple[ScriptedFleet, Deployment]]:
+    """A started Deployment over a scripted fleet of ``engines``, with ``kw`` as settings."""
+    with ScriptedFleet(engines) as fleet:
+        for engine in fleet.engines.values():
+            # SGLang keeps one slot unpinned: the engines fit every managed version.
+            engine.max_loras_per_batch = kw.get("capacity", 2) + 1
+        deployment = Deployment.from_settings(
+            _settings(fleet, **kw), backend_options={"store_root": str(tmp_path / "adapters")}
+        )
+        async with deployment as d:
+            yield fleet, d
 
 
 async def test_lags_up_to_the_bound_are_served_and_one_more_is_refused_before_any_engine_call(
     tmp_path: Path,
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with _deployment(fleet, tmp_path, capacity=4, max_version_lag=2) as d:
-            assert d.versioning.max_version_lag == 2
-            await d.publish("A", A)
-            s = d.versioning.open_session("s")
-            lags = [(await s.generate({"text": "turn 0"})).provenance]
-            for vid, snap in (("B", B), ("C", C)):
-                assert (await d.publish(vid, snap)).outcome is PublicationOutcome.PUBLISHED
-                lags.append((await s.generate({"text": f"after {vid}"})).provenance)
-            assert [p.lag if p else None for p in lags] == [0, 1, 2]
-            assert (await d.publish("D", D)).outcome is PublicationOutcome.PUBLISHED
+    async with _deployed(tmp_path, capacity=4, max_version_lag=2) as (fleet, d):
+        assert d.versioning.max_version_lag == 2
+        await d.publish("A", A)
+        s = d.versioning.open_session("s")
+        lags = [(await s.generate({"text": "turn 0"})).provenance]
+        for vid, snap in (("B", B), ("C", C)):
+            assert (await d.publish(vid, snap)).outcome is PublicationOutcome.PUBLISHED
+            lags.append((await s.generate({"text": f"after {vid}"})).provenance)
+        assert [p.lag if p else None for p in lags] == [0, 1, 2]
+        assert (await d.publish("D", D)).outcome is PublicationOutcome.PUBLISHED
 
-            sent = fleet.calls(EngineOp.GENERATE)
-            with pytest.raises(VersionTooStaleError) as err:
-                await s.generate({"text": "lag 3"})
-            assert err.value.code == "VERSION_TOO_STALE"
-            assert err.value.details["lag"] == 3
-            assert err.value.details["version"] == "A"
-            assert err.value.details["max_version_lag"] == 2
-            assert fleet.calls(EngineOp.GENERATE) == sent  # refused before any engine call
+        sent = fleet.calls(EngineOp.GENERATE)
+        with pytest.raises(VersionTooStaleError) as err:
+            await s.generate({"text": "lag 3"})
+        assert err.value.code == "VERSION_TOO_STALE"
+        assert err.value.details["lag"] == 3
+        assert err.value.details["version"] == "A"
+        assert err.value.details["max_version_lag"] == 2
+        assert fleet.calls(EngineOp.GENERATE) == sent  # refused before any engine call
 
-            # Sticky, on every route; still bound to A (the version never changes).
-            for _attempt in range(2):
-                with pytest.raises(VersionTooStaleError):
-                    await s.chat_completions({"messages": [{"role": "user", "content": "x"}]})
-            assert fleet.calls(EngineOp.GENERATE) == sent
-            assert s.binding is not None
-            assert s.binding.version_id == "A"
-            record = s.provenance()
-            assert (record["lags"], record["turns"], record["too_stale_lag"]) == ([0, 1, 2], 3, 3)
+        # Sticky, on every route; still bound to A (the version never changes).
+        for _attempt in range(2):
+            with pytest.raises(VersionTooStaleError):
+                await s.chat_completions({"messages": [{"role": "user", "content": "x"}]})
+        assert fleet.calls(EngineOp.GENERATE) == sent
+        assert s.binding is not None
+        assert s.binding.version_id == "A"
+        record = s.provenance()
+        assert (record["lags"], record["turns"], record["too_stale_lag"]) == ([0, 1, 2], 3, 3)
 
-            # It can only be closed, and close releases its ref now.
-            released = await s.close()
-            assert released is not None
-            assert released.released_now
-            with pytest.raises(SessionClosedError):
-                await s.generate({"text": "after close"})
-            # A new Session binds the default and is served.
-            async with d.session("fresh") as fresh:
-                reply = await fresh.generate({"text": "fresh"})
-                assert reply.provenance is not None
-                assert (reply.provenance.version_id, reply.provenance.lag) == ("D", 0)
+        # It can only be closed, and close releases its ref now.
+        released = await s.close()
+        assert released is not None
+        assert released.released_now
+        with pytest.raises(SessionClosedError):
+            await s.generate({"text": "after close"})
+        # A new Session binds the default and is served.
+        async with d.session("fresh") as fresh:
+            reply = await fresh.generate({"text": "fresh"})
+            assert reply.provenance is not None
+            assert (reply.provenance.version_id, reply.provenance.lag) == ("D", 0)
 
 
 async def test_a_too_stale_session_closed_frees_the_slot_a_skipped_publication_needed(
     tmp_path: Path,
 ) -> None:
-    with ScriptedFleet() as fleet:
-        async with _deployment(fleet, tmp_path, capacity=2, max_version_lag=0) as d:
-            await d.publish("A", A)
-            s = d.versioning.open_session("old")
-            await s.generate({"text": "turn 0"})
-            assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            # A is retired but held by the Session: no slot for C, nothing transferred.
-            loads = fleet.calls(EngineOp.LOAD)
-            assert (await d.publish("C", C)).outcome is PublicationOutcome.SKIPPED
-            assert fleet.calls(EngineOp.LOAD) == loads
-            with pytest.raises(VersionTooStaleError) as err:
-                await s.generate({"text": "lag 1"})
-            assert err.value.details["lag"] == 1
-            # The framework drops the episode: the close releases A, the reclaimer unloads it.
-            await s.close()
-            await d.reclaimer.settled()
-            states = {v.version_id: v.state for v in (await d.status()).versions}
-            assert states["A"] is VersionState.RECLAIMED
-            assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
+    async with _deployed(tmp_path, capacity=2, max_version_lag=0) as (fleet, d):
+        await d.publish("A", A)
+        s = d.versioning.open_session("old")
+        await s.generate({"text": "turn 0"})
+        assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
+        # A is retired but held by the Session: no slot for C, nothing transferred.
+        loads = fleet.calls(EngineOp.LOAD)
+        assert (await d.publish("C", C)).outcome is PublicationOutcome.SKIPPED
+        assert fleet.calls(EngineOp.LOAD) == loads
+        with pytest.raises(VersionTooStaleError) as err:
+            await s.generate({"text": "lag 1"})
+        assert err.value.details["lag"] == 1
+        # The framework drops the episode: the close releases A, the reclaimer unloads it.
+        await s.close()
+        await d.reclaimer.settled()
+        states = {v.version_id: v.state for v in (await d.status()).versions}
+        assert states["A"] is VersionState.RECLAIMED
+        assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
 
 
 async def test_a_generation_in_flight_is_never_cut_by_publications_that_land_meanwhile(
     tmp_path: Path,
 ) -> None:
-    with ScriptedFleet(("e0",)) as fleet:
-        async with _deployment(fleet, tmp_path, capacity=3, max_version_lag=1) as d:
-            await d.publish("A", A)
-            s = d.versioning.open_session("s")
-            gate, reached = asyncio.Event(), asyncio.Event()
-            fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
-            running = asyncio.create_task(s.generate({"text": "long turn"}))
-            await reached.wait()
-            # Two publications commit while the generation runs: lag 2 > 1 from here on.
-            assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
-            assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
-            assert not running.done()
-            gate.set()
-            reply = await running
-            assert reply.status_code == 200
-            assert reply.body["meta_info"]["lora_path"] == s.binding.lora_name  # type: ignore[union-attr]
-            assert reply.provenance is not None
-            assert reply.provenance.lag == 0
-            sent = fleet.calls(EngineOp.GENERATE)
-            with pytest.raises(VersionTooStaleError) as err:
-                await s.generate({"text": "next turn"})
-            assert err.value.details["lag"] == 2
-            assert fleet.calls(EngineOp.GENERATE) == sent
-            assert s.provenance()["lags"] == [0]
-            await s.close()
+    async with _deployed(tmp_path, capacity=3, max_version_lag=1, engines=("e0",)) as (fleet, d):
+        await d.publish("A", A)
+        s = d.versioning.open_session("s")
+        gate, reached = asyncio.Event(), asyncio.Event()
+        fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
+        running = asyncio.create_task(s.generate({"text": "long turn"}))
+        await reached.wait()
+        # Two publications commit while the generation runs: lag 2 > 1 from here on.
+        assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
+        assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
+        assert not running.done()
+        gate.set()
+        reply = await running
+        assert reply.status_code == 200
+        assert reply.body["meta_info"]["lora_path"] == s.binding.lora_name  # type: ignore[union-attr]
+        assert reply.provenance is not None
+        assert reply.provenance.lag == 0
+        sent = fleet.calls(EngineOp.GENERATE)
+        with pytest.raises(VersionTooStaleError) as err:
+            await s.generate({"text": "next turn"})
+        assert err.value.details["lag"] == 2
+        assert fleet.calls(EngineOp.GENERATE) == sent
+        assert s.provenance()["lags"] == [0]
+        await s.close()
 
 
 async def test_a_concurrent_turn_refused_as_stale_does_not_cut_the_one_running(
     tmp_path: Path,
 ) -> None:
-    with ScriptedFleet(("e0",)) as fleet:
-        async with _deployment(fleet, tmp_path, capacity=3, max_version_lag=0) as d:
-            await d.publish("A", A)
-            s = d.versioning.open_session("s")
-            await s.generate({"text": "bind"})
-            gate, reached = asyncio.Event(), asyncio.Event()
-            fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
-            running = asyncio.create_task(s.generate({"text": "long turn"}))
-            await reached.wait()
-            await d.publish("B", B)
-            with pytest.raises(VersionTooStaleError):
-                await s.generate({"text": "parallel tool turn"})
-            assert s.in_flight == 1
-            gate.set()
-            assert (await running).status_code == 200
-            assert s.provenance()["lags"] == [0, 0]
-            await s.close()
+    async with _deployed(tmp_path, capacity=3, max_version_lag=0, engines=("e0",)) as (fleet, d):
+        await d.publish("A", A)
+        s = d.versioning.open_session("s")
+        await s.generate({"text": "bind"})
+        gate, reached = asyncio.Event(), asyncio.Event()
+        fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
+        running = asyncio.create_task(s.generate({"text": "long turn"}))
+        await reached.wait()
+        await d.publish("B", B)
+        with pytest.raises(VersionTooStaleError):
+            await s.generate({"text": "parallel tool turn"})
+        assert s.in_flight == 1
+        gate.set()
+        assert (await running).status_code == 200
+        assert s.provenance()["lags"] == [0, 0]
+        await s.close()
 
 
 async def test_off_by_default_a_session_is_served_at_any_lag(tmp_path: Path) -> None:
-    with ScriptedFleet() as fleet:
+    async with _deployed(tmp_path, capacity=3) as (fleet, d):
         assert _settings(fleet).max_version_lag is None
-        async with _deployment(fleet, tmp_path, capacity=3) as d:
-            assert d.versioning.max_version_lag is None
-            await d.publish("A", A)
-            async with d.session("s") as s:
-                await s.generate({"text": "turn 0"})
-                await d.publish("B", B)
-                await d.publish("C", C)
-                reply = await s.generate({"text": "turn 1"})
-                assert reply.provenance is not None
-                assert (reply.provenance.version_id, reply.provenance.lag) == ("A", 2)
-                assert s.provenance()["too_stale_lag"] is None
+        assert d.versioning.max_version_lag is None
+        await d.publish("A", A)
+        async with d.session("s") as s:
+            await s.generate({"text": "turn 0"})
+            await d.publish("B", B)
+            await d.publish("C", C)
+            reply = await s.generate({"text": "turn 1"})
+            assert reply.provenance is not None
+            assert (reply.provenance.version_id, reply.provenance.lag) == ("A", 2)
+            assert s.provenance()["too_stale_lag"] is None
 
 
 async def test_the_lag_is_read_without_a_registry_round_trip(tmp_path: Path) -> None:
-    with ScriptedFleet() as fleet:
-        async with _deployment(fleet, tmp_path, max_version_lag=1) as d:
-            await d.publish("A", A)
-            registry = d.registry
-            assert isinstance(registry, LocalRegistry)
-            changes: list[str] = []
-            registry.add_listener(lambda verb, _result: changes.append(verb))
-            async with d.session("s") as s:
-                await s.generate({"text": "bind"})
-                before = list(changes)
-                for _ in range(3):
-                    await s.generate({"text": "turn"})
-                assert changes == before  # no registry verb per dispatch
+    async with _deployed(tmp_path, max_version_lag=1) as (_, d):
+        await d.publish("A", A)
+        registry = d.registry
+        assert isinstance(registry, LocalRegistry)
+        changes: list[str] = []
+        registry.add_listener(lambda verb, _result: changes.append(verb))
+        async with d.session("s") as s:
+            await s.generate({"text": "bind"})
+            before = list(changes)
+            for _ in range(3):
+                await s.generate({"text": "turn"})
+            assert changes == before  # no registry verb per dispatch
 
 
 async def test_bad_bounds_are_configuration_errors(tmp_path: Path) -> None:
@@ -338,17 +341,16 @@ async def test_a_rollout_worker_without_a_gateway_exposes_the_lag_metrics(tmp_pa
 
     from agentic_lora.assembly.metrics import Metrics
 
-    with ScriptedFleet() as fleet:
-        async with _deployment(fleet, tmp_path, capacity=3, max_version_lag=0) as d:
-            metrics = Metrics()
-            metrics.watch_staleness(d.versioning)
-            await d.publish("A", A)
-            s = d.versioning.open_session("worker-episode")
-            await s.generate({"text": "lag 0"})
-            await d.publish("B", B)
-            with pytest.raises(VersionTooStaleError):
-                await s.generate({"text": "lag 1"})
-            await s.close()
+    async with _deployed(tmp_path, capacity=3, max_version_lag=0) as (_, d):
+        metrics = Metrics()
+        metrics.watch_staleness(d.versioning)
+        await d.publish("A", A)
+        s = d.versioning.open_session("worker-episode")
+        await s.generate({"text": "lag 0"})
+        await d.publish("B", B)
+        with pytest.raises(VersionTooStaleError):
+            await s.generate({"text": "lag 1"})
+        await s.close()
     samples = {
         (sample.name, sample.labels.get("le")): sample.value
         for family in text_string_to_metric_families(metrics.exposition().decode())
