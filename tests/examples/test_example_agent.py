@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from agentic_lora_agent import (
+    REFERENCE_TABLE,
     TASKS,
     AgentConfig,
     AgentObserver,
@@ -793,6 +794,17 @@ def test_a_built_in_plan_ends_on_its_expected_answer(task_id: str) -> None:
         observations.append(result.observation)
     assert len(observations) == len(task.plan)
     assert observations[-1] == task.expected_answer
+
+
+def test_the_task_catalogue_loads_every_task_with_a_plan_over_the_reference_table() -> None:
+    # The order is part of the catalogue: task_for hands the tasks out in it.
+    assert list(TASKS) == ["oslo-plus", "fahrenheit", "light-minute", "two-cities", "everest-days"]
+    for built_in in TASKS.values():
+        assert built_in.expected_answer is not None
+        assert built_in.plan
+        assert all(isinstance(step, PlanStep) for step in built_in.plan)
+    keys = {s.arguments["key"] for t in TASKS.values() for s in t.plan if s.tool == "lookup"}
+    assert keys <= set(REFERENCE_TABLE)
 
 
 def test_agents_take_the_built_in_tasks_in_turn_each_from_its_own_offset() -> None:
