@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
-from pydantic import BaseModel, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -82,6 +82,8 @@ class SidecarConfig(BaseModel):
     ``host`` is the address the publisher reaches for control, rendezvous and data alike, so it
     must be a concrete interface address, never a wildcard.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     engine_url: str
     store_dir: Path
@@ -272,8 +274,16 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
     parser.add_argument("--host", default="127.0.0.1", help="control and data-plane interface")
     parser.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
     parser.add_argument("--rendezvous-port", type=int, default=0, help="TCPStore port (0: any)")
-    parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
-    parser.add_argument("--no-probe", action="store_true", help="skip the one-token probe")
+    parser.add_argument(
+        "--collective-timeout",
+        dest="collective_timeout_s",
+        type=float,
+        default=300.0,
+        help="seconds",
+    )
+    parser.add_argument(
+        "--no-probe", dest="probe", action="store_false", help="skip the one-token probe"
+    )
     parser.add_argument("--ready-file", type=Path, default=None, help="write the port here")
     parser.add_argument(
         "--token-file",
@@ -290,25 +300,16 @@ def parse_args(argv: Sequence[str] | None = None) -> SidecarConfig:
 
 
 def _config(ns: argparse.Namespace) -> SidecarConfig:
-    token = read_token(path=ns.token_file, env=TOKEN_ENV, what="sidecar")
+    # Every other option's dest is a SidecarConfig field, and the model forbids extras, so an
+    # option added without its field (or misnamed) fails here rather than being dropped.
+    settings = vars(ns)
+    token = read_token(path=settings.pop("token_file"), env=TOKEN_ENV, what="sidecar")
     if token is None:
         raise ConfigurationError(
             f"the sidecar needs a control token: --token-file PATH or ${TOKEN_ENV}",
             check="sidecar_token",
         )
-    return SidecarConfig(
-        token=SecretStr(token),
-        engine_url=ns.engine_url,
-        engine_name=ns.engine_name,
-        store_dir=ns.store_dir,
-        host=ns.host,
-        port=ns.port,
-        rendezvous_port=ns.rendezvous_port,
-        collective_timeout_s=ns.collective_timeout,
-        probe=not ns.no_probe,
-        ready_file=ns.ready_file,
-        log_level=ns.log_level,
-    )
+    return SidecarConfig.model_validate({**settings, "token": token})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 
@@ -80,44 +81,49 @@ async def test_reentrant_prepare_of_one_attempt_shares_one_driver(
     assert await case.loads() == 1
 
 
-async def test_a_new_driver_confirms_a_load_whose_reply_was_lost_without_loading_again(
-    cases: Cases, publisher: Publisher
-) -> None:
-    case = cases("E0", seed=15, version_id="load-reply-lost")
+@dataclass(frozen=True)
+class FailedLoad:
+    """A load that failed, and whether the engine still serves (the store still holds) it."""
+
+    seed: int
+    fault: str
+    error: type[Exception]
+    reason: str
+    state: str
+    held: bool
+
+
+FAILED_LOADS = [
     # The engine loads, but its answer to the sidecar is lost: the sidecar cannot know.
-    await case.script("load", "lose_reply")
+    FailedLoad(15, "lose_reply", BackendAmbiguousError, "ENGINE_UNCERTAIN", "UNCERTAIN", True),
+    # A refused load leaves nothing behind.
+    FailedLoad(16, "refuse", BackendRefusedError, "ENGINE_REFUSED", "FAILED", False),
+]
 
-    await publisher.prepare_fails(case, BackendAmbiguousError, "ENGINE_UNCERTAIN")
-    assert await case.state() == "UNCERTAIN"
 
-    # The publisher prepares the same attempt again: a new driver, no new transfer; the sidecar
-    # finds the adapter listed at its directory and confirms it.
+@pytest.mark.parametrize("failed", FAILED_LOADS, ids=["load-reply-lost", "retry-after-refusal"])
+async def test_a_new_driver_after_a_failed_load_ends_ready_with_one_load(
+    failed: FailedLoad, cases: Cases, publisher: Publisher, request: pytest.FixtureRequest
+) -> None:
+    case = cases("E0", seed=failed.seed, version_id=request.node.callspec.id)
+    await case.script("load", failed.fault)
+
+    await publisher.prepare_fails(case, failed.error, failed.reason)
+    assert await case.state() == failed.state
+    assert (await case.served() == case.snapshot.digest) is failed.held
+    assert case.stored() is failed.held
+    # The failed driver's own Begin, repeated, restarts nothing: a held attempt answers it as a
+    # duplicate, a failed one with its root cause.
+    repeat = (await case.resend("/begin", publisher.edge.bodies("/begin")[0])).json()
+    assert repeat.get("duplicate", False) is failed.held
+    assert repeat.get("reason") == (None if failed.held else failed.reason)
+    # A new driver takes the attempt to READY: the sidecar confirms a held adapter at its
+    # directory with no new transfer, and starts a failed attempt over.
     receipt = await publisher.prepare(case)
 
-    assert receipt.digest == case.snapshot.digest
+    assert (receipt.digest, receipt.attempt) == (case.snapshot.digest, 1)
     assert await case.state() == "READY"
     assert await case.loads() == 1
     assert len(publisher.edge.bodies("/begin")) == 2
-    assert publisher.backend.collectives.of(case.name, 1) == case.buckets
-
-
-async def test_a_new_driver_restarts_an_attempt_that_failed_cleanly(
-    cases: Cases, publisher: Publisher
-) -> None:
-    case = cases("E1", seed=16, version_id="retry-after-refusal")
-    await case.script("load", "refuse")
-
-    await publisher.prepare_fails(case, BackendRefusedError, "ENGINE_REFUSED")
-    # A refused load leaves nothing behind: not served, no directory, the attempt FAILED.
-    assert await case.served() is None
-    assert not case.stored()
-    assert await case.state() == "FAILED"
-    # The refused driver's own Begin, repeated, still gets the root cause...
-    repeat = await case.resend("/begin", publisher.edge.bodies("/begin")[0])
-    assert repeat.json()["reason"] == "ENGINE_REFUSED"
-    # ...while a new driver starts the attempt over: nothing of it was held.
-    receipt = await publisher.prepare(case)
-
-    assert receipt.attempt == 1
-    assert await case.loads() == 1
-    assert publisher.backend.collectives.of(case.name, 1) == 2 * case.buckets
+    transfers = 1 if failed.held else 2
+    assert publisher.backend.collectives.of(case.name, 1) == transfers * case.buckets

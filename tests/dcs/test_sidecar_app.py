@@ -18,7 +18,7 @@ from agentic_lora_dcs.protocol import (
     StatusReply,
 )
 from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, parse_args
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
@@ -116,6 +116,31 @@ def test_the_command_line_refuses_a_wildcard_host(
     assert (config.host, config.port, config.probe) == ("127.0.0.1", 31000, True)
     with pytest.raises(ConfigurationError, match="wildcard"):
         parse_args(["--engine-url", ENGINE, "--store-dir", str(tmp_path), "--host", "0.0.0.0"])
+
+
+def test_every_option_reaches_its_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SIDECAR_TOKEN_ENV, SIDECAR_TOKEN)
+    argv = ["--engine-url", ENGINE, "--engine-name", "E0", "--store-dir", str(tmp_path)]
+    argv += ["--host", "127.0.0.2", "--port", "31000", "--rendezvous-port", "31001"]
+    argv += ["--collective-timeout", "7.5", "--no-probe", "--ready-file", str(tmp_path / "r")]
+    config = parse_args([*argv, "--log-level", "DEBUG"])
+    assert config == SidecarConfig(
+        engine_url=ENGINE,
+        engine_name="E0",
+        store_dir=tmp_path,
+        token=SecretStr(SIDECAR_TOKEN),
+        host="127.0.0.2",
+        port=31000,
+        rendezvous_port=31001,
+        collective_timeout_s=7.5,
+        probe=False,
+        ready_file=tmp_path / "r",
+        log_level="DEBUG",
+    )
+    with pytest.raises(ValidationError, match="extra"):
+        SidecarConfig.model_validate(
+            {"engine_url": ENGINE, "store_dir": tmp_path, "token": "t", "no_probe": True}
+        )
 
 
 # --- the control token ---------------------------------------------------------------------------
