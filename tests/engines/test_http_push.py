@@ -9,16 +9,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import pytest_asyncio
 import respx
 from agentic_lora_http import HttpPushBackend
 
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
-from agentic_lora.errors import (
-    BackendRefusedError,
-)
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
 from tests.engines.test_push_backends import NAME_A, TARGET_A, A, assert_unloaded_once
 
@@ -67,21 +63,6 @@ async def test_reclaim_waits_for_in_flight_requests_then_unloads_once(fleet: Fle
     await fleet.e0.release(request)
     await reclaim
     assert_unloaded_once(fleet.e0, fleet.store, NAME_A)
-
-
-@pytest.mark.asyncio
-async def test_a_reclaimed_name_cannot_be_resurrected(fleet: Fleet) -> None:
-    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
-    # A late request would make SGLang reload it from its cached path: that path is gone.
-    async with httpx.AsyncClient() as client:
-        late = await client.post(
-            f"{fleet.e0.base_url}/generate", json={"input_ids": [0], "lora_path": NAME_A}
-        )
-    assert late.status_code == 400
-    assert fleet.e0.implicit_reloads[NAME_A] == 0
-    with pytest.raises(BackendRefusedError, match="fenced"):
-        await fleet.backend.prepare(fleet.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
 
 
 @pytest.mark.asyncio

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 import respx
@@ -45,6 +46,10 @@ class Kind:
     #: The engine calls of a probe generation and of the read that yields the incarnation.
     probe: enum.Enum
     incarnation_read: enum.Enum
+    #: A generation request for a LoRA name in the engine's own API (route, body), and the status
+    #: the engine answers for a name it does not serve.
+    generation: Callable[[str], tuple[str, dict[str, Any]]]
+    unknown_name_status: int
 
 
 KINDS = [
@@ -54,6 +59,8 @@ KINDS = [
         lambda: sglang_engines(("e0",))[0],
         EngineOp.GENERATE,
         EngineOp.SERVER_INFO,
+        lambda name: ("/generate", {"input_ids": [0], "lora_path": name}),
+        400,
     ),
     Kind(
         "vllm",
@@ -61,6 +68,8 @@ KINDS = [
         lambda: vllm_engines(("e0",))[0],
         VllmOp.COMPLETION,
         VllmOp.METRICS,
+        lambda name: ("/v1/completions", {"model": name, "prompt": [0]}),
+        404,
     ),
 ]
 
@@ -258,9 +267,16 @@ async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(push: 
 
 
 @pytest.mark.asyncio
-async def test_a_reclaimed_name_is_fenced_for_every_later_attempt(push: Push) -> None:
+async def test_a_reclaimed_name_is_never_loaded_again(push: Push) -> None:
     await push.backend.prepare(push.ref0, TARGET_A, A)
     await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    # A late request: SGLang would reload a name it loaded once from its cached path (that path
+    # is gone); vLLM no longer knows the name.
+    route, body = push.kind.generation(NAME_A)
+    async with httpx.AsyncClient() as client:
+        late = await client.post(push.e0.base_url + route, json=body)
+    assert late.status_code == push.kind.unknown_name_status
+    # Every later attempt is fenced.
     with pytest.raises(BackendRefusedError, match="fenced"):
         await push.backend.prepare(push.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
     assert push.e0.physical_loads[NAME_A] == 1

@@ -281,18 +281,6 @@ async def test_a_failing_drain_hook_leaves_reclaim_unconfirmed(fleet: Fleet) -> 
     assert fleet.e0.held_digest(NAME_A) == A.digest
 
 
-@pytest.mark.asyncio
-async def test_a_reclaimed_name_is_never_loaded_again(fleet: Fleet) -> None:
-    await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
-    async with httpx.AsyncClient() as client:
-        late = await client.post(
-            f"{fleet.e0.base_url}/v1/completions", json={"model": NAME_A, "prompt": [0]}
-        )
-    assert late.status_code == 404  # vLLM refuses a name it no longer knows
-    assert fleet.e0.physical_loads[NAME_A] == 1
-
-
 # --- incarnation ----------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import (
     BackendAmbiguousError,
@@ -29,6 +30,7 @@ from agentic_lora.publication.publisher import (
     PhaseEvent,
     PhaseStatus,
     PublicationOutcome,
+    PublicationResult,
     Publisher,
 )
 from agentic_lora.publication.reclaimer import Reclaimer
@@ -115,27 +117,24 @@ async def test_b_ready_on_e0_only_keeps_the_default_then_both_ready_commit_switc
 # --- rule 7.1-2: duplicate publication and content conflict ------------------------------------
 
 
+async def _footprint(world: World) -> tuple[object, ...]:
+    """What a publication changes: engine calls, slots taken, the default and its revision."""
+    status = await world.registry.status()
+    return world.fleet.calls(), status.slots_in_use, status.default_version, status.default_revision
+
+
+# The last version and an older one: a replay of the older one does not roll the default back.
+@pytest.mark.parametrize(("version_id", "snapshot"), [("v2", B), ("v1", A)], ids=["last", "older"])
 async def test_same_id_same_content_never_loads_twice_nor_takes_a_second_slot_nor_switches_again(
-    world: World,
+    world: World, version_id: str, snapshot: AdapterSnapshot
 ) -> None:
     await publish(world, "v1", A)
     await publish(world, "v2", B)
-    before = (
-        world.fleet.calls(),
-        await world.slots(),
-        (await world.registry.status()).default_revision,
-    )
-    result = await world.publisher.publish("v2", B)
+    before = await _footprint(world)
+    result = await world.publisher.publish(version_id, snapshot)
     assert result.outcome is PublicationOutcome.ALREADY_PUBLISHED
     assert result.ok
-    assert (
-        world.fleet.calls(),
-        await world.slots(),
-        (await world.registry.status()).default_revision,
-    ) == before
-    # A replay of the older version does not roll the default back either.
-    assert await publish(world, "v1", A) is PublicationOutcome.ALREADY_PUBLISHED
-    assert await world.default() == "v2"
+    assert await _footprint(world) == before
 
 
 async def test_same_id_same_content_resumes_a_pending_publication_without_a_second_slot(
@@ -163,6 +162,15 @@ async def _to_aborted(world: World) -> None:
     world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.REFUSE))
     world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.REFUSE))
     assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+
+
+async def _blocked_with_e1_unconfirmed(world: World) -> PublicationResult:
+    """v2 BLOCKED: e1 loaded it but the reply was lost, then e1's unload failed (unconfirmed)."""
+    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
+    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.BLOCKED
+    return result
 
 
 async def _to_failed_clean(world: World) -> None:
@@ -373,10 +381,7 @@ async def test_an_unconfirmed_cleanup_keeps_the_slot_and_blocks_until_resolved(
     world: World,
 ) -> None:
     await publish(world, "v1", A)
-    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
-    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
-    result = await world.publisher.publish("v2", B)
-    assert result.outcome is PublicationOutcome.BLOCKED
+    result = await _blocked_with_e1_unconfirmed(world)
     assert {r.engine: r.cleaned for r in result.engines} == {"e0": True, "e1": False}
     assert world.state("v2") is VersionState.ABORTED
     assert await world.slots() == 2  # unknown is never treated as released
@@ -397,9 +402,7 @@ async def test_resolve_counts_a_restarted_engine_as_cleaned_without_calling_it(
     world: World,
 ) -> None:
     await publish(world, "v1", A)
-    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
-    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
-    assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+    await _blocked_with_e1_unconfirmed(world)
     assert world.publisher.abandoned == {"v2"}
     world.fleet["e1"].restart()
     unloads = world.fleet["e1"].count(EngineOp.UNLOAD)
@@ -415,9 +418,7 @@ async def test_resolve_counts_a_restarted_engine_as_cleaned_without_calling_it(
 
 async def test_resolve_cleans_an_engine_whose_incarnation_cannot_be_read(world: World) -> None:
     await publish(world, "v1", A)
-    world.fleet["e1"].script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
-    world.fleet["e1"].script(EngineOp.UNLOAD, Fault(FaultKind.SERVER_ERROR))
-    assert await publish(world, "v2", B) is PublicationOutcome.BLOCKED
+    await _blocked_with_e1_unconfirmed(world)
     world.fleet["e1"].script(EngineOp.SERVER_INFO, Fault(FaultKind.UNREACHABLE))
     resolved = await world.publisher.resolve("v2")
     # Unknown is not proof: the cleanup call decides, and here it confirms.

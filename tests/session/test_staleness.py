@@ -15,7 +15,7 @@ import pytest
 
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.engines.transport import EngineReply, EngineTransport
 from agentic_lora.errors import (
     ConfigurationError,
     SessionClosedError,
@@ -27,7 +27,7 @@ from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.provenance import CoreRevision, version_lag
 from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
 from agentic_lora.registry.types import Binding, VersionState
-from agentic_lora.session import Versioning
+from agentic_lora.session import Session, Versioning
 from agentic_lora.session.middleware import PeekGuard
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
@@ -127,16 +127,35 @@ async def test_a_too_stale_session_closed_frees_the_slot_a_skipped_publication_n
         assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
 
 
+@contextlib.asynccontextmanager
+async def _on_one_engine(
+    tmp_path: Path, *, max_version_lag: int
+) -> AsyncIterator[tuple[ScriptedFleet, Deployment, Session]]:
+    """One engine with room for three versions, A published, Session "s" open (not bound)."""
+    async with _deployed(
+        tmp_path, capacity=3, max_version_lag=max_version_lag, engines=("e0",)
+    ) as (fleet, d):
+        await d.publish("A", A)
+        yield fleet, d, d.versioning.open_session("s")
+
+
+async def _held_turn(
+    fleet: ScriptedFleet, s: Session
+) -> tuple[asyncio.Task[EngineReply], asyncio.Event]:
+    """A long turn of ``s``, held on e0 once it got there: the running turn and the gate that
+    lets it finish."""
+    gate, reached = asyncio.Event(), asyncio.Event()
+    fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
+    running = asyncio.create_task(s.generate({"text": "long turn"}))
+    await reached.wait()
+    return running, gate
+
+
 async def test_a_generation_in_flight_is_never_cut_by_publications_that_land_meanwhile(
     tmp_path: Path,
 ) -> None:
-    async with _deployed(tmp_path, capacity=3, max_version_lag=1, engines=("e0",)) as (fleet, d):
-        await d.publish("A", A)
-        s = d.versioning.open_session("s")
-        gate, reached = asyncio.Event(), asyncio.Event()
-        fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
-        running = asyncio.create_task(s.generate({"text": "long turn"}))
-        await reached.wait()
+    async with _on_one_engine(tmp_path, max_version_lag=1) as (fleet, d, s):
+        running, gate = await _held_turn(fleet, s)
         # Two publications commit while the generation runs: lag 2 > 1 from here on.
         assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
         assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
@@ -159,14 +178,9 @@ async def test_a_generation_in_flight_is_never_cut_by_publications_that_land_mea
 async def test_a_concurrent_turn_refused_as_stale_does_not_cut_the_one_running(
     tmp_path: Path,
 ) -> None:
-    async with _deployed(tmp_path, capacity=3, max_version_lag=0, engines=("e0",)) as (fleet, d):
-        await d.publish("A", A)
-        s = d.versioning.open_session("s")
+    async with _on_one_engine(tmp_path, max_version_lag=0) as (fleet, d, s):
         await s.generate({"text": "bind"})
-        gate, reached = asyncio.Event(), asyncio.Event()
-        fleet["e0"].script(EngineOp.GENERATE, Fault.waiting_for(gate, reached))
-        running = asyncio.create_task(s.generate({"text": "long turn"}))
-        await reached.wait()
+        running, gate = await _held_turn(fleet, s)
         await d.publish("B", B)
         with pytest.raises(VersionTooStaleError):
             await s.generate({"text": "parallel tool turn"})
