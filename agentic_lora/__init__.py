@@ -6,28 +6,36 @@ package needs only pydantic, httpx and tenacity (no torch, no Ray).
 """
 
 from agentic_lora import errors
-from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.snapshot import TensorBlob
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, add_arguments, from_args, load_settings
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
+from agentic_lora.config import load_settings
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.routing import Router
 from agentic_lora.errors import *  # noqa: F403  (every error is public: errors.__all__)
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.leases import LeaseKeeper
-from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult, Publisher
-from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.reclaimer import Reclaimer
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.publication.repair import Repairer
 from agentic_lora.publication.resolver import Resolver
-from agentic_lora.registry import (
-    Binding,
-    LocalRegistry,
-    ReadyReceipt,
-    RegistryAPI,
-    VersionState,
-    new_request_id,
-)
+from agentic_lora.registry import Binding
+from agentic_lora.registry import LocalRegistry
+from agentic_lora.registry import ReadyReceipt
+from agentic_lora.registry import RegistryAPI
+from agentic_lora.registry import VersionState
+from agentic_lora.registry import new_request_id
 from agentic_lora.registry.provenance import TurnProvenance
-from agentic_lora.session import Session, Versioning
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
 
 __version__ = "0.1.0"
 

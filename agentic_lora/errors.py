@@ -51,7 +51,8 @@ have accepted this generation?". Nothing below the Session retries either; the c
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
 __all__ = [
     "AccessDeniedError",

@@ -51,7 +51,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, add_example_agents_to_path, engine_log_dir, machine, print_table
+from common import REPO_ROOT
+from common import add_example_agents_to_path
+from common import engine_log_dir
+from common import machine
+from common import print_table
 from common import write_result as write_json
 
 __all__ = ["FAULTS", "main", "rescore", "run_fault", "summarize_runs"]
@@ -238,7 +242,8 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     from agentic_lora_harness.engines import EngineFleet
     from agentic_lora_harness.fixture import build_fixture
 
-    from tests.chaos.support import chaos_seed, fleet_left_as_found
+    from tests.chaos.support import chaos_seed
+    from tests.chaos.support import fleet_left_as_found
 
     seed = a.seed if a.seed is not None else chaos_seed()
     started = machine()
@@ -280,7 +285,8 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                 with contextlib.suppress(Exception):
                     ray.shutdown()
     started["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    from tests.chaos.scenarios import AGENTS, LEASE_TTL
+    from tests.chaos.scenarios import AGENTS
+    from tests.chaos.scenarios import LEASE_TTL
 
     return {
         "machine": started,

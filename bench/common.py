@@ -31,10 +31,14 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
+from collections.abc import Iterable
+from collections.abc import Sequence
+from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
+from typing import Self
 
 import httpx
 import numpy as np

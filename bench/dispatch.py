@@ -39,45 +39,50 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import aiohttp
 import httpx
-from common import (
-    OUT_DIR,
-    instant_setup,
-    interleaved_order,
-    machine,
-    print_table,
-    publish_in_registry,
-    sglang_setup,
-    summarize,
-    write_result,
-)
+from common import OUT_DIR
+from common import instant_setup
+from common import interleaved_order
+from common import machine
+from common import print_table
+from common import publish_in_registry
+from common import sglang_setup
+from common import summarize
+from common import write_result
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.routing import EngineHealth, load_router
-from agentic_lora.engines.transport import EngineReply, EngineTransport
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.routing import load_router
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
-from agentic_lora.foundation.requests import Route, check_shape, new_rid, parse_request
+from agentic_lora.foundation.requests import Route
+from agentic_lora.foundation.requests import check_shape
+from agentic_lora.foundation.requests import new_rid
+from agentic_lora.foundation.requests import parse_request
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
-from agentic_lora.session.middleware import (
-    AdapterPinMiddleware,
-    Dispatch,
-    DispatchGuardMiddleware,
-    EngineCall,
-    Middleware,
-    PeekGuard,
-    RoutingMiddleware,
-    build_chain,
-    pin_adapter,
-)
+from agentic_lora.session.middleware import AdapterPinMiddleware
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import DispatchGuardMiddleware
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import Middleware
+from agentic_lora.session.middleware import PeekGuard
+from agentic_lora.session.middleware import RoutingMiddleware
+from agentic_lora.session.middleware import build_chain
+from agentic_lora.session.middleware import pin_adapter
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from common import InstantEngine, machine, print_table, write_result
+from common import InstantEngine
+from common import machine
+from common import print_table
+from common import write_result
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport

@@ -34,7 +34,11 @@ from typing import Any
 
 import httpx
 import psutil
-from common import InstantEngine, free_port, machine, terminate, write_result
+from common import InstantEngine
+from common import free_port
+from common import machine
+from common import terminate
+from common import write_result
 
 BODY_LIMIT = 1024 * 1024  # the gateway's body limit in this run (1 MiB)
 

@@ -26,11 +26,16 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-from common import BENCH_DIR, free_port, machine, print_table, write_result
+from common import BENCH_DIR
+from common import free_port
+from common import machine
+from common import print_table
+from common import write_result
 from httpx_aiohttp import AiohttpTransport
 
 from agentic_lora.engines.backends import EngineRef

@@ -32,7 +32,11 @@ import time
 from typing import Any
 
 import respx
-from common import machine, print_table, publish_in_registry, rss_mb, write_result
+from common import machine
+from common import print_table
+from common import publish_in_registry
+from common import rss_mb
+from common import write_result
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport

@@ -20,13 +20,21 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import interleaved_order, machine, print_table, summarize, write_result
+from common import interleaved_order
+from common import machine
+from common import print_table
+from common import summarize
+from common import write_result
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.pd import PDFleet, PDGroup
+from agentic_lora.engines.pd import PDFleet
+from agentic_lora.engines.pd import PDGroup
 from agentic_lora.foundation.identity import VersionRef
-from agentic_lora.registry.types import Binding, VersionState, VersionStatus
-from agentic_lora.session.middleware import DispatchGuard, PeekGuard
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.session.middleware import DispatchGuard
+from agentic_lora.session.middleware import PeekGuard
 from agentic_lora.session.pd_guard import PDGuard
 
 

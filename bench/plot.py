@@ -25,7 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
-from common import OUT_DIR, REPO_ROOT
+from common import OUT_DIR
+from common import REPO_ROOT
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch

@@ -43,39 +43,37 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from common import (
-    add_example_agents_to_path,
-    engine_log_dir,
-    fleet_settings,
-    machine,
-    max_gap,
-    print_table,
-    summarize,
-    write_result,
-)
+from common import add_example_agents_to_path
+from common import engine_log_dir
+from common import fleet_settings
+from common import machine
+from common import max_gap
+from common import print_table
+from common import summarize
+from common import write_result
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.types import VersionState
 
 add_example_agents_to_path()
 
-from agentic_lora_agent import (  # noqa: E402
-    AgentConfig,
-    AgentObserver,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    EpisodeStatus,
-    ScriptedPolicy,
-    ToolAgent,
-    default_toolbox,
-    task_for,
-)
+from agentic_lora_agent import AgentConfig  # noqa: E402
+from agentic_lora_agent import AgentObserver  # noqa: E402
+from agentic_lora_agent import AttemptOutcome  # noqa: E402
+from agentic_lora_agent import AttemptRecord  # noqa: E402
+from agentic_lora_agent import Episode  # noqa: E402
+from agentic_lora_agent import EpisodeStatus  # noqa: E402
+from agentic_lora_agent import ScriptedPolicy  # noqa: E402
+from agentic_lora_agent import ToolAgent  # noqa: E402
+from agentic_lora_agent import default_toolbox  # noqa: E402
+from agentic_lora_agent import task_for  # noqa: E402
 
 __all__ = ["Run", "agent_loop", "analyse", "main", "pooled", "window_stats"]
 

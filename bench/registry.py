@@ -24,7 +24,8 @@ from typing import Any
 
 from common import rss_mb
 
-from agentic_lora.registry import LocalRegistry, RegistryAPI
+from agentic_lora.registry import LocalRegistry
+from agentic_lora.registry import RegistryAPI
 from agentic_lora.testing.publish import publish_by_verbs
 
 ENGINES = ("e0", "e1")

@@ -31,20 +31,22 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
-from common import (
-    instant_setup,
-    interleaved_order,
-    machine,
-    print_table,
-    sglang_setup,
-    summarize,
-    write_result,
-)
+from common import instant_setup
+from common import interleaved_order
+from common import machine
+from common import print_table
+from common import sglang_setup
+from common import summarize
+from common import write_result
 
 from agentic_lora.foundation.requests import Route
 from agentic_lora.session import Versioning

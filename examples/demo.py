@@ -34,48 +34,58 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import httpx
-from agentic_lora_agent import (
-    AgentConfig,
-    AgentObserver,
-    AttemptKind,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    EpisodeStatus,
-    PlanStep,
-    ScriptedPolicy,
-    Task,
-    ToolAgent,
-    ToolBox,
-    default_toolbox,
-    episode_json,
-    episode_line,
-    filler_document,
-    percentiles,
-)
+from agentic_lora_agent import AgentConfig
+from agentic_lora_agent import AgentObserver
+from agentic_lora_agent import AttemptKind
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import AttemptRecord
+from agentic_lora_agent import Episode
+from agentic_lora_agent import EpisodeStatus
+from agentic_lora_agent import PlanStep
+from agentic_lora_agent import ScriptedPolicy
+from agentic_lora_agent import Task
+from agentic_lora_agent import ToolAgent
+from agentic_lora_agent import ToolBox
+from agentic_lora_agent import default_toolbox
+from agentic_lora_agent import episode_json
+from agentic_lora_agent import episode_line
+from agentic_lora_agent import filler_document
+from agentic_lora_agent import percentiles
 from agentic_lora_agent.tasks import TASKS
 from agentic_lora_harness.engine_env import ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_harness.exit_status import failures_exit
-from agentic_lora_harness.fixture import Fixture, FixtureSpec, build_fixture
+from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.fixture import FixtureSpec
+from agentic_lora_harness.fixture import build_fixture
 from agentic_lora_http import HttpPushBackend
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, load_settings, verify_fleet
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
+from agentic_lora.config import verify_fleet
 from agentic_lora.engines.admin import AdminTimeouts
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.transport import EngineReply, EngineTransport
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.foundation.requests import Route
-from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus, PublicationResult
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.types import VersionState
 from agentic_lora.session import Versioning
 

@@ -15,7 +15,8 @@ import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import load_settings, verify_fleet
+from agentic_lora.config import load_settings
+from agentic_lora.config import verify_fleet
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 

@@ -11,7 +11,9 @@ import struct
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig
+from peft import PeftModel
+from peft import get_peft_model
 from torch import nn
 
 from agentic_lora.adapters.snapshot import TensorBlob

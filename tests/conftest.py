@@ -5,7 +5,8 @@ here: a fixture imported into several conftests would be one session fixture per
 run that collects both tests/engine and tests/e2e would start two fleets.
 """
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
+from hypothesis import settings
 
 pytest_plugins = ["agentic_lora_harness.pytest_fixtures"]
 

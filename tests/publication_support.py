@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 
 
 class RegistryReads:

@@ -17,9 +17,13 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections import Counter
+from collections import deque
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx

@@ -22,7 +22,8 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Reservation
-from agentic_lora.session import Session, Versioning
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
 from agentic_lora.session.streaming import StreamChunk
 from agentic_lora.testing import publish as verbs
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine

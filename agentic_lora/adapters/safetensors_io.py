@@ -26,9 +26,13 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from types import ModuleType
-from typing import IO, Any, NamedTuple
+from typing import IO
+from typing import Any
+from typing import NamedTuple
 
 from agentic_lora.errors import InvalidAdapterError
 from agentic_lora.foundation.identity import TensorLike

@@ -21,22 +21,24 @@ import ctypes
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import cast
 
 from agentic_lora.adapters import safetensors_io
-from agentic_lora.adapters.validation import (
-    SET_LIKE_CONFIG_FIELDS,
-    WRITER_CONFIG_FIELDS,
-    AdapterProblem,
-    HasToDict,
-    TensorBlob,
-    invalid,
-    normalize_config,
-    validate,
-)
+from agentic_lora.adapters.validation import SET_LIKE_CONFIG_FIELDS
+from agentic_lora.adapters.validation import WRITER_CONFIG_FIELDS
+from agentic_lora.adapters.validation import AdapterProblem
+from agentic_lora.adapters.validation import HasToDict
+from agentic_lora.adapters.validation import TensorBlob
+from agentic_lora.adapters.validation import invalid
+from agentic_lora.adapters.validation import normalize_config
+from agentic_lora.adapters.validation import validate
 from agentic_lora.foundation.fsync import fsync_path
 from agentic_lora.foundation.identity import Manifest
 

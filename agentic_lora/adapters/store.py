@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError, VersionConflictError
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import InvalidIdentityError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.fsync import fsync_path
 
 __all__ = ["MARKER_FILE", "AdapterStore"]

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from collections.abc import Iterable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Protocol
+from typing import cast
 
 from agentic_lora.adapters import safetensors_io
-from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError
-from agentic_lora.foundation.identity import Manifest, canonical_json, freeze_json
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import InvalidIdentityError
+from agentic_lora.foundation.identity import Manifest
+from agentic_lora.foundation.identity import canonical_json
+from agentic_lora.foundation.identity import freeze_json
 
 __all__ = [
     "SET_LIKE_CONFIG_FIELDS",

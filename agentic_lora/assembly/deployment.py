@@ -38,34 +38,45 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.engines.adapter_backend import DrainHook
-from agentic_lora.engines.backends import Backend, load_backend
-from agentic_lora.engines.dialect import DRAIN_OPTION, load_dialect
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import load_backend
+from agentic_lora.engines.dialect import DRAIN_OPTION
+from agentic_lora.engines.dialect import load_dialect
 from agentic_lora.engines.pd import RoleHealth
 from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.leases import OnRestart
-from agentic_lora.publication.publisher import PhaseEvent, PublicationResult, Publisher
-from agentic_lora.publication.reclaimer import Reclaimer, ReclaimReport
-from agentic_lora.publication.repair import Repairer, SnapshotCache
-from agentic_lora.publication.resolver import Resolver, ResolveReport, backoff
-from agentic_lora.registry.api import RegistryAPI, change_feed, refusal_feed
-from agentic_lora.registry.types import (
-    Binding,
-    LeaseGrant,
-    RegistryStatus,
-    ReleaseResult,
-    SweepResult,
-    VersionState,
-    VersionStatus,
-)
-from agentic_lora.session import Session, Versioning
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.reclaimer import Reclaimer
+from agentic_lora.publication.reclaimer import ReclaimReport
+from agentic_lora.publication.repair import Repairer
+from agentic_lora.publication.repair import SnapshotCache
+from agentic_lora.publication.resolver import Resolver
+from agentic_lora.publication.resolver import ResolveReport
+from agentic_lora.publication.resolver import backoff
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import change_feed
+from agentic_lora.registry.api import refusal_feed
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
 from agentic_lora.session.middleware import Middleware
 
 __all__ = ["Deployment"]

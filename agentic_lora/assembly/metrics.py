@@ -50,33 +50,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter as Tally
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Generic
+from typing import TypeVar
+from typing import overload
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter
+from prometheus_client import Gauge
+from prometheus_client import Histogram
+from prometheus_client import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import (
-    AccessDeniedError,
-    AdapterMismatchError,
-    AgenticLoRAError,
-    InvalidRequestError,
-    RequestTooLargeError,
-)
-from agentic_lora.foundation.outcomes import DispatchOutcome, classify_failure
-from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseStatus
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestTooLargeError
+from agentic_lora.foundation.outcomes import DispatchOutcome
+from agentic_lora.foundation.outcomes import classify_failure
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseStatus
 from agentic_lora.foundation.requests import Route
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.api import change_feed
-from agentic_lora.registry.types import RegistryStatus, VersionState, VersionStatus
-from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import Middleware
 
 if TYPE_CHECKING:
     from agentic_lora.session import Versioning

@@ -29,13 +29,23 @@ is the ``serve`` command's module).
 
 from __future__ import annotations
 
-from agentic_lora.cli.common import EXIT_ERROR, EXIT_NOT_PUBLISHED, EXIT_OK, EXIT_USAGE
-from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
+from agentic_lora.cli.common import EXIT_ERROR
+from agentic_lora.cli.common import EXIT_NOT_PUBLISHED
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import EXIT_USAGE
+from agentic_lora.cli.config_file import ConfigFile
+from agentic_lora.cli.config_file import layered_settings
+from agentic_lora.cli.config_file import read_config_file
 from agentic_lora.cli.doctor import DoctorCheck
 from agentic_lora.cli.logs import JsonLogFormatter
-from agentic_lora.cli.main import build_parser, main, run
+from agentic_lora.cli.main import build_parser
+from agentic_lora.cli.main import main
+from agentic_lora.cli.main import run
 from agentic_lora.cli.serve import serve_options
-from agentic_lora.gateway.serve import DEFAULT_HOST, DEFAULT_PORT, Served, ServeOptions
+from agentic_lora.gateway.serve import DEFAULT_HOST
+from agentic_lora.gateway.serve import DEFAULT_PORT
+from agentic_lora.gateway.serve import Served
+from agentic_lora.gateway.serve import ServeOptions
 
 __all__ = [
     "DEFAULT_HOST",

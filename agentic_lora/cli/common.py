@@ -7,12 +7,18 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import IO
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import NoReturn
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
+from pydantic_settings import SettingsConfigDict
 
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.errors import ConfigurationError

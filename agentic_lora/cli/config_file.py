@@ -14,19 +14,19 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from pydantic_settings import (
-    BaseSettings,
-    InitSettingsSource,
-    JsonConfigSettingsSource,
-    PydanticBaseSettingsSource,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import BaseSettings
+from pydantic_settings import InitSettingsSource
+from pydantic_settings import JsonConfigSettingsSource
+from pydantic_settings import PydanticBaseSettingsSource
+from pydantic_settings import TomlConfigSettingsSource
 
-from agentic_lora.config import AgenticLoRASettings, given_flags
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import given_flags
 from agentic_lora.errors import ConfigurationError
 
 __all__ = ["GATEWAY_KEYS", "ConfigFile", "layered_settings", "read_config_file"]

@@ -15,17 +15,28 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO
+from typing import Any
+from typing import Literal
 
 import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.cli.common import EXIT_OK, Command, Needs, argument, one_line
-from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
-from agentic_lora.config import AgenticLoRASettings, check_engine_server_info
-from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import argument
+from agentic_lora.cli.common import one_line
+from agentic_lora.cli.config_file import ConfigFile
+from agentic_lora.cli.config_file import layered_settings
+from agentic_lora.cli.config_file import read_config_file
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import check_engine_server_info
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.errors import BackendError, ConfigurationError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import ConfigurationError
 
 __all__ = ["COMMAND", "CheckStatus", "DoctorCheck", "run", "run_doctor"]
 

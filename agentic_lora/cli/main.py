@@ -8,21 +8,25 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from agentic_lora.cli import doctor, publish, reclaim, resolve, serve, status
-from agentic_lora.cli.common import (
-    ENV_PREFIX,
-    EXIT_ERROR,
-    EXIT_USAGE,
-    SERVER_ARGUMENTS,
-    CliEnvironment,
-    Command,
-    Needs,
-    Parser,
-    UsageError,
-    one_line,
-)
+from agentic_lora.cli import doctor
+from agentic_lora.cli import publish
+from agentic_lora.cli import reclaim
+from agentic_lora.cli import resolve
+from agentic_lora.cli import serve
+from agentic_lora.cli import status
+from agentic_lora.cli.common import ENV_PREFIX
+from agentic_lora.cli.common import EXIT_ERROR
+from agentic_lora.cli.common import EXIT_USAGE
+from agentic_lora.cli.common import SERVER_ARGUMENTS
+from agentic_lora.cli.common import CliEnvironment
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import Parser
+from agentic_lora.cli.common import UsageError
+from agentic_lora.cli.common import one_line
 from agentic_lora.config import add_arguments
-from agentic_lora.errors import AgenticLoRAError, ConfigurationError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
 
 __all__ = ["COMMANDS", "build_parser", "main", "run"]
 

@@ -6,19 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO
+from typing import Any
 
-from agentic_lora.cli.common import (
-    EXIT_NOT_PUBLISHED,
-    EXIT_OK,
-    Command,
-    Needs,
-    absolute_path,
-    admin_client,
-    argument,
-    one_line,
-)
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora.cli.common import EXIT_NOT_PUBLISHED
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import absolute_path
+from agentic_lora.cli.common import admin_client
+from agentic_lora.cli.common import argument
+from agentic_lora.cli.common import one_line
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
 
 __all__ = ["COMMAND", "report_publication", "run"]
 

@@ -6,7 +6,11 @@ import argparse
 import json
 from typing import IO
 
-from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import JSON
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import admin_client
 
 __all__ = ["COMMAND", "run"]
 

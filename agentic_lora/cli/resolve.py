@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO
+from typing import Any
 
-from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client, argument, one_line
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import JSON
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import admin_client
+from agentic_lora.cli.common import argument
+from agentic_lora.cli.common import one_line
 from agentic_lora.errors import BackendAmbiguousError
 
 __all__ = ["COMMAND", "run"]

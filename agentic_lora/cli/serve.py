@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import IO
+from typing import TYPE_CHECKING
+from typing import Any
 
-from agentic_lora.cli.common import EXIT_OK, TOKEN_ARGUMENTS, Command, Needs, admin_token, argument
-from agentic_lora.cli.config_file import ConfigFile, layered_settings, read_config_file
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import TOKEN_ARGUMENTS
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import admin_token
+from agentic_lora.cli.common import argument
+from agentic_lora.cli.config_file import ConfigFile
+from agentic_lora.cli.config_file import layered_settings
+from agentic_lora.cli.config_file import read_config_file
 from agentic_lora.cli.logs import configure_logging
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.gateway.serve import DEFAULT_HOST, DEFAULT_PORT, ServeOptions
+from agentic_lora.gateway.serve import DEFAULT_HOST
+from agentic_lora.gateway.serve import DEFAULT_PORT
+from agentic_lora.gateway.serve import ServeOptions
 
 if TYPE_CHECKING:
     from agentic_lora.gateway.serve import Served

@@ -9,9 +9,15 @@ import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
+from typing import Any
 
-from agentic_lora.cli.common import EXIT_OK, JSON, Command, Needs, admin_client, argument
+from agentic_lora.cli.common import EXIT_OK
+from agentic_lora.cli.common import JSON
+from agentic_lora.cli.common import Command
+from agentic_lora.cli.common import Needs
+from agentic_lora.cli.common import admin_client
+from agentic_lora.cli.common import argument
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.registry.journal import Journal
 from agentic_lora.registry.types import RegistryStatus

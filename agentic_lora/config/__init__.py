@@ -37,17 +37,15 @@ fail-fast validation), :mod:`~agentic_lora.config.flags` (the argparse flag laye
 the settings, at start-up and by ``doctor``).
 """
 
-from agentic_lora.config.engine_checks import (
-    check_engine_server_info,
-    slot_settings,
-    verify_fleet,
-)
-from agentic_lora.config.flags import add_arguments, from_args, given_flags
-from agentic_lora.config.settings import (
-    BUILTIN_BACKEND_ENGINE_KINDS,
-    AgenticLoRASettings,
-    load_settings,
-)
+from agentic_lora.config.engine_checks import check_engine_server_info
+from agentic_lora.config.engine_checks import slot_settings
+from agentic_lora.config.engine_checks import verify_fleet
+from agentic_lora.config.flags import add_arguments
+from agentic_lora.config.flags import from_args
+from agentic_lora.config.flags import given_flags
+from agentic_lora.config.settings import BUILTIN_BACKEND_ENGINE_KINDS
+from agentic_lora.config.settings import AgenticLoRASettings
+from agentic_lora.config.settings import load_settings
 
 __all__ = [
     "BUILTIN_BACKEND_ENGINE_KINDS",

@@ -10,12 +10,16 @@ it). Both read and judge server info the way the settings' engine dialect does
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
 
 from agentic_lora.config.settings import AgenticLoRASettings
-from agentic_lora.engines.dialect import SlotSettings, load_dialect
-from agentic_lora.engines.pd import Role, check_disaggregation_mode
+from agentic_lora.engines.dialect import SlotSettings
+from agentic_lora.engines.dialect import load_dialect
+from agentic_lora.engines.pd import Role
+from agentic_lora.engines.pd import check_disaggregation_mode
 
 if TYPE_CHECKING:
     from agentic_lora.engines.backends import EngineRef

@@ -8,20 +8,32 @@ Every rule is checked at construction, and each failure is a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any
+from typing import Literal
+from typing import TypeVar
 
-from pydantic import ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import ValidationError
+from pydantic import field_validator
+from pydantic import model_validator
+from pydantic_settings import BaseSettings
+from pydantic_settings import SettingsConfigDict
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.dialect import check_lora_slots, dialect_names
-from agentic_lora.engines.pd import PDFleet, PDGroup, parse_pd_group
+from agentic_lora.engines.dialect import check_lora_slots
+from agentic_lora.engines.dialect import dialect_names
+from agentic_lora.engines.pd import PDFleet
+from agentic_lora.engines.pd import PDGroup
+from agentic_lora.engines.pd import parse_pd_group
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.discovery import BACKENDS_GROUP, ROUTERS_GROUP, plugin_names
+from agentic_lora.foundation.discovery import BACKENDS_GROUP
+from agentic_lora.foundation.discovery import ROUTERS_GROUP
+from agentic_lora.foundation.discovery import plugin_names
 from agentic_lora.foundation.identity import is_plain_token
-from agentic_lora.leases import check_lease_timing, check_owner
+from agentic_lora.leases import check_lease_timing
+from agentic_lora.leases import check_owner
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
 

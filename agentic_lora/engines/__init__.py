@@ -9,16 +9,17 @@
   :mod:`agentic_lora_vllm.dialect`).
 """
 
-from agentic_lora.engines.dialect import (
-    DIALECTS_GROUP,
-    DRAIN_OPTION,
-    EngineDialect,
-    SlotSettings,
-    dialect_names,
-    load_dialect,
-)
-from agentic_lora.engines.sglang import SGLANG, SGLangDialect
-from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome
+from agentic_lora.engines.dialect import DIALECTS_GROUP
+from agentic_lora.engines.dialect import DRAIN_OPTION
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.dialect import SlotSettings
+from agentic_lora.engines.dialect import dialect_names
+from agentic_lora.engines.dialect import load_dialect
+from agentic_lora.engines.sglang import SGLANG
+from agentic_lora.engines.sglang import SGLangDialect
+from agentic_lora.engines.wire import EngineHttp
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import Outcome
 
 __all__ = [
     "DIALECTS_GROUP",

@@ -37,25 +37,31 @@ from __future__ import annotations
 import abc
 import enum
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Self, TypeVar
+from typing import Any
+from typing import Generic
+from typing import Self
+from typing import TypeVar
 
 import httpx
 
-from agentic_lora.engines.sglang import FINGERPRINT_FIELDS, SGLANG, server_fingerprint
-from agentic_lora.engines.wire import (
-    WIRE_ERRORS,
-    HttpAnswer,
-    Outcome,
-    ReplyTooDeepError,
-    classify_exception,
-    classify_status,
-    decode_body,
-    error_detail,
-    make_engine_client,
-)
-from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
+from agentic_lora.engines.sglang import FINGERPRINT_FIELDS
+from agentic_lora.engines.sglang import SGLANG
+from agentic_lora.engines.sglang import server_fingerprint
+from agentic_lora.engines.wire import WIRE_ERRORS
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import ReplyTooDeepError
+from agentic_lora.engines.wire import classify_exception
+from agentic_lora.engines.wire import classify_status
+from agentic_lora.engines.wire import decode_body
+from agentic_lora.engines.wire import error_detail
+from agentic_lora.engines.wire import make_engine_client
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
 from agentic_lora.foundation.http_limits import engine_limits
 
 __all__ = [

@@ -18,11 +18,15 @@ Plugins register under the entry-point group ``agentic_lora.backends``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
-from agentic_lora.foundation.discovery import BACKENDS_GROUP, build_plugin
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.foundation.discovery import BACKENDS_GROUP
+from agentic_lora.foundation.discovery import build_plugin
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.types import ReadyReceipt
 

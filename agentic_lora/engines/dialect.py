@@ -24,12 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any
+from typing import ClassVar
+from typing import Protocol
+from typing import runtime_checkable
 
-from agentic_lora.engines.sse import StreamEvent, parse_event
+from agentic_lora.engines.sse import StreamEvent
+from agentic_lora.engines.sse import parse_event
 from agentic_lora.engines.wire import EngineHttp
-from agentic_lora.errors import AdapterMismatchError, ConfigurationError, InvalidRequestError
-from agentic_lora.foundation.discovery import DIALECTS_GROUP, load_plugin, plugin_names
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.foundation.discovery import DIALECTS_GROUP
+from agentic_lora.foundation.discovery import load_plugin
+from agentic_lora.foundation.discovery import plugin_names
 from agentic_lora.foundation.requests import Route
 
 __all__ = [

@@ -17,11 +17,16 @@ finds one by name.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.discovery import ROUTERS_GROUP, build_plugin
+from agentic_lora.foundation.discovery import ROUTERS_GROUP
+from agentic_lora.foundation.discovery import build_plugin
 
 __all__ = [
     "EngineHealth",

@@ -21,9 +21,16 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from agentic_lora.engines.dialect import DialectBase, SlotSettings, check_lora_slots
-from agentic_lora.engines.wire import EngineHttp, HttpAnswer, Outcome, classify_status, error_detail
-from agentic_lora.errors import AdapterMismatchError, ConfigurationError
+from agentic_lora.engines.dialect import DialectBase
+from agentic_lora.engines.dialect import SlotSettings
+from agentic_lora.engines.dialect import check_lora_slots
+from agentic_lora.engines.wire import EngineHttp
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import classify_status
+from agentic_lora.engines.wire import error_detail
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.requests import Route
 
 __all__ = [

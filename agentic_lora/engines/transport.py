@@ -27,44 +27,41 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
+from tenacity import AsyncRetrying
+from tenacity import retry_if_exception
+from tenacity import stop_after_attempt
+from tenacity import wait_exponential
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLANG
-from agentic_lora.engines.wire import (
-    WIRE_ERRORS,
-    EngineHttp,
-    HttpAnswer,
-    HttpTransportKind,
-    Outcome,
-    ReplyTooDeepError,
-    classify_exception,
-    classify_status,
-    decode_body,
-    make_engine_client,
-)
-from agentic_lora.errors import (
-    ConfigurationError,
-    DispatchError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    UnknownEngineError,
-)
-from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY, engine_limits
+from agentic_lora.engines.wire import WIRE_ERRORS
+from agentic_lora.engines.wire import EngineHttp
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import HttpTransportKind
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import ReplyTooDeepError
+from agentic_lora.engines.wire import classify_exception
+from agentic_lora.engines.wire import classify_status
+from agentic_lora.engines.wire import decode_body
+from agentic_lora.engines.wire import make_engine_client
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import DispatchError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import UnknownEngineError
+from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.replay import after_failure
 from agentic_lora.registry.provenance import TurnProvenance
 

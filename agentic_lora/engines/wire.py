@@ -29,7 +29,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any
+from typing import Literal
+from typing import Protocol
+from typing import runtime_checkable
 
 import httpx
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentic_lora.errors import ConfigurationError
 
 if TYPE_CHECKING:  # the core needs no ASGI stack; only the types are borrowed
-    from starlette.types import ASGIApp, Receive, Scope, Send
+    from starlette.types import ASGIApp
+    from starlette.types import Receive
+    from starlette.types import Scope
+    from starlette.types import Send
 
 __all__ = ["BearerTokenMiddleware", "bearer_matches", "read_token"]
 

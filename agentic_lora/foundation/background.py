@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
-from tenacity import AsyncRetrying, RetryCallState, wait_exponential
+from tenacity import AsyncRetrying
+from tenacity import RetryCallState
+from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 __all__ = [

@@ -9,7 +9,8 @@ available, found at start-up rather than on the first request.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
+from importlib.metadata import entry_points
 from typing import Any
 
 from agentic_lora.errors import ConfigurationError

@@ -35,11 +35,17 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol, TypeGuard
+from collections.abc import Iterable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import NoReturn
+from typing import Protocol
+from typing import TypeGuard
 
-from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import InvalidIdentityError
 
 __all__ = [
     "DIGEST_PREFIX_LENGTH",

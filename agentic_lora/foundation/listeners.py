@@ -10,7 +10,9 @@ is an observer and must never change the outcome of what it observes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import TypeVarTuple
 
 __all__ = ["notify"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 
-from agentic_lora.errors import AgenticLoRAError, RequestIndeterminateError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestIndeterminateError
 
 __all__ = ["DispatchOutcome", "classify_failure"]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentic_lora.errors import error_code

@@ -16,9 +16,14 @@ import itertools
 import os
 import secrets
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import ValidationError
+from pydantic import model_validator
 
 from agentic_lora.errors import InvalidRequestError
 

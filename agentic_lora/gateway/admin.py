@@ -10,28 +10,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.errors import AccessDeniedError, AgenticLoRAError, InvalidRequestError
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import InvalidRequestError
 from agentic_lora.foundation.auth import bearer_matches
-from agentic_lora.gateway.limits import parse_json, read_body
-from agentic_lora.gateway.wire import (
-    NDJSON,
-    error_payload,
-    jsonable,
-    phase_event_json,
-    publication_json,
-    reclaim_report_json,
-    resolve_report_json,
-    status_json,
-)
-from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
+from agentic_lora.gateway.limits import parse_json
+from agentic_lora.gateway.limits import read_body
+from agentic_lora.gateway.wire import NDJSON
+from agentic_lora.gateway.wire import error_payload
+from agentic_lora.gateway.wire import jsonable
+from agentic_lora.gateway.wire import phase_event_json
+from agentic_lora.gateway.wire import publication_json
+from agentic_lora.gateway.wire import reclaim_report_json
+from agentic_lora.gateway.wire import resolve_report_json
+from agentic_lora.gateway.wire import status_json
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PublicationResult
 
 if TYPE_CHECKING:
     from agentic_lora.gateway.app import Gateway

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY
+from dataclasses import dataclass
+from dataclasses import field
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.gateway.replay import SessionReplay
-from agentic_lora.leases import LeaseEvent, LeaseEventKind
+from agentic_lora.leases import LeaseEvent
+from agentic_lora.leases import LeaseEventKind
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning

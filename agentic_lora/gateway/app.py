@@ -29,40 +29,41 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings
-from agentic_lora.errors import (
-    AccessDeniedError,
-    AgenticLoRAError,
-    ConfigurationError,
-    InvalidRequestError,
-)
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
 from agentic_lora.foundation.auth import read_token
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.admin import AdminRoutes
-from agentic_lora.gateway.generation import PROVENANCE_FIELD, GenerationRoutes, error_response
+from agentic_lora.gateway.generation import PROVENANCE_FIELD
+from agentic_lora.gateway.generation import GenerationRoutes
+from agentic_lora.gateway.generation import error_response
 from agentic_lora.gateway.limits import GatewayLimits
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.gateway.schema import (
-    ErrorBody,
-    add_request_bodies,
-    request_models,
-)
-from agentic_lora.gateway.security import (
-    SessionTagger,
-    caller_of,
-    check_session_id,
-    install_access_log_redactor,
-    session_id_from_headers,
-)
+from agentic_lora.gateway.schema import ErrorBody
+from agentic_lora.gateway.schema import add_request_bodies
+from agentic_lora.gateway.schema import request_models
+from agentic_lora.gateway.security import SessionTagger
+from agentic_lora.gateway.security import caller_of
+from agentic_lora.gateway.security import check_session_id
+from agentic_lora.gateway.security import install_access_log_redactor
+from agentic_lora.gateway.security import session_id_from_headers
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
 from agentic_lora.session import Versioning

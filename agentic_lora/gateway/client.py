@@ -15,18 +15,19 @@ Every call is one HTTP attempt, never resent. Failures are typed like everywhere
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import NoReturn
 
 import httpx
 
-from agentic_lora.engines.transport import Outcome, classify_exception
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    error_from_code,
-)
+from agentic_lora.engines.transport import Outcome
+from agentic_lora.engines.transport import classify_exception
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import error_from_code
 from agentic_lora.gateway.wire import NDJSON
 
 __all__ = ["AdminClient"]

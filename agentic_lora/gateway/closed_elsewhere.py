@@ -15,7 +15,9 @@ A gateway's map of live Session objects is a cache of the registry's names
 
 from __future__ import annotations
 
-from agentic_lora.errors import AgenticLoRAError, SessionClosedError, SessionExpiredError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionExpiredError
 from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.types import SessionState
 

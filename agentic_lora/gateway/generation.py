@@ -11,34 +11,40 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
-from agentic_lora.errors import (
-    AdapterMismatchError,
-    AgenticLoRAError,
-    RequestIndeterminateError,
-    TooManySessionsError,
-    error_code,
-)
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import TooManySessionsError
+from agentic_lora.errors import error_code
 from agentic_lora.foundation.requests import Route
-from agentic_lora.gateway.limits import GatewayLimits, parse_json, read_body
-from agentic_lora.gateway.schema import RequestModels, validate_body
-from agentic_lora.gateway.security import SessionTagger, session_id_from_headers
+from agentic_lora.gateway.limits import GatewayLimits
+from agentic_lora.gateway.limits import parse_json
+from agentic_lora.gateway.limits import read_body
+from agentic_lora.gateway.schema import RequestModels
+from agentic_lora.gateway.schema import validate_body
+from agentic_lora.gateway.security import SessionTagger
+from agentic_lora.gateway.security import session_id_from_headers
 from agentic_lora.gateway.sessions import GatewaySessions
-from agentic_lora.gateway.streaming import SSEResponse, sse_events
-from agentic_lora.gateway.wire import (
-    OUTCOME_HEADER,
-    SHOULD_RETRY_HEADER,
-    DispatchOutcome,
-    classify_failure,
-    error_payload,
-    http_status,
-    should_retry,
-)
+from agentic_lora.gateway.streaming import SSEResponse
+from agentic_lora.gateway.streaming import sse_events
+from agentic_lora.gateway.wire import OUTCOME_HEADER
+from agentic_lora.gateway.wire import SHOULD_RETRY_HEADER
+from agentic_lora.gateway.wire import DispatchOutcome
+from agentic_lora.gateway.wire import classify_failure
+from agentic_lora.gateway.wire import error_payload
+from agentic_lora.gateway.wire import http_status
+from agentic_lora.gateway.wire import should_retry
 from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding
 from agentic_lora.session import Session

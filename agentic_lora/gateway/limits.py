@@ -11,12 +11,16 @@ it, and only a request that passed all of this may open a Session.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import AsyncIterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import fields
+from dataclasses import replace
 from typing import Any
 
 from agentic_lora.config import AgenticLoRASettings
-from agentic_lora.errors import InvalidRequestError, RequestTooLargeError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestTooLargeError
 
 __all__ = ["GatewayLimits", "parse_json", "read_body"]
 

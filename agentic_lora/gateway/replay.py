@@ -9,14 +9,19 @@ request is refused with ``REQUEST_REFUSED``: no generation was sent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import NoReturn
+from typing import TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
+from tenacity import AsyncRetrying
+from tenacity import retry_if_exception
+from tenacity import stop_after_attempt
 from tenacity.wait import wait_base
 
-from agentic_lora.errors import AgenticLoRAError, RequestRefusedError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.replay import is_lost_reply
 
 __all__ = ["SessionReplay", "replayed"]

@@ -13,12 +13,19 @@ puts them, and the error shape, into the app's OpenAPI document (``GET /openapi.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import ValidationError
+from pydantic import create_model
+from pydantic import model_validator
 
 from agentic_lora.errors import InvalidRequestError
-from agentic_lora.foundation.requests import Route, parse_request
+from agentic_lora.foundation.requests import Route
+from agentic_lora.foundation.requests import parse_request
 from agentic_lora.gateway.limits import GatewayLimits
 
 __all__ = [

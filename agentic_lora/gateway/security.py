@@ -25,7 +25,8 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agentic_lora.errors import AccessDeniedError, InvalidRequestError
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import InvalidRequestError
 
 __all__ = [
     "MAX_SESSION_ID_LENGTH",

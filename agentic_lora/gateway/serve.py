@@ -15,11 +15,16 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import TYPE_CHECKING
+from typing import Any
 
-from agentic_lora.config import AgenticLoRASettings, verify_fleet
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import verify_fleet
 from agentic_lora.errors import ConfigurationError
 
 if TYPE_CHECKING:

@@ -53,33 +53,30 @@ from dataclasses import dataclass
 from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    LeaseExpiredError,
-    RequestRefusedError,
-    SessionClosedError,
-    SessionExpiredError,
-    SessionReleaseError,
-    SessionStateError,
-    TooManySessionsError,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import LeaseExpiredError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.errors import TooManySessionsError
 from agentic_lora.gateway.adoption import AdoptedSessions
 from agentic_lora.gateway.closed_elsewhere import closed_elsewhere
 from agentic_lora.gateway.replay import SessionReplay
-from agentic_lora.gateway.security import (
-    MAX_SESSION_ID_LENGTH,
-    SESSION_HEADER,
-    SessionTagger,
-)
+from agentic_lora.gateway.security import MAX_SESSION_ID_LENGTH
+from agentic_lora.gateway.security import SESSION_HEADER
+from agentic_lora.gateway.security import SessionTagger
 from agentic_lora.leases import LeaseKeeper
-from agentic_lora.registry.api import RegistryAPI, in_process_core
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import in_process_core
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.types import (
-    NamedSession,
-    ReleaseResult,
-    new_request_id,
-)
-from agentic_lora.session import Session, SessionPhase, Versioning
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session import Session
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import Versioning
 
 __all__ = [
     "MAX_SESSION_ID_LENGTH",

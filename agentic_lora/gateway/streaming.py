@@ -23,15 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from agentic_lora.foundation.requests import Route
-from agentic_lora.gateway.wire import error_payload, jsonable
+from agentic_lora.gateway.wire import error_payload
+from agentic_lora.gateway.wire import jsonable
 from agentic_lora.session.streaming import StreamChunk
 
 __all__ = ["SSE_MEDIA_TYPE", "SSEResponse", "sse_events", "tagged_chunk"]

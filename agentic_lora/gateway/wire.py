@@ -19,17 +19,18 @@ import dataclasses
 import enum
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    NoPublishedVersionError,
-    RequestRefusedError,
-    TooManySessionsError,
-)
-from agentic_lora.foundation.outcomes import DispatchOutcome, classify_failure
-from agentic_lora.publication.publisher import PhaseEvent, PublicationResult
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import TooManySessionsError
+from agentic_lora.foundation.outcomes import DispatchOutcome
+from agentic_lora.foundation.outcomes import classify_failure
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.publication.reclaimer import ReclaimReport
 from agentic_lora.publication.resolver import ResolveReport
 from agentic_lora.registry.types import RegistryStatus

@@ -53,20 +53,16 @@ Tests step time with an injected ``clock`` and ``sleep`` (see tests/leases/test_
 """
 
 from agentic_lora.leases.keeper import LeaseKeeper
-from agentic_lora.leases.options import (
-    DEFAULT_LEASE_TTL,
-    OnRestart,
-    check_lease_timing,
-    check_owner,
-    default_owner,
-)
-from agentic_lora.leases.term import (
-    LeaseEvent,
-    LeaseEventKind,
-    LeaseListener,
-    LeaseState,
-    LeaseTerm,
-)
+from agentic_lora.leases.options import DEFAULT_LEASE_TTL
+from agentic_lora.leases.options import OnRestart
+from agentic_lora.leases.options import check_lease_timing
+from agentic_lora.leases.options import check_owner
+from agentic_lora.leases.options import default_owner
+from agentic_lora.leases.term import LeaseEvent
+from agentic_lora.leases.term import LeaseEventKind
+from agentic_lora.leases.term import LeaseListener
+from agentic_lora.leases.term import LeaseState
+from agentic_lora.leases.term import LeaseTerm
 
 __all__ = [
     "DEFAULT_LEASE_TTL",

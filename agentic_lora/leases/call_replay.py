@@ -4,9 +4,12 @@ request id, which the registry answers from its memory, only after a lost reply,
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
+from tenacity import AsyncRetrying
+from tenacity import RetryCallState
+from tenacity import retry_if_exception
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 

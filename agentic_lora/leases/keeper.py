@@ -11,35 +11,36 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Final, get_args
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Final
+from typing import get_args
 
-from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying
+from tenacity import RetryCallState
+from tenacity import stop_after_attempt
+from tenacity import wait_exponential
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
-from agentic_lora.errors import (
-    ConfigurationError,
-    LeaseExpiredError,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import LeaseExpiredError
 from agentic_lora.foundation.listeners import notify
-from agentic_lora.leases.call_replay import StopWhen, log_replay, replaying
-from agentic_lora.leases.options import (
-    DEFAULT_LEASE_TTL,
-    LeaseSettings,
-    OnRestart,
-    check_lease_timing,
-    check_owner,
-    default_owner,
-)
-from agentic_lora.leases.term import (
-    _HELD,
-    LeaseEvent,
-    LeaseEventKind,
-    LeaseListener,
-    LeaseState,
-    LeaseTerm,
-)
+from agentic_lora.leases.call_replay import StopWhen
+from agentic_lora.leases.call_replay import log_replay
+from agentic_lora.leases.call_replay import replaying
+from agentic_lora.leases.options import DEFAULT_LEASE_TTL
+from agentic_lora.leases.options import LeaseSettings
+from agentic_lora.leases.options import OnRestart
+from agentic_lora.leases.options import check_lease_timing
+from agentic_lora.leases.options import check_owner
+from agentic_lora.leases.options import default_owner
+from agentic_lora.leases.term import _HELD
+from agentic_lora.leases.term import LeaseEvent
+from agentic_lora.leases.term import LeaseEventKind
+from agentic_lora.leases.term import LeaseListener
+from agentic_lora.leases.term import LeaseState
+from agentic_lora.leases.term import LeaseTerm
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import new_request_id
 

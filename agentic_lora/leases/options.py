@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Final, Literal, Protocol
+from typing import Final
+from typing import Literal
+from typing import Protocol
 
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.identity import is_plain_token

@@ -9,7 +9,8 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+from typing import Final
 
 from agentic_lora.errors import SessionExpiredError
 from agentic_lora.registry.types import LeaseGrant

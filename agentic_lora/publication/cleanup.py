@@ -11,21 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Sequence
 from typing import Any
 
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
-from agentic_lora.errors import BackendRefusedError, error_code
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.replay import RegistryRetry
-from agentic_lora.publication.result import (
-    EngineReport,
-    PublicationOutcome,
-    PublicationResult,
-    PublicationRun,
-)
+from agentic_lora.publication.result import EngineReport
+from agentic_lora.publication.result import PublicationOutcome
+from agentic_lora.publication.result import PublicationResult
+from agentic_lora.publication.result import PublicationRun
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import VersionStatus, new_request_id
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 
 __all__ = ["CleanupSteps"]
 

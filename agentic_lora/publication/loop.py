@@ -12,7 +12,8 @@ import asyncio
 from collections.abc import Iterable
 from typing import Self
 
-from agentic_lora.foundation.background import Rounds, stop_loop
+from agentic_lora.foundation.background import Rounds
+from agentic_lora.foundation.background import stop_loop
 
 __all__ = ["BackgroundLoop"]
 

@@ -38,43 +38,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Protocol
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.fleet import fixed_fleet
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    BackendAmbiguousError,
-    BackendRefusedError,
-    CapacityError,
-    ConfigurationError,
-    RegistryError,
-    error_code,
-)
-from agentic_lora.foundation.phases import (
-    Phase,
-    PhaseEvent,
-    PhaseRecorder,
-    PhaseStatus,
-    PhaseTiming,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import CapacityError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RegistryError
+from agentic_lora.errors import error_code
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseRecorder
+from agentic_lora.foundation.phases import PhaseStatus
+from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.cleanup import CleanupSteps
-from agentic_lora.publication.result import (
-    EngineReport,
-    PublicationOutcome,
-    PublicationResult,
-    PublicationRun,
-)
+from agentic_lora.publication.result import EngineReport
+from agentic_lora.publication.result import PublicationOutcome
+from agentic_lora.publication.result import PublicationResult
+from agentic_lora.publication.result import PublicationRun
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import (
-    Reservation,
-    ReserveOutcome,
-    VersionState,
-    new_request_id,
-)
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import ReserveOutcome
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 
 # Phase types, RegistryRetry and the result types live in agentic_lora.foundation.phases, agentic_lora.foundation.replay
 # and agentic_lora.publication.result; they stay importable from here for callers written before

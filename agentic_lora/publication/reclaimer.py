@@ -41,22 +41,34 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tenacity.wait import wait_base
 
-from agentic_lora.engines.backends import Backend, EngineRef
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.fleet import fixed_fleet
-from agentic_lora.errors import ConfigurationError, SessionStillBoundError, error_code
-from agentic_lora.foundation.background import Rounds, delay_after
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.errors import error_code
+from agentic_lora.foundation.background import Rounds
 from agentic_lora.foundation.background import backoff as default_backoff
-from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseTiming
+from agentic_lora.foundation.background import delay_after
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseRecorder
+from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair import VersionLocks
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import ReclaimClaim, VersionState, VersionStatus, new_request_id
+from agentic_lora.registry.types import ReclaimClaim
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 
 __all__ = ["ReclaimOutcome", "ReclaimReport", "ReclaimResult", "Reclaimer"]
 

@@ -48,21 +48,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenacity.wait import wait_base
 
-from agentic_lora.foundation.background import (
-    DEFAULT_BACKOFF_INITIAL,
-    DEFAULT_BACKOFF_MAX,
-    Rounds,
-    backoff,
-    delay_after,
-)
+from agentic_lora.foundation.background import DEFAULT_BACKOFF_INITIAL
+from agentic_lora.foundation.background import DEFAULT_BACKOFF_MAX
+from agentic_lora.foundation.background import Rounds
+from agentic_lora.foundation.background import backoff
+from agentic_lora.foundation.background import delay_after
 from agentic_lora.foundation.listeners import notify
 from agentic_lora.publication.loop import BackgroundLoop
-from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult, Publisher
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.publication.publisher import Publisher
 from agentic_lora.registry.types import VersionState
 
 __all__ = [

@@ -8,10 +8,13 @@ record one such call fills in as it goes and turns into that result.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 from agentic_lora.foundation.identity import VersionRef
-from agentic_lora.foundation.phases import Phase, PhaseRecorder, PhaseTiming
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseRecorder
+from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.registry.types import CommitReceipt
 
 __all__ = ["EngineReport", "PublicationOutcome", "PublicationResult", "PublicationRun"]

@@ -32,23 +32,25 @@ Optional capabilities are typed Protocols, found only through the functions here
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
-from agentic_lora.registry.types import (
-    Binding,
-    CommitReceipt,
-    LeaseGrant,
-    NamedSession,
-    ReadyReceipt,
-    ReclaimClaim,
-    RegistryStatus,
-    ReleaseResult,
-    Reservation,
-    SessionStatus,
-    SweepResult,
-    VersionStatus,
-)
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReclaimClaim
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import SessionStatus
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionStatus
 
 if TYPE_CHECKING:
     from agentic_lora.registry.core import RegistryCore

@@ -28,60 +28,57 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from agentic_lora.errors import (
-    CapacityError,
-    InvalidStateError,
-    NotReadyError,
-    PublicationBlockedError,
-    ReadyMismatchError,
-    RevisionConflictError,
-    SessionStillBoundError,
-    StaleAttemptError,
-    VersionConflictError,
-)
-from agentic_lora.foundation.identity import VersionRef, make_lora_name, validate_version_id
-from agentic_lora.registry import (
-    durable_names,
-    engine_incarnations,
-    owner_leases,
-    session_lifecycle,
-    snapshot,
-)
+from agentic_lora.errors import CapacityError
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import NotReadyError
+from agentic_lora.errors import PublicationBlockedError
+from agentic_lora.errors import ReadyMismatchError
+from agentic_lora.errors import RevisionConflictError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.errors import StaleAttemptError
+from agentic_lora.errors import VersionConflictError
+from agentic_lora.foundation.identity import VersionRef
+from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.foundation.identity import validate_version_id
+from agentic_lora.registry import durable_names
+from agentic_lora.registry import engine_incarnations
+from agentic_lora.registry import owner_leases
+from agentic_lora.registry import session_lifecycle
+from agentic_lora.registry import snapshot
 from agentic_lora.registry.engine_incarnations import check_current_incarnation
 from agentic_lora.registry.idempotency import fingerprint
 from agentic_lora.registry.owner_leases import ON_RESTART
-from agentic_lora.registry.state import RegistryState, VersionRecord
-from agentic_lora.registry.transitions import VersionEvent, advance
-from agentic_lora.registry.types import (
-    Binding,
-    CommitReceipt,
-    DispatchView,
-    LeaseGrant,
-    LeaseStatus,
-    NamedSession,
-    ReadyReceipt,
-    ReclaimClaim,
-    RegistryStatus,
-    ReleaseResult,
-    Reservation,
-    ReserveOutcome,
-    SessionStatus,
-    SweepResult,
-    VersionState,
-    VersionStatus,
-)
-from agentic_lora.registry.views import (
-    dispatch_view,
-    lease_status,
-    reclaim_claim,
-    registry_status,
-    reservation,
-    session_status,
-    version_status,
-)
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import VersionRecord
+from agentic_lora.registry.transitions import VersionEvent
+from agentic_lora.registry.transitions import advance
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import DispatchView
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReclaimClaim
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import ReserveOutcome
+from agentic_lora.registry.types import SessionStatus
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.views import dispatch_view
+from agentic_lora.registry.views import lease_status
+from agentic_lora.registry.views import reclaim_claim
+from agentic_lora.registry.views import registry_status
+from agentic_lora.registry.views import reservation
+from agentic_lora.registry.views import session_status
+from agentic_lora.registry.views import version_status
 
 __all__ = ["MUTATING_VERBS", "ON_RESTART", "TIMED_VERBS", "RegistryCore"]
 

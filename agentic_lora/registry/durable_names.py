@@ -8,14 +8,14 @@ binding it had, so it can never re-bind a running agent to a newer version.
 
 from __future__ import annotations
 
-from agentic_lora.errors import InvalidStateError, SessionClosedError, SessionExpiredError
-from agentic_lora.registry.state import (
-    LeaseRecord,
-    NameRecord,
-    RegistryState,
-    check_time,
-    check_token,
-)
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.registry.state import LeaseRecord
+from agentic_lora.registry.state import NameRecord
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import check_time
+from agentic_lora.registry.state import check_token
 from agentic_lora.registry.types import NamedSession
 
 __all__ = ["name_refusal", "named", "open_named", "tombstone"]

@@ -10,8 +10,11 @@ aborted or reclaiming version's cleanup on that engine is proven by the restart 
 from __future__ import annotations
 
 from agentic_lora.errors import EngineRestartedError
-from agentic_lora.registry.state import RegistryState, VersionRecord, check_token
-from agentic_lora.registry.types import ReadyReceipt, VersionState
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import VersionRecord
+from agentic_lora.registry.state import check_token
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import VersionState
 
 __all__ = ["check_current_incarnation", "observe_incarnation"]
 

@@ -13,7 +13,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from agentic_lora.errors import InvalidStateError
-from agentic_lora.registry.types import RefLookup, from_wire, to_wire
+from agentic_lora.registry.types import RefLookup
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import to_wire
 
 __all__ = ["IdempotencyWindow", "fingerprint"]
 

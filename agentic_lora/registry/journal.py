@@ -35,18 +35,19 @@ import os
 import socket
 import sqlite3
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.errors import (
-    JournalCorruptError,
-    JournalError,
-    JournalForeignError,
-    JournalLockedError,
-)
+from agentic_lora.errors import JournalCorruptError
+from agentic_lora.errors import JournalError
+from agentic_lora.errors import JournalForeignError
+from agentic_lora.errors import JournalLockedError
 from agentic_lora.foundation.fsync import fsync_path
 
 __all__ = ["IDENTITY_KEYS", "Journal", "JournalEntry", "Recovered"]

@@ -34,26 +34,30 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.errors import AgenticLoRAError, JournalCorruptError, JournalError
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import JournalCorruptError
+from agentic_lora.errors import JournalError
 from agentic_lora.foundation.listeners import notify
-from agentic_lora.registry.api import RegistryAPI, RegistryListener
-from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
-from agentic_lora.registry.journal import Journal, JournalEntry
-from agentic_lora.registry.types import (
-    RegistryStatus,
-    ReleaseResult,
-    SweepResult,
-    VersionState,
-    VersionStatus,
-    from_wire,
-    new_request_id,
-    to_wire,
-)
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import RegistryListener
+from agentic_lora.registry.core import TIMED_VERBS
+from agentic_lora.registry.core import RegistryCore
+from agentic_lora.registry.journal import Journal
+from agentic_lora.registry.journal import JournalEntry
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.registry.types import to_wire
 
 __all__ = ["LocalRegistry", "RegistryListener"]
 

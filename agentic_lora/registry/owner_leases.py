@@ -13,14 +13,13 @@ from __future__ import annotations
 from agentic_lora.errors import InvalidStateError
 from agentic_lora.registry.durable_names import tombstone
 from agentic_lora.registry.session_lifecycle import expire_session
-from agentic_lora.registry.state import (
-    LeaseRecord,
-    RegistryState,
-    check_time,
-    check_token,
-    lease_id,
-)
-from agentic_lora.registry.types import LeaseGrant, SweepResult
+from agentic_lora.registry.state import LeaseRecord
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import check_time
+from agentic_lora.registry.state import check_token
+from agentic_lora.registry.state import lease_id
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import SweepResult
 from agentic_lora.registry.views import lease_grant
 
 __all__ = [

@@ -24,7 +24,10 @@ many publications (commits) the current default is ahead of the Session's bound 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from agentic_lora.foundation.identity import DIGEST_PREFIX_LENGTH
 

@@ -25,17 +25,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentic_lora.errors import AgenticLoRAError, error_from_code
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import error_from_code
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.core import MUTATING_VERBS
-from agentic_lora.registry.types import (
-    Binding,
-    CommitReceipt,
-    RegistryStatus,
-    VersionStatus,
-    from_wire,
-    to_wire,
-)
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import to_wire
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_NAMESPACE", "RayRegistryClient", "RegistryActor", "connect"]
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agentic_lora.errors import (
-    InvalidStateError,
-    NoPublishedVersionError,
-    SessionClosedError,
-    SessionExpiredError,
-    SessionStillBoundError,
-)
-from agentic_lora.registry.durable_names import name_refusal, tombstone
-from agentic_lora.registry.state import RegistryState, SessionRecord, check_time
-from agentic_lora.registry.types import Binding, ReleaseResult, SessionState, SessionStatus
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.registry.durable_names import name_refusal
+from agentic_lora.registry.durable_names import tombstone
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import SessionRecord
+from agentic_lora.registry.state import check_time
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import SessionStatus
 from agentic_lora.registry.views import session_status
 
 __all__ = [

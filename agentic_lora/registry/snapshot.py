@@ -11,14 +11,15 @@ from collections import OrderedDict
 from typing import Any
 
 from agentic_lora.foundation.identity import VersionRef
-from agentic_lora.registry.state import (
-    LeaseRecord,
-    NameRecord,
-    RegistryState,
-    SessionRecord,
-    VersionRecord,
-)
-from agentic_lora.registry.types import SessionState, VersionState, from_wire, to_wire
+from agentic_lora.registry.state import LeaseRecord
+from agentic_lora.registry.state import NameRecord
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import SessionRecord
+from agentic_lora.registry.state import VersionRecord
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import to_wire
 
 __all__ = ["dump_state", "load_state"]
 

@@ -19,24 +19,23 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentic_lora.errors import (
-    InvalidStateError,
-    LeaseExpiredError,
-    StaleAttemptError,
-    UnknownEngineError,
-    UnknownVersionError,
-)
-from agentic_lora.foundation.identity import VersionRef, is_plain_token, make_lora_name
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import LeaseExpiredError
+from agentic_lora.errors import StaleAttemptError
+from agentic_lora.errors import UnknownEngineError
+from agentic_lora.errors import UnknownVersionError
+from agentic_lora.foundation.identity import VersionRef
+from agentic_lora.foundation.identity import is_plain_token
+from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.registry.idempotency import IdempotencyWindow
-from agentic_lora.registry.transitions import VersionEvent, advance
-from agentic_lora.registry.types import (
-    Binding,
-    CarriesRef,
-    CommitReceipt,
-    ReadyReceipt,
-    SessionState,
-    VersionState,
-)
+from agentic_lora.registry.transitions import VersionEvent
+from agentic_lora.registry.transitions import advance
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import CarriesRef
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import VersionState
 
 __all__ = [
     "LeaseRecord",

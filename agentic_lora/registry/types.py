@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
 
 from agentic_lora.foundation.identity import VersionRef
 

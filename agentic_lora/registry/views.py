@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from agentic_lora.registry.state import LeaseRecord, RegistryState, SessionRecord, VersionRecord
-from agentic_lora.registry.types import (
-    DispatchView,
-    EngineStatus,
-    LeaseGrant,
-    LeaseStatus,
-    ReclaimClaim,
-    RegistryStatus,
-    Reservation,
-    ReserveOutcome,
-    SessionStatus,
-    VersionStatus,
-)
+from agentic_lora.registry.state import LeaseRecord
+from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import SessionRecord
+from agentic_lora.registry.state import VersionRecord
+from agentic_lora.registry.types import DispatchView
+from agentic_lora.registry.types import EngineStatus
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import ReclaimClaim
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import ReserveOutcome
+from agentic_lora.registry.types import SessionStatus
+from agentic_lora.registry.types import VersionStatus
 
 __all__ = [
     "dispatch_view",

@@ -69,8 +69,13 @@ an adapter; the vLLM backend awaits it before unloading a reclaimed version, bec
 does not wait for requests still running on it.
 """
 
-from agentic_lora.session.binder import PASS_THROUGH, RegistryBinder, SessionBinder
-from agentic_lora.session.lifecycle import TRANSITIONS, Session, SessionPhase, next_phase
+from agentic_lora.session.binder import PASS_THROUGH
+from agentic_lora.session.binder import RegistryBinder
+from agentic_lora.session.binder import SessionBinder
+from agentic_lora.session.lifecycle import TRANSITIONS
+from agentic_lora.session.lifecycle import Session
+from agentic_lora.session.lifecycle import SessionPhase
+from agentic_lora.session.lifecycle import next_phase
 from agentic_lora.session.versioning import Versioning
 
 __all__ = [

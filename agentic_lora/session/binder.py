@@ -12,32 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    InvalidRequestError,
-    LeaseExpiredError,
-    RequestRefusedError,
-    SessionExpiredError,
-    SessionReleaseError,
-    VersionTooStaleError,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import LeaseExpiredError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import VersionTooStaleError
 from agentic_lora.foundation.replay import RegistryRetry
-from agentic_lora.foundation.requests import Route, new_rid
-from agentic_lora.leases import LeaseKeeper, LeaseTerm
+from agentic_lora.foundation.requests import Route
+from agentic_lora.foundation.requests import new_rid
+from agentic_lora.leases import LeaseKeeper
+from agentic_lora.leases import LeaseTerm
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.provenance import (
-    DefaultRevisionReader,
-    StalenessListener,
-    TurnProvenance,
-    version_lag,
-)
-from agentic_lora.registry.types import Binding, ReleaseResult
+from agentic_lora.registry.provenance import DefaultRevisionReader
+from agentic_lora.registry.provenance import StalenessListener
+from agentic_lora.registry.provenance import TurnProvenance
+from agentic_lora.registry.provenance import version_lag
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import ReleaseResult
 
 __all__ = ["PASS_THROUGH", "BinderConfig", "PassThroughBinder", "RegistryBinder", "SessionBinder"]
 

@@ -5,25 +5,35 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from agentic_lora.engines.dialect import EngineDialect
-from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    InvalidRequestError,
-    SessionClosedError,
-    SessionStateError,
-)
-from agentic_lora.foundation.requests import RequestLike, Route, check_shape, request_body
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.foundation.requests import RequestLike
+from agentic_lora.foundation.requests import Route
+from agentic_lora.foundation.requests import check_shape
+from agentic_lora.foundation.requests import request_body
 from agentic_lora.leases import LeaseTerm
 from agentic_lora.registry.provenance import TurnProvenance
-from agentic_lora.registry.types import Binding, ReleaseResult
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.session.binder import SessionBinder
-from agentic_lora.session.middleware import Dispatch, EngineCall, InFlight
-from agentic_lora.session.streaming import StreamChunk, UpstreamStream
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import InFlight
+from agentic_lora.session.streaming import StreamChunk
+from agentic_lora.session.streaming import UpstreamStream
 
 __all__ = ["TRANSITIONS", "Session", "SessionPhase", "SessionRuntime", "next_phase"]
 

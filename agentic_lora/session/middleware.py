@@ -37,26 +37,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from agentic_lora.engines.dialect import EngineDialect
-from agentic_lora.engines.routing import EngineHealth, Router
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.routing import Router
 from agentic_lora.engines.sglang import SGLANG
-from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestRefusedError,
-    SessionStateError,
-    VersionNotDispatchableError,
-    VersionUnavailableError,
-)
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.errors import VersionNotDispatchableError
+from agentic_lora.errors import VersionUnavailableError
 from agentic_lora.foundation.listeners import notify
 from agentic_lora.foundation.requests import Route
-from agentic_lora.registry.api import in_process_core, peeker
-from agentic_lora.registry.types import Binding, DispatchView, VersionStatus
+from agentic_lora.registry.api import in_process_core
+from agentic_lora.registry.api import peeker
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import DispatchView
+from agentic_lora.registry.types import VersionStatus
 
 __all__ = [
     "AdapterInFlight",

@@ -6,9 +6,11 @@ sits below, with the engines.
 
 from __future__ import annotations
 
-from agentic_lora.engines.pd import PDFleet, members_holding
+from agentic_lora.engines.pd import PDFleet
+from agentic_lora.engines.pd import members_holding
 from agentic_lora.registry.types import Binding
-from agentic_lora.session.middleware import DispatchGuard, PeekGuard
+from agentic_lora.session.middleware import DispatchGuard
+from agentic_lora.session.middleware import PeekGuard
 
 __all__ = ["PDGuard", "pd_guard"]
 

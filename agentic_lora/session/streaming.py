@@ -34,23 +34,31 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora.engines.sse import StreamEvent, StreamEventKind, data_payload, error_status
-from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.engines.wire import Outcome, classify_status, error_detail
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    ConfigurationError,
-    DispatchError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    error_code,
-)
+from agentic_lora.engines.sse import StreamEvent
+from agentic_lora.engines.sse import StreamEventKind
+from agentic_lora.engines.sse import data_payload
+from agentic_lora.engines.sse import error_status
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import classify_status
+from agentic_lora.engines.wire import error_detail
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import DispatchError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import error_code
 from agentic_lora.registry.provenance import TurnProvenance
-from agentic_lora.session.middleware import Dispatch, EngineCall, InFlight
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import InFlight
 
 __all__ = [
     "StreamChunk",

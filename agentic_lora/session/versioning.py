@@ -4,48 +4,54 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Final
 
 from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.dialect import EngineDialect, load_dialect
-from agentic_lora.engines.routing import EngineHealth, Router, load_router
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.dialect import load_dialect
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.routing import Router
+from agentic_lora.engines.routing import load_router
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.errors import (
-    ConfigurationError,
-    InvalidRequestError,
-    SessionReleaseError,
-    SessionStateError,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import SessionStateError
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.requests import new_rid
-from agentic_lora.leases import LeaseKeeper, OnRestart
-from agentic_lora.registry.api import RegistryAPI, in_process_core, session_closer
-from agentic_lora.registry.provenance import CoreRevision, DefaultRevisionReader, StalenessListener
+from agentic_lora.leases import LeaseKeeper
+from agentic_lora.leases import OnRestart
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import in_process_core
+from agentic_lora.registry.api import session_closer
+from agentic_lora.registry.provenance import CoreRevision
+from agentic_lora.registry.provenance import DefaultRevisionReader
+from agentic_lora.registry.provenance import StalenessListener
 from agentic_lora.registry.types import ReleaseResult
-from agentic_lora.session.binder import (
-    PASS_THROUGH,
-    BinderConfig,
-    RegistryBinder,
-    SessionBinder,
-)
-from agentic_lora.session.lifecycle import Session, SessionRuntime
-from agentic_lora.session.middleware import (
-    AdapterInFlight,
-    AdapterPinMiddleware,
-    DispatchGuard,
-    DispatchGuardMiddleware,
-    DrainWaitListener,
-    Middleware,
-    PeekGuard,
-    RefusedListener,
-    RoutingMiddleware,
-    TransportEndpoint,
-    build_chain,
-)
+from agentic_lora.session.binder import PASS_THROUGH
+from agentic_lora.session.binder import BinderConfig
+from agentic_lora.session.binder import RegistryBinder
+from agentic_lora.session.binder import SessionBinder
+from agentic_lora.session.lifecycle import Session
+from agentic_lora.session.lifecycle import SessionRuntime
+from agentic_lora.session.middleware import AdapterInFlight
+from agentic_lora.session.middleware import AdapterPinMiddleware
+from agentic_lora.session.middleware import DispatchGuard
+from agentic_lora.session.middleware import DispatchGuardMiddleware
+from agentic_lora.session.middleware import DrainWaitListener
+from agentic_lora.session.middleware import Middleware
+from agentic_lora.session.middleware import PeekGuard
+from agentic_lora.session.middleware import RefusedListener
+from agentic_lora.session.middleware import RoutingMiddleware
+from agentic_lora.session.middleware import TransportEndpoint
+from agentic_lora.session.middleware import build_chain
 from agentic_lora.session.pd_guard import pd_guard
 from agentic_lora.session.streaming import StreamEndpoint
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import struct
 
-from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.snapshot import TensorBlob
 
 __all__ = ["tiny_snapshot"]
 

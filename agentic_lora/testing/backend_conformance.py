@@ -38,25 +38,33 @@ import asyncio
 import contextlib
 import enum
 import unittest
-from collections.abc import Coroutine, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Coroutine
+from collections.abc import Iterator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    MultipleResults,
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    multiple,
-    rule,
-)
+from hypothesis.stateful import Bundle
+from hypothesis.stateful import MultipleResults
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import multiple
+from hypothesis.stateful import rule
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
-from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
 from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.testing.adapters import tiny_snapshot

@@ -30,13 +30,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from agentic_lora.engines.dialect import EngineDialect, SlotSettings, load_dialect
+from agentic_lora.engines.dialect import EngineDialect
+from agentic_lora.engines.dialect import SlotSettings
+from agentic_lora.engines.dialect import load_dialect
 from agentic_lora.engines.sse import StreamEventKind
-from agentic_lora.engines.wire import HttpAnswer, Outcome
-from agentic_lora.errors import AdapterMismatchError, InvalidRequestError
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import InvalidRequestError
 from agentic_lora.foundation.requests import Route
 
 __all__ = ["EngineAnswers", "Judged", "ScriptedHttp", "WireFailure", "check_dialect"]

@@ -8,9 +8,11 @@ from typing import Any
 
 import respx
 
-from agentic_lora.config import AgenticLoRASettings, load_settings
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 
 __all__ = ["ScriptedFleet"]
 

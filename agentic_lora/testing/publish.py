@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Protocol
 
-from agentic_lora.registry.types import (
-    CommitReceipt,
-    ReadyReceipt,
-    RegistryStatus,
-    Reservation,
-    VersionStatus,
-    new_request_id,
-)
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 
 __all__ = [
     "PublishVerbs",

@@ -17,10 +17,16 @@ import abc
 import asyncio
 import enum
 import json
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from collections import Counter
+from collections import deque
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import ClassVar
+from typing import Generic
+from typing import TypeVar
 
 import httpx
 

@@ -17,19 +17,21 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import respx
 
-from agentic_lora.engines.backends import Backend, EngineRef
-from agentic_lora.testing.backend_conformance import (
-    BackendHarness,
-    Failure,
-    Operation,
-)
-from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.testing.backend_conformance import BackendHarness
+from agentic_lora.testing.backend_conformance import Failure
+from agentic_lora.testing.backend_conformance import Operation
+from agentic_lora.testing.scripted_engine import Fault
+from agentic_lora.testing.scripted_engine import FaultKind
+from agentic_lora.testing.scripted_engine import ScriptedEngine
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
 

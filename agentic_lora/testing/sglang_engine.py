@@ -28,21 +28,23 @@ import asyncio
 import enum
 import os
 import zlib
-from collections import Counter, deque
+from collections import Counter
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
 
-from agentic_lora.testing.scripted_engine import (
-    Fault,
-    FaultKind,
-    Handler,
-    HeldAdapter,
-    ScriptedEngine,
-)
-from agentic_lora.testing.streams import ScriptedStream, generate_chunks, stream_reply
+from agentic_lora.testing.scripted_engine import Fault
+from agentic_lora.testing.scripted_engine import FaultKind
+from agentic_lora.testing.scripted_engine import Handler
+from agentic_lora.testing.scripted_engine import HeldAdapter
+from agentic_lora.testing.scripted_engine import ScriptedEngine
+from agentic_lora.testing.streams import ScriptedStream
+from agentic_lora.testing.streams import generate_chunks
+from agentic_lora.testing.streams import stream_reply
 
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
 

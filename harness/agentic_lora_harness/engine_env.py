@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentic_lora_harness.venv_builder import BuiltVenv, EngineEnvError, VenvKind, VenvRecipe
+from agentic_lora_harness.venv_builder import BuiltVenv
+from agentic_lora_harness.venv_builder import EngineEnvError
+from agentic_lora_harness.venv_builder import VenvKind
+from agentic_lora_harness.venv_builder import VenvRecipe
 
 __all__ = [
     "SGLANG_VERSION",

@@ -24,15 +24,21 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, ClassVar, Final, Self
+from typing import IO
+from typing import ClassVar
+from typing import Final
+from typing import Self
 
 import httpx
 
-from agentic_lora_harness.cpu_shim import SHIM_ENV_FLAG, SITE_DIR
-from agentic_lora_harness.fixture import Fixture, cache_root
+from agentic_lora_harness.cpu_shim import SHIM_ENV_FLAG
+from agentic_lora_harness.cpu_shim import SITE_DIR
+from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.fixture import cache_root
 from agentic_lora_harness.venv_builder import EngineVenv
 
 __all__ = [

@@ -31,8 +31,10 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +291,11 @@ def _corpus(spec: FixtureSpec) -> Iterator[str]:
 
 
 def _train_tokenizer(spec: FixtureSpec) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -322,7 +328,8 @@ def _save_tokenizer(tokenizer: Any, model_dir: Path, spec: FixtureSpec) -> None:
 
 def _build_model(spec: FixtureSpec, tokenizer: Any) -> Any:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM
 
     config = Qwen3Config(
         vocab_size=spec.vocab_size,
@@ -350,7 +357,9 @@ def _save_model(model: Any, model_dir: Path) -> None:
 
 def _build_adapter(spec: FixtureSpec, base: Any, index: int, out_dir: Path) -> None:
     import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import LoraConfig
+    from peft import get_peft_model
+    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     config = LoraConfig(

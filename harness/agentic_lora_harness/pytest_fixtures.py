@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from agentic_lora_harness.engine_env import EngineEnv, ensure_engine_env
+from agentic_lora_harness.engine_env import EngineEnv
+from agentic_lora_harness.engine_env import ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
-from agentic_lora_harness.fixture import Fixture, build_fixture
+from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.fixture import build_fixture
 from agentic_lora_harness.venv_builder import BuiltVenv
 
 __all__ = ["engine_env", "engine_fleet", "model_fixture", "write_fleet_report"]

@@ -28,10 +28,17 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TextIO, TypeVar
+from typing import Any
+from typing import Generic
+from typing import Protocol
+from typing import TextIO
+from typing import TypeVar
 
 from agentic_lora_harness.fixture import cache_root
 

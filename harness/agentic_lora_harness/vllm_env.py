@@ -20,7 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora_harness.venv_builder import BuiltVenv, EngineEnvError, VenvKind, VenvRecipe
+from agentic_lora_harness.venv_builder import BuiltVenv
+from agentic_lora_harness.venv_builder import EngineEnvError
+from agentic_lora_harness.venv_builder import VenvKind
+from agentic_lora_harness.venv_builder import VenvRecipe
 
 __all__ = [
     "TORCH_VERSION",

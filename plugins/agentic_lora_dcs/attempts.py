@@ -22,12 +22,16 @@ inside a decision.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from agentic_lora_dcs.plan import BucketPlan
-from agentic_lora_dcs.protocol import BucketState, CleanupOutcome, Reason
+from agentic_lora_dcs.protocol import BucketState
+from agentic_lora_dcs.protocol import CleanupOutcome
+from agentic_lora_dcs.protocol import Reason
 
 __all__ = [
     "TRANSITIONS",

@@ -27,46 +27,46 @@ import datetime
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TypeVar
 
 import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendError,
-    BackendRefusedError,
-    ConfigurationError,
-)
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.auth import read_token
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.identity import thaw_json
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora_dcs.attempts import AttemptState
-from agentic_lora_dcs.client import NOT_SENT, SidecarClient
-from agentic_lora_dcs.collective import (
-    SUPPORTED_BACKENDS,
-    AttemptGroup,
-    CollectiveCounter,
-    connect_store,
-    default_backend,
-)
-from agentic_lora_dcs.plan import DEFAULT_BUCKET_BYTES, BucketPlan, plan_for_snapshot
-from agentic_lora_dcs.protocol import (
-    PROTOCOL_VERSION,
-    SIDECAR_TOKEN_ENV,
-    BeginReply,
-    BeginRequest,
-    BucketRequest,
-    BucketState,
-    CleanupRequest,
-    CollectiveName,
-    EndRequest,
-    ReadyReply,
-    ReclaimRequest,
-)
+from agentic_lora_dcs.client import NOT_SENT
+from agentic_lora_dcs.client import SidecarClient
+from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
+from agentic_lora_dcs.collective import AttemptGroup
+from agentic_lora_dcs.collective import CollectiveCounter
+from agentic_lora_dcs.collective import connect_store
+from agentic_lora_dcs.collective import default_backend
+from agentic_lora_dcs.plan import DEFAULT_BUCKET_BYTES
+from agentic_lora_dcs.plan import BucketPlan
+from agentic_lora_dcs.plan import plan_for_snapshot
+from agentic_lora_dcs.protocol import PROTOCOL_VERSION
+from agentic_lora_dcs.protocol import SIDECAR_TOKEN_ENV
+from agentic_lora_dcs.protocol import BeginReply
+from agentic_lora_dcs.protocol import BeginRequest
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import BucketState
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import CollectiveName
+from agentic_lora_dcs.protocol import EndRequest
+from agentic_lora_dcs.protocol import ReadyReply
+from agentic_lora_dcs.protocol import ReclaimRequest
 
 __all__ = ["DcsBackend"]
 

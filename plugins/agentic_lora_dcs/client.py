@@ -16,28 +16,30 @@ Every reply is classified the way :mod:`agentic_lora.engines.backends` asks:
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from pydantic import ValidationError
 
-from agentic_lora.errors import BackendAmbiguousError, BackendError, BackendRefusedError
-from agentic_lora_dcs.protocol import (
-    PATHS,
-    BeginReply,
-    BeginRequest,
-    BucketReply,
-    BucketRequest,
-    CleanupReply,
-    CleanupRequest,
-    EndRequest,
-    IncarnationReply,
-    ReadyReply,
-    ReclaimReply,
-    ReclaimRequest,
-    RefusalReply,
-    StatusReply,
-)
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora_dcs.protocol import PATHS
+from agentic_lora_dcs.protocol import BeginReply
+from agentic_lora_dcs.protocol import BeginRequest
+from agentic_lora_dcs.protocol import BucketReply
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import CleanupReply
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import EndRequest
+from agentic_lora_dcs.protocol import IncarnationReply
+from agentic_lora_dcs.protocol import ReadyReply
+from agentic_lora_dcs.protocol import ReclaimReply
+from agentic_lora_dcs.protocol import ReclaimRequest
+from agentic_lora_dcs.protocol import RefusalReply
+from agentic_lora_dcs.protocol import StatusReply
 
 __all__ = ["NOT_SENT", "SidecarClient"]
 

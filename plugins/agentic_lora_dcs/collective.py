@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import datetime
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore
+from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import TCPStore
 
 __all__ = [
     "SUPPORTED_BACKENDS",

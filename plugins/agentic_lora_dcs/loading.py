@@ -14,23 +14,23 @@ import logging
 from pathlib import Path
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    BackendAmbiguousError,
-    BackendRefusedError,
-    InvalidAdapterError,
-    VersionConflictError,
-)
-from agentic_lora_dcs.attempts import (
-    AttemptIdentity,
-    AttemptRecord,
-    AttemptState,
-    EndDecision,
-    Refused,
-)
-from agentic_lora_dcs.protocol import EndRequest, ReadyReply, Reason
-from agentic_lora_dcs.receiver_state import ReceiverState, runtime_key
-from agentic_lora_dcs.staging import Staging, consume_exception
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import VersionConflictError
+from agentic_lora_dcs.attempts import AttemptIdentity
+from agentic_lora_dcs.attempts import AttemptRecord
+from agentic_lora_dcs.attempts import AttemptState
+from agentic_lora_dcs.attempts import EndDecision
+from agentic_lora_dcs.attempts import Refused
+from agentic_lora_dcs.protocol import EndRequest
+from agentic_lora_dcs.protocol import ReadyReply
+from agentic_lora_dcs.protocol import Reason
+from agentic_lora_dcs.receiver_state import ReceiverState
+from agentic_lora_dcs.receiver_state import runtime_key
+from agentic_lora_dcs.staging import Staging
+from agentic_lora_dcs.staging import consume_exception
 
 __all__ = ["LoadSteps"]
 

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentic_lora.errors import InvalidIdentityError
-from agentic_lora.foundation.identity import Manifest, parse_lora_name
+from agentic_lora.foundation.identity import Manifest
+from agentic_lora.foundation.identity import parse_lora_name
 from agentic_lora_dcs.plan import BucketPlan
 
 __all__ = ["manifest_digest", "manifest_of", "name_matches"]

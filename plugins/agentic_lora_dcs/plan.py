@@ -11,14 +11,21 @@ one is before the first byte moves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import model_validator
 
-from agentic_lora.adapters.safetensors_io import DTYPE_SIZES, expected_nbytes
-from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
+from agentic_lora.adapters.safetensors_io import DTYPE_SIZES
+from agentic_lora.adapters.safetensors_io import expected_nbytes
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.snapshot import TensorBlob
 from agentic_lora.errors import InvalidAdapterError
-from agentic_lora.foundation.identity import ManifestEntry, tensor_sha256
+from agentic_lora.foundation.identity import ManifestEntry
+from agentic_lora.foundation.identity import tensor_sha256
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

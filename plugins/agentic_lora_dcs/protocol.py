@@ -19,9 +19,12 @@ refusal); ``clean=False`` means resources may exist (ambiguous; needs a cleanup)
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
 
 from agentic_lora_dcs.plan import BucketPlan
 

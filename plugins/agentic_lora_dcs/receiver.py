@@ -23,29 +23,31 @@ import asyncio
 import json
 import logging
 
-from agentic_lora.errors import AgenticLoRAError, BackendAmbiguousError, BackendRefusedError
-from agentic_lora_dcs.attempts import (
-    AttemptIdentity,
-    AttemptRecord,
-    AttemptState,
-    BeginDecision,
-    BucketDecision,
-    Refused,
-)
-from agentic_lora_dcs.collective import SUPPORTED_BACKENDS, AttemptGroup
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora_dcs.attempts import AttemptIdentity
+from agentic_lora_dcs.attempts import AttemptRecord
+from agentic_lora_dcs.attempts import AttemptState
+from agentic_lora_dcs.attempts import BeginDecision
+from agentic_lora_dcs.attempts import BucketDecision
+from agentic_lora_dcs.attempts import Refused
+from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
+from agentic_lora_dcs.collective import AttemptGroup
 from agentic_lora_dcs.loading import LoadSteps
-from agentic_lora_dcs.manifest import manifest_digest, name_matches
-from agentic_lora_dcs.protocol import (
-    PROTOCOL_VERSION,
-    BeginReply,
-    BeginRequest,
-    BucketReply,
-    BucketRequest,
-    Reason,
-    Rendezvous,
-)
+from agentic_lora_dcs.manifest import manifest_digest
+from agentic_lora_dcs.manifest import name_matches
+from agentic_lora_dcs.protocol import PROTOCOL_VERSION
+from agentic_lora_dcs.protocol import BeginReply
+from agentic_lora_dcs.protocol import BeginRequest
+from agentic_lora_dcs.protocol import BucketReply
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import Reason
+from agentic_lora_dcs.protocol import Rendezvous
 from agentic_lora_dcs.receiver_state import runtime_key
-from agentic_lora_dcs.staging import Staging, Unpacked, consume_exception
+from agentic_lora_dcs.staging import Staging
+from agentic_lora_dcs.staging import Unpacked
+from agentic_lora_dcs.staging import consume_exception
 from agentic_lora_dcs.teardown import TeardownSteps
 
 __all__ = ["Receiver"]

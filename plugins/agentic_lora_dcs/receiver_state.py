@@ -17,18 +17,24 @@ from pathlib import Path
 from typing import Protocol
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.admin import LoadResult, ProbeResult, ServerInfo, UnloadOutcome
-from agentic_lora_dcs.attempts import AttemptRecord, AttemptState, Ledger, Refused
-from agentic_lora_dcs.collective import SUPPORTED_BACKENDS, CollectiveCounter, RendezvousServer
-from agentic_lora_dcs.protocol import (
-    PROTOCOL_VERSION,
-    AttemptView,
-    CleanupReply,
-    IncarnationReply,
-    Reason,
-    ReclaimReply,
-    StatusReply,
-)
+from agentic_lora.engines.admin import LoadResult
+from agentic_lora.engines.admin import ProbeResult
+from agentic_lora.engines.admin import ServerInfo
+from agentic_lora.engines.admin import UnloadOutcome
+from agentic_lora_dcs.attempts import AttemptRecord
+from agentic_lora_dcs.attempts import AttemptState
+from agentic_lora_dcs.attempts import Ledger
+from agentic_lora_dcs.attempts import Refused
+from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
+from agentic_lora_dcs.collective import CollectiveCounter
+from agentic_lora_dcs.collective import RendezvousServer
+from agentic_lora_dcs.protocol import PROTOCOL_VERSION
+from agentic_lora_dcs.protocol import AttemptView
+from agentic_lora_dcs.protocol import CleanupReply
+from agentic_lora_dcs.protocol import IncarnationReply
+from agentic_lora_dcs.protocol import Reason
+from agentic_lora_dcs.protocol import ReclaimReply
+from agentic_lora_dcs.protocol import StatusReply
 from agentic_lora_dcs.staging import Staging
 
 __all__ = ["AdapterDirectories", "EngineControl", "ReceiverState", "runtime_key"]

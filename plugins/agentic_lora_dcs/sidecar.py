@@ -27,35 +27,47 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import uvicorn
-from pydantic import BaseModel, ConfigDict, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import SecretStr
+from pydantic import ValidationError
+from pydantic import field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.responses import JSONResponse
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from agentic_lora.adapters.store import AdapterStore
-from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
-from agentic_lora.foundation.auth import BearerTokenMiddleware, read_token
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.auth import BearerTokenMiddleware
+from agentic_lora.foundation.auth import read_token
 from agentic_lora_dcs.attempts import Refused
 from agentic_lora_dcs.collective import RendezvousServer
-from agentic_lora_dcs.protocol import (
-    PATHS,
-    SIDECAR_TOKEN_ENV,
-    BeginRequest,
-    BucketRequest,
-    CleanupRequest,
-    EndRequest,
-    Reason,
-    ReclaimRequest,
-    RefusalReply,
-)
+from agentic_lora_dcs.protocol import PATHS
+from agentic_lora_dcs.protocol import SIDECAR_TOKEN_ENV
+from agentic_lora_dcs.protocol import BeginRequest
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import EndRequest
+from agentic_lora_dcs.protocol import Reason
+from agentic_lora_dcs.protocol import ReclaimRequest
+from agentic_lora_dcs.protocol import RefusalReply
 from agentic_lora_dcs.receiver import Receiver
 
 __all__ = [

@@ -12,10 +12,12 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 from agentic_lora_dcs.collective import AttemptGroup
-from agentic_lora_dcs.plan import BucketPlan, ChecksumMismatch
+from agentic_lora_dcs.plan import BucketPlan
+from agentic_lora_dcs.plan import ChecksumMismatch
 from agentic_lora_dcs.protocol import ReadyReply
 
 #: A received bucket: its tensors by name, and the ones whose checksum did not match.

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import TypeVar
 
 from agentic_lora.engines.admin import UnloadOutcome
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
-from agentic_lora_dcs.attempts import AttemptRecord, AttemptState, Refused
-from agentic_lora_dcs.protocol import (
-    CleanupReply,
-    CleanupRequest,
-    Reason,
-    ReclaimOutcome,
-    ReclaimReply,
-    ReclaimRequest,
-)
-from agentic_lora_dcs.receiver_state import ReceiverState, runtime_key
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora_dcs.attempts import AttemptRecord
+from agentic_lora_dcs.attempts import AttemptState
+from agentic_lora_dcs.attempts import Refused
+from agentic_lora_dcs.protocol import CleanupReply
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import Reason
+from agentic_lora_dcs.protocol import ReclaimOutcome
+from agentic_lora_dcs.protocol import ReclaimReply
+from agentic_lora_dcs.protocol import ReclaimRequest
+from agentic_lora_dcs.receiver_state import ReceiverState
+from agentic_lora_dcs.receiver_state import runtime_key
 from agentic_lora_dcs.staging import consume_exception
 
 __all__ = ["TeardownSteps"]

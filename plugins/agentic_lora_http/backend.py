@@ -23,8 +23,10 @@ from pathlib import Path
 import httpx
 
 from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend
-from agentic_lora.engines.admin import AdminTimeouts, EngineAdminClient
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 
 __all__ = ["HttpPushBackend"]
 

@@ -6,7 +6,8 @@ HTTP; reclaim waits for a drain hook because vLLM's unload does not wait for in-
 See :mod:`agentic_lora_vllm.backend`.
 """
 
-from agentic_lora_vllm.backend import DrainHook, VllmBackend
+from agentic_lora_vllm.backend import DrainHook
+from agentic_lora_vllm.backend import VllmBackend
 from agentic_lora_vllm.dialect import VllmDialect
 
 __all__ = ["DrainHook", "VllmBackend", "VllmDialect"]

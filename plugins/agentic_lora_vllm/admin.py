@@ -41,7 +41,8 @@ from typing import Any
 
 import httpx
 
-from agentic_lora.engines.admin import AdminHttpClient, UnloadOutcome
+from agentic_lora.engines.admin import AdminHttpClient
+from agentic_lora.engines.admin import UnloadOutcome
 from agentic_lora_vllm.dialect import read_metrics
 from agentic_lora_vllm.metrics import EngineMetrics
 

@@ -53,15 +53,16 @@ from pathlib import Path
 
 import httpx
 
-from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend, DrainHook
+from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend
+from agentic_lora.engines.adapter_backend import DrainHook
 from agentic_lora.engines.admin import AdminTimeouts
-from agentic_lora.engines.backends import EngineRef, PublicationTarget, target_ambiguous
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendError,
-    BackendRefusedError,
-    ConfigurationError,
-)
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.engines.backends import target_ambiguous
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
 from agentic_lora_vllm.admin import VllmAdminClient
 from agentic_lora_vllm.dialect import VllmDialect
 

@@ -21,11 +21,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from agentic_lora.engines.dialect import DialectBase, SlotSettings
-from agentic_lora.engines.wire import EngineHttp, Outcome, classify_status
+from agentic_lora.engines.dialect import DialectBase
+from agentic_lora.engines.dialect import SlotSettings
+from agentic_lora.engines.wire import EngineHttp
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import classify_status
 from agentic_lora.errors import AdapterMismatchError
 from agentic_lora.foundation.requests import Route
-from agentic_lora_vllm.metrics import EngineMetrics, parse_metrics
+from agentic_lora_vllm.metrics import EngineMetrics
+from agentic_lora_vllm.metrics import parse_metrics
 
 __all__ = ["VllmDialect", "read_metrics"]
 

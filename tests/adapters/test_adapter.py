@@ -10,37 +10,41 @@ import pickle
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+from typing import cast
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
-from peft import PeftModel, get_peft_model_state_dict
+from peft import PeftModel
+from peft import get_peft_model_state_dict
 
 from agentic_lora.adapters import safetensors_io
-from agentic_lora.adapters.snapshot import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterProblem,
-    AdapterSnapshot,
-    TensorBlob,
-    normalize_config,
-)
-from agentic_lora.errors import InvalidAdapterError, InvalidIdentityError, error_from_code
-from agentic_lora.foundation.identity import Manifest, compute_digest, thaw_json
-from tests.adapters_util import (
-    TinyDecoder,
-    f32,
-    lora_config,
-    peft_model,
-    tiny_blobs,
-    tiny_config,
-)
+from agentic_lora.adapters.snapshot import CONFIG_FILE
+from agentic_lora.adapters.snapshot import WEIGHTS_FILE
+from agentic_lora.adapters.snapshot import AdapterProblem
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.snapshot import TensorBlob
+from agentic_lora.adapters.snapshot import normalize_config
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import InvalidIdentityError
+from agentic_lora.errors import error_from_code
+from agentic_lora.foundation.identity import Manifest
+from agentic_lora.foundation.identity import compute_digest
+from agentic_lora.foundation.identity import thaw_json
+from tests.adapters_util import TinyDecoder
+from tests.adapters_util import f32
+from tests.adapters_util import lora_config
+from tests.adapters_util import peft_model
+from tests.adapters_util import tiny_blobs
+from tests.adapters_util import tiny_config
 
 # The safetensors package's own parser, typed (it ships without annotations).
 reference_deserialize = cast(

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.adapters.store import MARKER_FILE, AdapterStore
-from agentic_lora.errors import InvalidIdentityError, VersionConflictError
+from agentic_lora.adapters.store import MARKER_FILE
+from agentic_lora.adapters.store import AdapterStore
+from agentic_lora.errors import InvalidIdentityError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
 

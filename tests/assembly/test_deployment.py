@@ -18,18 +18,26 @@ from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, load_settings
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import ConfigurationError, InvalidRequestError, VersionNotDispatchableError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
-from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
-from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import Middleware
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault
-from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
+from agentic_lora.testing.vllm_engine import VllmOp
 from tests.session_support import Calls
 
 pytestmark = pytest.mark.asyncio

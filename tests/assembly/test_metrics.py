@@ -15,21 +15,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentic_lora.assembly.metrics import Metrics
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import (
-    AccessDeniedError,
-    AdapterMismatchError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    RequestTooLargeError,
-    VersionConflictError,
-)
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import RequestTooLargeError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.outcomes import DispatchOutcome
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus
-from agentic_lora.session.middleware import EngineCall, InFlight, build_chain
-from tests.gateway.test_gateway import Stack, chat, gateway_stack
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import InFlight
+from agentic_lora.session.middleware import build_chain
+from tests.gateway.test_gateway import Stack
+from tests.gateway.test_gateway import chat
+from tests.gateway.test_gateway import gateway_stack
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter
+from prometheus_client import Gauge
+from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 import agentic_lora.assembly.metrics as metrics_module
-from agentic_lora.assembly.metrics import CATALOGUE, Metrics
+from agentic_lora.assembly.metrics import CATALOGUE
+from agentic_lora.assembly.metrics import Metrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
 KINDS: dict[type[object], str] = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}

@@ -17,7 +17,9 @@ import pytest
 import pytest_asyncio
 from agentic_lora_harness.engines import EngineFleet
 
-from tests.chaos.support import chaos_seed, fleet_left_as_found, scenario_rng
+from tests.chaos.support import chaos_seed
+from tests.chaos.support import fleet_left_as_found
+from tests.chaos.support import scenario_rng
 
 #: The first test to ask for the fleet may pay for creating the engine venv and starting both
 #: engines (minutes on a fresh machine); the ini timeout is for the test, not for that.

@@ -29,36 +29,42 @@ import random
 import re
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from agentic_lora_agent import AttemptOutcome, AttemptRecord
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import AttemptRecord
 from agentic_lora_harness.engines import EngineFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.registry.types import RegistryStatus, VersionState
-from tests.chaos.support import (
-    AgentLoad,
-    EngineTap,
-    GatewaySource,
-    PublicationLoop,
-    ServeProcess,
-    VersioningSource,
-    eventually,
-    is_generation,
-    ledger_problems,
-    load_config,
-    now,
-    nth_generation,
-    settled,
-    status_from_json,
-    wire_problems,
-)
-from tests.e2e.recording_proxy import Exchange, TrafficLog
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
+from tests.chaos.support import AgentLoad
+from tests.chaos.support import EngineTap
+from tests.chaos.support import GatewaySource
+from tests.chaos.support import PublicationLoop
+from tests.chaos.support import ServeProcess
+from tests.chaos.support import VersioningSource
+from tests.chaos.support import eventually
+from tests.chaos.support import is_generation
+from tests.chaos.support import ledger_problems
+from tests.chaos.support import load_config
+from tests.chaos.support import now
+from tests.chaos.support import nth_generation
+from tests.chaos.support import settled
+from tests.chaos.support import status_from_json
+from tests.chaos.support import wire_problems
+from tests.e2e.recording_proxy import Exchange
+from tests.e2e.recording_proxy import TrafficLog
 from tests.e2e.support import fleet_config
 
 __all__ = [

@@ -40,51 +40,51 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any
+from typing import Protocol
+from typing import Self
 
 import httpx
-from agentic_lora_agent import (
-    TASKS,
-    AgentConfig,
-    AgentObserver,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    ScriptedPolicy,
-    ToolAgent,
-    default_toolbox,
-)
+from agentic_lora_agent import TASKS
+from agentic_lora_agent import AgentConfig
+from agentic_lora_agent import AgentObserver
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import AttemptRecord
+from agentic_lora_agent import Episode
+from agentic_lora_agent import ScriptedPolicy
+from agentic_lora_agent import ToolAgent
+from agentic_lora_agent import default_toolbox
 
-from agentic_lora.engines.transport import EngineReply, Outcome, classify_exception
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    SessionReleaseError,
-    error_from_code,
-)
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import Outcome
+from agentic_lora.engines.transport import classify_exception
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import error_from_code
 from agentic_lora.foundation.identity import VersionRef
-from agentic_lora.registry.types import (
-    Binding,
-    EngineStatus,
-    LeaseStatus,
-    RegistryStatus,
-    VersionState,
-    VersionStatus,
-)
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import EngineStatus
+from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session import Versioning
-from tests.e2e.recording_proxy import Exchange, RecordingProxy, TrafficLog, Waiters
+from tests.e2e.recording_proxy import Exchange
+from tests.e2e.recording_proxy import RecordingProxy
+from tests.e2e.recording_proxy import TrafficLog
+from tests.e2e.recording_proxy import Waiters
 from tests.e2e.support import fleet_config
 
 # Importable here through pytest's pythonpath (or bench's add_example_agents_to_path); a worker

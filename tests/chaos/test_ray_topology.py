@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 from agentic_lora_harness.engines import EngineFleet
 
-from tests.chaos.scenarios import RAY_NAMESPACE, ray_topology
+from tests.chaos.scenarios import RAY_NAMESPACE
+from tests.chaos.scenarios import ray_topology
 from tests.chaos.support import local_ray_cluster
 
 pytest.importorskip("ray")

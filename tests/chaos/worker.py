@@ -27,12 +27,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+from typing import TextIO
 
 from agentic_lora.config import load_settings
 from agentic_lora.registry.ray_actor import connect
 from agentic_lora.session import Versioning
-from tests.chaos.support import AgentLoad, VersioningSource, load_config
+from tests.chaos.support import AgentLoad
+from tests.chaos.support import VersioningSource
+from tests.chaos.support import load_config
 
 __all__ = ["main", "run"]
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from tests.cli.support import Running, running_server
+from tests.cli.support import Running
+from tests.cli.support import running_server
 
 
 @pytest.fixture

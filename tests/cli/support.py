@@ -21,8 +21,12 @@ from agentic_lora import cli
 from agentic_lora.gateway.serve import serve
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.gateway.test_gateway import BASE_MODEL, OpenAIRoutes, lora_server_info
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import OpenAIRoutes
+from tests.gateway.test_gateway import lora_server_info
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "agentic-lora"
 

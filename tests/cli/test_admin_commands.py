@@ -14,17 +14,17 @@ import pytest
 
 from agentic_lora import cli
 from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.cli.support import (
-    Running,
-    assert_one_error_line,
-    closed_port,
-    engine_lines,
-    only_line,
-    run_cli,
-    run_script,
-    running_server,
-)
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.cli.support import Running
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import closed_port
+from tests.cli.support import engine_lines
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import running_server
 from tests.gateway.test_gateway import BASE_MODEL
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from agentic_lora.cli.common import Command
-from agentic_lora.cli.main import COMMANDS, build_parser
+from agentic_lora.cli.main import COMMANDS
+from agentic_lora.cli.main import build_parser
 
 CLI_DOC = Path(__file__).parents[2] / "docs" / "cli.md"
 

@@ -14,14 +14,12 @@ import pytest
 from agentic_lora import cli
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.errors import ConfigurationError
-from tests.cli.support import (
-    assert_one_error_line,
-    fleet_config,
-    only_line,
-    run_cli,
-    run_script,
-    write_config,
-)
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import fleet_config
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import write_config
 
 
 def test_a_bad_config_file_is_one_line(tmp_path: Path) -> None:

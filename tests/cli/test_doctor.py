@@ -14,14 +14,12 @@ import pytest
 from agentic_lora import cli
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from tests.cli.support import (
-    assert_one_error_line,
-    fleet_config,
-    only_line,
-    run_cli,
-    run_script,
-    scripted_fleet_config,
-)
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import fleet_config
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import scripted_fleet_config
 from tests.gateway.test_gateway import lora_server_info
 
 

@@ -14,15 +14,13 @@ from typing import Any
 import pytest
 
 from agentic_lora import cli
-from tests.cli.support import (
-    CONSOLE_SCRIPT,
-    assert_one_error_line,
-    clean_env,
-    only_line,
-    run_cli,
-    run_script,
-    sqlite_file,
-)
+from tests.cli.support import CONSOLE_SCRIPT
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import clean_env
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import sqlite_file
 
 
 def test_the_console_script_is_installed() -> None:

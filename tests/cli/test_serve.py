@@ -21,20 +21,18 @@ import pytest
 from agentic_lora import cli
 from agentic_lora.gateway.serve import serve
 from agentic_lora.testing.fleet import ScriptedFleet
-from tests.cli.support import (
-    CONSOLE_SCRIPT,
-    TOKEN,
-    assert_one_error_line,
-    clean_env,
-    closed_port,
-    fleet_config,
-    only_line,
-    run_cli,
-    run_script,
-    running_server,
-    scripted_fleet_config,
-    write_config,
-)
+from tests.cli.support import CONSOLE_SCRIPT
+from tests.cli.support import TOKEN
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import clean_env
+from tests.cli.support import closed_port
+from tests.cli.support import fleet_config
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import running_server
+from tests.cli.support import scripted_fleet_config
+from tests.cli.support import write_config
 
 
 def test_serve_with_unreachable_engines_is_one_line_and_serves_nothing(tmp_path: Path) -> None:

@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 
 from agentic_lora import cli
-from tests.cli.support import (
-    assert_one_error_line,
-    fingerprint,
-    only_line,
-    run_cli,
-    run_script,
-    sqlite_file,
-)
+from tests.cli.support import assert_one_error_line
+from tests.cli.support import fingerprint
+from tests.cli.support import only_line
+from tests.cli.support import run_cli
+from tests.cli.support import run_script
+from tests.cli.support import sqlite_file
 
 
 def test_a_missing_journal_is_one_line(tmp_path: Path) -> None:

@@ -9,19 +9,18 @@ from typing import Any
 import pytest
 import respx
 
-from agentic_lora.config import (
-    AgenticLoRASettings,
-    add_arguments,
-    check_engine_server_info,
-    from_args,
-    load_settings,
-    verify_fleet,
-)
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import add_arguments
+from agentic_lora.config import check_engine_server_info
+from agentic_lora.config import from_args
+from agentic_lora.config import load_settings
+from agentic_lora.config import verify_fleet
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
-from tests.session_support import ENGINES, make_transport
+from tests.session_support import ENGINES
+from tests.session_support import make_transport
 
 FLEET = [f"{n}={u}" for n, u in ENGINES.items()]
 

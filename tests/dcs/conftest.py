@@ -1,7 +1,10 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -10,24 +13,24 @@ import pytest
 import pytest_asyncio
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.client import SidecarClient
-from agentic_lora_dcs.plan import BucketPlan, plan_for_snapshot
-from agentic_lora_dcs.protocol import PROTOCOL_VERSION, BeginRequest
+from agentic_lora_dcs.plan import BucketPlan
+from agentic_lora_dcs.plan import plan_for_snapshot
+from agentic_lora_dcs.protocol import PROTOCOL_VERSION
+from agentic_lora_dcs.protocol import BeginRequest
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.foundation.identity import thaw_json
 from agentic_lora.registry.types import ReadyReceipt
-from tests.dcs.util import (
-    BUCKET_BYTES,
-    SIDECAR_TOKEN,
-    EdgeTransport,
-    SidecarProcess,
-    make_snapshot,
-    resend,
-    state_of,
-    target_for,
-)
+from tests.dcs.util import BUCKET_BYTES
+from tests.dcs.util import SIDECAR_TOKEN
+from tests.dcs.util import EdgeTransport
+from tests.dcs.util import SidecarProcess
+from tests.dcs.util import make_snapshot
+from tests.dcs.util import resend
+from tests.dcs.util import state_of
+from tests.dcs.util import target_for
 
 
 @pytest.fixture(scope="session")

@@ -24,16 +24,26 @@ from typing import Any
 
 import respx
 from agentic_lora_dcs.receiver import Receiver
-from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, serve
+from agentic_lora_dcs.sidecar import SidecarConfig
+from agentic_lora_dcs.sidecar import build_receiver
+from agentic_lora_dcs.sidecar import create_app
+from agentic_lora_dcs.sidecar import serve
 from pydantic import SecretStr
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from agentic_lora.engines.admin import EngineAdminClient
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from tests.dcs.util import SIDECAR_TOKEN
 
 

@@ -6,22 +6,25 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
-from agentic_lora_dcs.attempts import (
-    TRANSITIONS,
-    AttemptIdentity,
-    AttemptState,
-    BeginDecision,
-    BucketDecision,
-    EndDecision,
-    IllegalTransitionError,
-    Ledger,
-    Refused,
-)
+from agentic_lora_dcs.attempts import TRANSITIONS
+from agentic_lora_dcs.attempts import AttemptIdentity
+from agentic_lora_dcs.attempts import AttemptState
+from agentic_lora_dcs.attempts import BeginDecision
+from agentic_lora_dcs.attempts import BucketDecision
+from agentic_lora_dcs.attempts import EndDecision
+from agentic_lora_dcs.attempts import IllegalTransitionError
+from agentic_lora_dcs.attempts import Ledger
+from agentic_lora_dcs.attempts import Refused
 from agentic_lora_dcs.plan import plan_for_snapshot
-from agentic_lora_dcs.protocol import BucketState, CleanupOutcome, Reason
+from agentic_lora_dcs.protocol import BucketState
+from agentic_lora_dcs.protocol import CleanupOutcome
+from agentic_lora_dcs.protocol import Reason
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
 
 from tests.dcs.util import make_snapshot
 

@@ -8,9 +8,13 @@ import pytest
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.collective import SUPPORTED_BACKENDS
 
-from agentic_lora.engines.backends import Backend, EngineRef, load_backend
-from agentic_lora.errors import BackendRefusedError, ConfigurationError
-from tests.dcs.util import make_snapshot, target_for
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import load_backend
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
+from tests.dcs.util import make_snapshot
+from tests.dcs.util import target_for
 
 
 def _backend(collective_backend: str) -> DcsBackend:

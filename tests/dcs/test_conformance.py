@@ -17,13 +17,12 @@ from agentic_lora_dcs import DcsBackend
 from hypothesis import settings
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.testing.backend_conformance import (
-    BackendConformance,
-    BackendHarness,
-    Failure,
-    Operation,
-)
-from tests.dcs.util import SIDECAR_TOKEN, SidecarProcess
+from agentic_lora.testing.backend_conformance import BackendConformance
+from agentic_lora.testing.backend_conformance import BackendHarness
+from agentic_lora.testing.backend_conformance import Failure
+from agentic_lora.testing.backend_conformance import Operation
+from tests.dcs.util import SIDECAR_TOKEN
+from tests.dcs.util import SidecarProcess
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(120)]
 

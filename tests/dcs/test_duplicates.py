@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
-from tests.dcs.conftest import Cases, Publisher
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]
 

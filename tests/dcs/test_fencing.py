@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from agentic_lora_dcs.protocol import BucketRequest, CleanupOutcome, CleanupRequest, EndRequest
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import CleanupOutcome
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import EndRequest
 
 from agentic_lora.errors import BackendRefusedError
-from tests.dcs.conftest import Cases, Publisher
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]
 

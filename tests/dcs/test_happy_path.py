@@ -10,7 +10,10 @@ from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.plan import plan_for_snapshot
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from tests.dcs.util import SIDECAR_TOKEN, SidecarProcess, make_snapshot, target_for
+from tests.dcs.util import SIDECAR_TOKEN
+from tests.dcs.util import SidecarProcess
+from tests.dcs.util import make_snapshot
+from tests.dcs.util import target_for
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 

@@ -6,7 +6,8 @@ import json
 import random
 
 import pytest
-from agentic_lora_dcs.plan import BucketPlan, plan_for_snapshot
+from agentic_lora_dcs.plan import BucketPlan
+from agentic_lora_dcs.plan import plan_for_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError

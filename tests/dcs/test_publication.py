@@ -16,11 +16,18 @@ from agentic_lora_dcs import DcsBackend
 
 from agentic_lora.errors import StaleAttemptError
 from agentic_lora.foundation.identity import VersionRef
-from agentic_lora.publication.publisher import PublicationOutcome, Publisher
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import Publisher
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import ReadyReceipt, VersionState, new_request_id
-from tests.dcs.util import BUCKET_BYTES, SIDECAR_TOKEN, SidecarProcess, make_snapshot, state_of
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
+from tests.dcs.util import BUCKET_BYTES
+from tests.dcs.util import SIDECAR_TOKEN
+from tests.dcs.util import SidecarProcess
+from tests.dcs.util import make_snapshot
+from tests.dcs.util import state_of
 
 pytestmark = [pytest.mark.dcs, pytest.mark.timeout(60)]
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.dcs.conftest import Cases, Publisher
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
 from tests.dcs.util import BUCKET_BYTES
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]

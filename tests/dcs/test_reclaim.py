@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentic_lora.errors import BackendAmbiguousError
-from tests.dcs.conftest import Cases, Publisher
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]
 

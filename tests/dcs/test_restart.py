@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
-from tests.dcs.conftest import Cases, Publisher
-from tests.dcs.util import BUCKET_BYTES, SidecarProcess
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
+from tests.dcs.util import BUCKET_BYTES
+from tests.dcs.util import SidecarProcess
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]
 

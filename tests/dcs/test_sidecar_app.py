@@ -11,21 +11,26 @@ import pytest_asyncio
 import respx
 from agentic_lora_dcs import DcsBackend
 from agentic_lora_dcs.plan import plan_for_snapshot
-from agentic_lora_dcs.protocol import (
-    PROTOCOL_VERSION,
-    SIDECAR_TOKEN_ENV,
-    BeginRequest,
-    StatusReply,
-)
-from agentic_lora_dcs.sidecar import SidecarConfig, build_receiver, create_app, parse_args
-from pydantic import SecretStr, ValidationError
+from agentic_lora_dcs.protocol import PROTOCOL_VERSION
+from agentic_lora_dcs.protocol import SIDECAR_TOKEN_ENV
+from agentic_lora_dcs.protocol import BeginRequest
+from agentic_lora_dcs.protocol import StatusReply
+from agentic_lora_dcs.sidecar import SidecarConfig
+from agentic_lora_dcs.sidecar import build_receiver
+from agentic_lora_dcs.sidecar import create_app
+from agentic_lora_dcs.sidecar import parse_args
+from pydantic import SecretStr
+from pydantic import ValidationError
 
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.errors import BackendRefusedError, ConfigurationError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.identity import thaw_json
 from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
-from tests.dcs.util import SIDECAR_TOKEN, make_snapshot, target_for
+from tests.dcs.util import SIDECAR_TOKEN
+from tests.dcs.util import make_snapshot
+from tests.dcs.util import target_for
 
 ENGINE = "http://127.0.0.1:9/app"
 

@@ -6,19 +6,22 @@ import asyncio
 import datetime
 
 import pytest
-from agentic_lora_dcs.collective import AttemptGroup, CollectiveCounter, connect_store
-from agentic_lora_dcs.plan import BucketPlan, plan_for_snapshot
-from agentic_lora_dcs.protocol import (
-    BucketRequest,
-    BucketState,
-    CleanupOutcome,
-    CleanupRequest,
-    EndRequest,
-)
+from agentic_lora_dcs.collective import AttemptGroup
+from agentic_lora_dcs.collective import CollectiveCounter
+from agentic_lora_dcs.collective import connect_store
+from agentic_lora_dcs.plan import BucketPlan
+from agentic_lora_dcs.plan import plan_for_snapshot
+from agentic_lora_dcs.protocol import BucketRequest
+from agentic_lora_dcs.protocol import BucketState
+from agentic_lora_dcs.protocol import CleanupOutcome
+from agentic_lora_dcs.protocol import CleanupRequest
+from agentic_lora_dcs.protocol import EndRequest
 
 from agentic_lora.errors import BackendRefusedError
-from tests.dcs.conftest import Cases, Publisher
-from tests.dcs.util import BUCKET_BYTES, make_snapshot
+from tests.dcs.conftest import Cases
+from tests.dcs.conftest import Publisher
+from tests.dcs.util import BUCKET_BYTES
+from tests.dcs.util import make_snapshot
 
 pytestmark = [pytest.mark.dcs, pytest.mark.asyncio, pytest.mark.timeout(60)]
 

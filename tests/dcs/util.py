@@ -14,8 +14,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from agentic_lora.adapters.snapshot import AdapterSnapshot, TensorBlob
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.adapters.snapshot import TensorBlob
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.foundation.identity import make_lora_name
 
 REPO = Path(__file__).resolve().parents[2]

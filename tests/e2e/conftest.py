@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 import httpx
@@ -29,16 +30,16 @@ from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session import Session
-from tests.e2e.recording_proxy import RecordingProxy, TrafficLog, forbidden_exchanges
-from tests.e2e.support import (
-    ChatTokens,
-    EngineLog,
-    GatedBackend,
-    RegistryWatch,
-    fleet_config,
-    fresh_id,
-    open_on,
-)
+from tests.e2e.recording_proxy import RecordingProxy
+from tests.e2e.recording_proxy import TrafficLog
+from tests.e2e.recording_proxy import forbidden_exchanges
+from tests.e2e.support import ChatTokens
+from tests.e2e.support import EngineLog
+from tests.e2e.support import GatedBackend
+from tests.e2e.support import RegistryWatch
+from tests.e2e.support import fleet_config
+from tests.e2e.support import fresh_id
+from tests.e2e.support import open_on
 
 # The fleet fixtures (engine_env, model_fixture, engine_fleet) come from tests/conftest.py.
 

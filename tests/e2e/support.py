@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +24,15 @@ from agentic_lora_http import HttpPushBackend
 from tokenizers import Tokenizer
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import ReadyReceipt
-from agentic_lora.session import Session, Versioning
-from tests.e2e.recording_proxy import WAIT_GUARD_SECONDS, Exchange, Waiters
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
+from tests.e2e.recording_proxy import WAIT_GUARD_SECONDS
+from tests.e2e.recording_proxy import Exchange
+from tests.e2e.recording_proxy import Waiters
 
 __all__ = [
     "ChatTokens",

@@ -17,7 +17,9 @@ from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 from tests.e2e.conftest import Stack
 from tests.e2e.recording_proxy import Exchange
-from tests.e2e.support import fresh_id, scored_request, stored_names
+from tests.e2e.support import fresh_id
+from tests.e2e.support import scored_request
+from tests.e2e.support import stored_names
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

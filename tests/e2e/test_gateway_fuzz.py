@@ -16,13 +16,17 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
-from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import status_code_conformance
 
-from agentic_lora.config import load_settings, verify_fleet
+from agentic_lora.config import load_settings
+from agentic_lora.config import verify_fleet
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient

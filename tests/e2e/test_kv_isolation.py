@@ -21,7 +21,9 @@ import pytest
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
-from tests.e2e.support import Scored, fresh_id, scored
+from tests.e2e.support import Scored
+from tests.e2e.support import fresh_id
+from tests.e2e.support import scored
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -42,15 +42,13 @@ from agentic_lora.registry.types import VersionState
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
 from tests.e2e.recording_proxy import Rule
-from tests.e2e.support import (
-    Scored,
-    baseline_adapter,
-    fresh_id,
-    replay,
-    rid_is,
-    scored,
-    scored_request,
-)
+from tests.e2e.support import Scored
+from tests.e2e.support import baseline_adapter
+from tests.e2e.support import fresh_id
+from tests.e2e.support import replay
+from tests.e2e.support import rid_is
+from tests.e2e.support import scored
+from tests.e2e.support import scored_request
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

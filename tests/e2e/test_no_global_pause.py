@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import pytest
 
-from agentic_lora.publication.publisher import Phase, PublicationOutcome
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
-from tests.e2e.recording_proxy import FORBIDDEN_DURING_PUBLICATION, Waiters
-from tests.e2e.support import fresh_id, scored_request
+from tests.e2e.recording_proxy import FORBIDDEN_DURING_PUBLICATION
+from tests.e2e.recording_proxy import Waiters
+from tests.e2e.support import fresh_id
+from tests.e2e.support import scored_request
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

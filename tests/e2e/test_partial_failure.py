@@ -19,8 +19,12 @@ from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
-from tests.e2e.recording_proxy import Exchange, Rule
-from tests.e2e.support import fresh_id, scored, scored_request, stored_names
+from tests.e2e.recording_proxy import Exchange
+from tests.e2e.recording_proxy import Rule
+from tests.e2e.support import fresh_id
+from tests.e2e.support import scored
+from tests.e2e.support import scored_request
+from tests.e2e.support import stored_names
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -26,7 +26,9 @@ import contextlib
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,33 +39,31 @@ from agentic_lora_harness.engines import EngineFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.ray_actor import RayRegistryClient
-from agentic_lora.registry.types import RegistryStatus, VersionState
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
 from tests.chaos.scenarios import taps_on
-from tests.chaos.support import (
-    GUARD_SECONDS,
-    EngineTap,
-    adapter_of,
-    eventually,
-    is_generation,
-    local_ray_cluster,
-    session_tag,
-    wire_problems,
-)
+from tests.chaos.support import GUARD_SECONDS
+from tests.chaos.support import EngineTap
+from tests.chaos.support import adapter_of
+from tests.chaos.support import eventually
+from tests.chaos.support import is_generation
+from tests.chaos.support import local_ray_cluster
+from tests.chaos.support import session_tag
+from tests.chaos.support import wire_problems
 from tests.e2e.recording_proxy import TrafficLog
 
 ray = pytest.importorskip("ray")
 
-from agentic_lora_rollout import (  # noqa: E402
-    REGISTRY_NAMESPACE,
-    WorkerConfig,
-    reclaim_until_settled,
-    registry_actor,
-    rollout,
-    spawn_worker,
-    trainer_deployment,
-)
+from agentic_lora_rollout import REGISTRY_NAMESPACE  # noqa: E402
+from agentic_lora_rollout import WorkerConfig  # noqa: E402
+from agentic_lora_rollout import reclaim_until_settled  # noqa: E402
+from agentic_lora_rollout import registry_actor  # noqa: E402
+from agentic_lora_rollout import rollout  # noqa: E402
+from agentic_lora_rollout import spawn_worker  # noqa: E402
+from agentic_lora_rollout import trainer_deployment  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,17 @@ import pytest
 
 from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.publication.publisher import PublicationOutcome
-from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Session
 from tests.e2e.conftest import Stack
-from tests.e2e.recording_proxy import Exchange, Waiters
-from tests.e2e.support import Held, fresh_id, scored, scored_request, stored_names
+from tests.e2e.recording_proxy import Exchange
+from tests.e2e.recording_proxy import Waiters
+from tests.e2e.support import Held
+from tests.e2e.support import fresh_id
+from tests.e2e.support import scored
+from tests.e2e.support import scored_request
+from tests.e2e.support import stored_names
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

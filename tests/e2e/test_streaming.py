@@ -21,7 +21,8 @@ from agentic_lora.config import load_settings
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
-from tests.e2e.support import EngineLog, fresh_id
+from tests.e2e.support import EngineLog
+from tests.e2e.support import fresh_id
 from tests.streaming_support import served
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]

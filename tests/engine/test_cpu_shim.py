@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from agentic_lora_harness.cpu_shim import SHIM_ENV_FLAG, SITE_DIR
+from agentic_lora_harness.cpu_shim import SHIM_ENV_FLAG
+from agentic_lora_harness.cpu_shim import SITE_DIR
 
 
 def _shim() -> ModuleType:

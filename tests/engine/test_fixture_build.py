@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentic_lora_harness.fixture import (
-    ADAPTER_NAMES,
-    FixtureSpec,
-    build_fixture,
-    build_fixture_into,
-    cache_root,
-    fixture_key,
-)
+from agentic_lora_harness.fixture import ADAPTER_NAMES
+from agentic_lora_harness.fixture import FixtureSpec
+from agentic_lora_harness.fixture import build_fixture
+from agentic_lora_harness.fixture import build_fixture_into
+from agentic_lora_harness.fixture import cache_root
+from agentic_lora_harness.fixture import fixture_key
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -100,7 +98,8 @@ def test_destination_must_be_empty(tmp_path: Path) -> None:
 def _logits(built: Path, adapter: str | None) -> Any:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,15 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agentic_lora_harness.engine_env import (
-    SGLANG_VERSION,
-    EngineEnv,
-    EngineEnvError,
-    engine_venv_dir,
-    ensure_engine_env,
-)
-from agentic_lora_harness.engines import CPU_FLAGS, EngineFleet, EngineStartError, lora_flags
-from agentic_lora_harness.fixture import Fixture, FixtureSpec
+from agentic_lora_harness.engine_env import SGLANG_VERSION
+from agentic_lora_harness.engine_env import EngineEnv
+from agentic_lora_harness.engine_env import EngineEnvError
+from agentic_lora_harness.engine_env import engine_venv_dir
+from agentic_lora_harness.engine_env import ensure_engine_env
+from agentic_lora_harness.engines import CPU_FLAGS
+from agentic_lora_harness.engines import EngineFleet
+from agentic_lora_harness.engines import EngineStartError
+from agentic_lora_harness.engines import lora_flags
+from agentic_lora_harness.fixture import Fixture
+from agentic_lora_harness.fixture import FixtureSpec
 
 STAMP = ".agentic-lora-engine-env.json"
 

@@ -7,7 +7,9 @@ from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
 from agentic_lora.testing.backend_conformance import BackendConformance
-from agentic_lora.testing.scripted_harness import ScriptedHarness, sglang_engines, vllm_engines
+from agentic_lora.testing.scripted_harness import ScriptedHarness
+from agentic_lora.testing.scripted_harness import sglang_engines
+from agentic_lora.testing.scripted_harness import vllm_engines
 
 
 async def drained_at_once(lora_name: str) -> None:

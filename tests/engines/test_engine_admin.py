@@ -10,12 +10,11 @@ import pytest
 import pytest_asyncio
 import respx
 
-from agentic_lora.engines.admin import (
-    EngineAdminClient,
-    UnloadOutcome,
-    server_fingerprint,
-)
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError
+from agentic_lora.engines.admin import EngineAdminClient
+from agentic_lora.engines.admin import UnloadOutcome
+from agentic_lora.engines.admin import server_fingerprint
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
 from tests.direct_http import direct_only
 
 BASE = "http://127.0.0.1:30000"

@@ -13,24 +13,29 @@ import pytest
 import respx
 from agentic_lora_vllm.dialect import VllmDialect
 
-from agentic_lora.config import AgenticLoRASettings, add_arguments
-from agentic_lora.engines import SGLANG, load_dialect
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import add_arguments
+from agentic_lora.engines import SGLANG
+from agentic_lora.engines import load_dialect
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.dialect import DialectBase, EngineDialect
+from agentic_lora.engines.dialect import DialectBase
+from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLangDialect
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.engines.wire import HttpAnswer, Outcome, classify_exception
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendRefusedError,
-    ConfigurationError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-)
+from agentic_lora.engines.wire import HttpAnswer
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import classify_exception
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.requests import Route
-from agentic_lora.testing.dialect_contract import EngineAnswers, ScriptedHttp, check_dialect
+from agentic_lora.testing.dialect_contract import EngineAnswers
+from agentic_lora.testing.dialect_contract import ScriptedHttp
+from agentic_lora.testing.dialect_contract import check_dialect
 
 URL = "http://127.0.0.1:30000"
 

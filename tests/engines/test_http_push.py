@@ -15,8 +15,12 @@ import respx
 from agentic_lora_http import HttpPushBackend
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.testing.sglang_engine import EngineOp, ScriptedSGLangEngine
-from tests.engines.test_push_backends import NAME_A, TARGET_A, A, assert_unloaded_once
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
+from tests.engines.test_push_backends import NAME_A
+from tests.engines.test_push_backends import TARGET_A
+from tests.engines.test_push_backends import A
+from tests.engines.test_push_backends import assert_unloaded_once
 
 
 @dataclass

@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 import respx
 
-from agentic_lora.config import (
-    AgenticLoRASettings,
-    add_arguments,
-    from_args,
-    verify_fleet,
-)
-from agentic_lora.engines.pd import PDFleet, PDGroup, Role, RoleHealth, check_disaggregation_mode
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
+from agentic_lora.config import verify_fleet
+from agentic_lora.engines.pd import PDFleet
+from agentic_lora.engines.pd import PDGroup
+from agentic_lora.engines.pd import Role
+from agentic_lora.engines.pd import RoleHealth
+from agentic_lora.engines.pd import check_disaggregation_mode
 from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import ConfigurationError

@@ -8,7 +8,8 @@ HTTP edge); the real registry, Deployment, HTTP push backend, repairer and recla
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,18 @@ import pytest
 import pytest_asyncio
 
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.errors import RequestRefusedError, VersionUnavailableError
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import VersionUnavailableError
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.pd_fleet import ScriptedPDFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
 from tests.engines.test_pd import ROLES
 
 pytestmark = pytest.mark.asyncio

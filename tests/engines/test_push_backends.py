@@ -5,7 +5,8 @@ backend. HTTP push talks to SGLang, the vLLM backend to vLLM; what only one of t
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,19 @@ import respx
 from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
-from agentic_lora.errors import BackendAmbiguousError, BackendRefusedError, ConfigurationError
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.scripted_engine import Fault, FaultKind, ScriptedEngine
-from agentic_lora.testing.scripted_harness import sglang_engines, vllm_engines
+from agentic_lora.testing.scripted_engine import Fault
+from agentic_lora.testing.scripted_engine import FaultKind
+from agentic_lora.testing.scripted_engine import ScriptedEngine
+from agentic_lora.testing.scripted_harness import sglang_engines
+from agentic_lora.testing.scripted_harness import vllm_engines
 from agentic_lora.testing.sglang_engine import EngineOp
 from agentic_lora.testing.vllm_engine import VllmOp
 

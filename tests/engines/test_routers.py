@@ -7,27 +7,33 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from agentic_lora_routers import LeastInFlightRouter, SessionAffinityRouter
+from agentic_lora_routers import LeastInFlightRouter
+from agentic_lora_routers import SessionAffinityRouter
 from agentic_lora_routers.affinity import rendezvous_score
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agentic_lora.engines.backends import load_backend
 from agentic_lora.engines.dialect import load_dialect
-from agentic_lora.engines.routing import EngineHealth, Router, available_routers, load_router
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.routing import Router
+from agentic_lora.engines.routing import available_routers
+from agentic_lora.engines.routing import load_router
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.discovery import (
-    BACKENDS_GROUP,
-    ROUTERS_GROUP,
-    load_plugin,
-    plugin_names,
-)
+from agentic_lora.foundation.discovery import BACKENDS_GROUP
+from agentic_lora.foundation.discovery import ROUTERS_GROUP
+from agentic_lora.foundation.discovery import load_plugin
+from agentic_lora.foundation.discovery import plugin_names
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.types import Binding
-from agentic_lora.session.middleware import EngineCall, Middleware, RoutingMiddleware, build_chain
-from tests.session_support import harness, publish
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import Middleware
+from agentic_lora.session.middleware import RoutingMiddleware
+from agentic_lora.session.middleware import build_chain
+from tests.session_support import harness
+from tests.session_support import publish
 
 FLEET = ("e0", "e1", "e2", "e3")
 

@@ -10,15 +10,11 @@ import httpx
 import pytest
 import respx
 
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-)
-from tests.engines.test_transport import (
-    URL,
-    transport,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from tests.engines.test_transport import URL
+from tests.engines.test_transport import transport
 
 
 @pytest.mark.asyncio

@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,20 +22,16 @@ import respx
 from tenacity import wait_none
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.transport import (
-    GENERATION_STOP,
-    EngineReply,
-    EngineTransport,
-    Outcome,
-    classify_exception,
-    classify_status,
-)
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    UnknownEngineError,
-)
+from agentic_lora.engines.transport import GENERATION_STOP
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.engines.transport import Outcome
+from agentic_lora.engines.transport import classify_exception
+from agentic_lora.engines.transport import classify_status
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import UnknownEngineError
 
 URL = "http://127.0.0.1:30000"
 KINDS = ["aiohttp", "httpx"]

@@ -12,14 +12,10 @@ import respx
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestRefusedError,
-)
-from tests.engines.test_transport import (
-    URL,
-    transport,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestRefusedError
+from tests.engines.test_transport import URL
+from tests.engines.test_transport import transport
 
 
 @pytest.mark.asyncio

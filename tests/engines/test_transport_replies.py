@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 
 import httpx
 import pytest
 import respx
 
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import (
-    RequestIndeterminateError,
-    RequestRefusedError,
-)
-from tests.engines.test_transport import (
-    KINDS,
-    URL,
-    loopback_server,
-    read_request,
-    send_once,
-    transport,
-)
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from tests.engines.test_transport import KINDS
+from tests.engines.test_transport import URL
+from tests.engines.test_transport import loopback_server
+from tests.engines.test_transport import read_request
+from tests.engines.test_transport import send_once
+from tests.engines.test_transport import transport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

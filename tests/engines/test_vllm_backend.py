@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 import httpx
@@ -17,20 +18,19 @@ from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendError,
-    BackendRefusedError,
-    ConfigurationError,
-)
-from agentic_lora.testing.vllm_engine import Fault, FaultKind, ScriptedVllmEngine, VllmOp
-from tests.engines.test_push_backends import (
-    NAME_A,
-    TARGET_A,
-    A,
-    assert_unloaded_once,
-    drained_at_once,
-)
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.testing.vllm_engine import Fault
+from agentic_lora.testing.vllm_engine import FaultKind
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
+from agentic_lora.testing.vllm_engine import VllmOp
+from tests.engines.test_push_backends import NAME_A
+from tests.engines.test_push_backends import TARGET_A
+from tests.engines.test_push_backends import A
+from tests.engines.test_push_backends import assert_unloaded_once
+from tests.engines.test_push_backends import drained_at_once
 
 
 @dataclass

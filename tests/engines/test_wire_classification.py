@@ -21,7 +21,8 @@ import httpx
 import pytest
 import respx
 from aiohttp import client_exceptions as ce
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
+from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 from tenacity import wait_none
 from yarl import URL as YURL
@@ -29,24 +30,26 @@ from yarl import URL as YURL
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.engines.wire import (
-    EXCEPTION_TABLE,
-    WIRE_ERRORS,
-    Outcome,
-    ReplyTooDeepError,
-    classify_exception,
-    decode_body,
-)
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendRefusedError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-)
-from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH, error_payload, jsonable
-from tests.engines.test_transport import loopback_server, read_request, send_once
-from tests.gateway.test_gateway import BASE_MODEL, Stack, gateway_stack
+from agentic_lora.engines.wire import EXCEPTION_TABLE
+from agentic_lora.engines.wire import WIRE_ERRORS
+from agentic_lora.engines.wire import Outcome
+from agentic_lora.engines.wire import ReplyTooDeepError
+from agentic_lora.engines.wire import classify_exception
+from agentic_lora.engines.wire import decode_body
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH
+from agentic_lora.gateway.wire import error_payload
+from agentic_lora.gateway.wire import jsonable
+from tests.engines.test_transport import loopback_server
+from tests.engines.test_transport import read_request
+from tests.engines.test_transport import send_once
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import Stack
+from tests.gateway.test_gateway import gateway_stack
 
 URL = "http://127.0.0.1:30000"
 REFUSED, MAYBE = Outcome.REFUSED, Outcome.INDETERMINATE

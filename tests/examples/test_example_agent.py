@@ -12,38 +12,39 @@ import asyncio
 import itertools
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from agentic_lora_agent import (
-    REFERENCE_TABLE,
-    TASKS,
-    AgentConfig,
-    AgentObserver,
-    AttemptKind,
-    AttemptOutcome,
-    Calculator,
-    EpisodeStatus,
-    Lookup,
-    PlanStep,
-    ScriptedPolicy,
-    Task,
-    ToolAgent,
-    ToolBox,
-    ToolCall,
-    ToolError,
-    default_toolbox,
-    episode_json,
-    format_tool_call,
-    parse_tool_calls,
-    percentiles,
-    task_for,
-)
+from agentic_lora_agent import REFERENCE_TABLE
+from agentic_lora_agent import TASKS
+from agentic_lora_agent import AgentConfig
+from agentic_lora_agent import AgentObserver
+from agentic_lora_agent import AttemptKind
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import Calculator
+from agentic_lora_agent import EpisodeStatus
+from agentic_lora_agent import Lookup
+from agentic_lora_agent import PlanStep
+from agentic_lora_agent import ScriptedPolicy
+from agentic_lora_agent import Task
+from agentic_lora_agent import ToolAgent
+from agentic_lora_agent import ToolBox
+from agentic_lora_agent import ToolCall
+from agentic_lora_agent import ToolError
+from agentic_lora_agent import default_toolbox
+from agentic_lora_agent import episode_json
+from agentic_lora_agent import format_tool_call
+from agentic_lora_agent import parse_tool_calls
+from agentic_lora_agent import percentiles
+from agentic_lora_agent import task_for
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -14,16 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-from agentic_lora_agent import (
-    AttemptOutcome,
-    EpisodeStatus,
-    ScriptedPolicy,
-    ToolAgent,
-    default_toolbox,
-)
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import EpisodeStatus
+from agentic_lora_agent import ScriptedPolicy
+from agentic_lora_agent import ToolAgent
+from agentic_lora_agent import default_toolbox
 
-from agentic_lora.testing.streams import ScriptedStream, stream_reply
-from tests.examples.test_example_agent import OSLO, SHORT, ScriptedChat, world
+from agentic_lora.testing.streams import ScriptedStream
+from agentic_lora.testing.streams import stream_reply
+from tests.examples.test_example_agent import OSLO
+from tests.examples.test_example_agent import SHORT
+from tests.examples.test_example_agent import ScriptedChat
+from tests.examples.test_example_agent import world
 
 
 def as_chunks(completion: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,7 +12,9 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from agentic_lora.errors import ConfigurationError
-from agentic_lora.foundation.auth import BearerTokenMiddleware, bearer_matches, read_token
+from agentic_lora.foundation.auth import BearerTokenMiddleware
+from agentic_lora.foundation.auth import bearer_matches
+from agentic_lora.foundation.auth import read_token
 
 
 def test_a_file_wins_over_the_environment_and_whitespace_is_not_the_token(

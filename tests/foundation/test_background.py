@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from agentic_lora.foundation.background import Rounds, stop_loop
+from agentic_lora.foundation.background import Rounds
+from agentic_lora.foundation.background import stop_loop
 
 pytestmark = pytest.mark.asyncio
 

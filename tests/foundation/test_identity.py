@@ -17,29 +17,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentic_lora.adapters.safetensors_io import TensorRecord
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    InvalidAdapterError,
-    InvalidIdentityError,
-    error_from_code,
-)
-from agentic_lora.foundation.identity import (
-    MANIFEST_FORMAT,
-    LoraName,
-    Manifest,
-    ManifestEntry,
-    canonical_json,
-    compute_digest,
-    freeze_json,
-    make_lora_name,
-    parse_lora_name,
-    tensor_sha256,
-    thaw_json,
-    validate_deployment_epoch,
-    validate_digest,
-    validate_prefix,
-    validate_version_id,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import InvalidIdentityError
+from agentic_lora.errors import error_from_code
+from agentic_lora.foundation.identity import MANIFEST_FORMAT
+from agentic_lora.foundation.identity import LoraName
+from agentic_lora.foundation.identity import Manifest
+from agentic_lora.foundation.identity import ManifestEntry
+from agentic_lora.foundation.identity import canonical_json
+from agentic_lora.foundation.identity import compute_digest
+from agentic_lora.foundation.identity import freeze_json
+from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.foundation.identity import parse_lora_name
+from agentic_lora.foundation.identity import tensor_sha256
+from agentic_lora.foundation.identity import thaw_json
+from agentic_lora.foundation.identity import validate_deployment_epoch
+from agentic_lora.foundation.identity import validate_digest
+from agentic_lora.foundation.identity import validate_prefix
+from agentic_lora.foundation.identity import validate_version_id
 
 TOKEN_CHARS = string.ascii_letters + string.digits + "._-"
 tokens = st.text(alphabet=TOKEN_CHARS, min_size=1, max_size=64)

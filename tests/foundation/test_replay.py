@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_none
+from tenacity import AsyncRetrying
+from tenacity import RetryCallState
+from tenacity import stop_after_attempt
+from tenacity import wait_none
 
 from agentic_lora.errors import SessionStateError
-from agentic_lora.foundation.replay import RegistryRetry, after_failure
+from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.foundation.replay import after_failure
 
 
 class LostReply(ConnectionError):

@@ -9,18 +9,16 @@ from typing import Any
 import pytest
 
 from agentic_lora.errors import InvalidRequestError
-from agentic_lora.foundation.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    GenerateResponse,
-    Route,
-    SamplingParams,
-    check_shape,
-    new_rid,
-    parse_request,
-    request_body,
-)
+from agentic_lora.foundation.requests import ChatCompletionRequest
+from agentic_lora.foundation.requests import CompletionRequest
+from agentic_lora.foundation.requests import GenerateRequest
+from agentic_lora.foundation.requests import GenerateResponse
+from agentic_lora.foundation.requests import Route
+from agentic_lora.foundation.requests import SamplingParams
+from agentic_lora.foundation.requests import check_shape
+from agentic_lora.foundation.requests import new_rid
+from agentic_lora.foundation.requests import parse_request
+from agentic_lora.foundation.requests import request_body
 
 
 def test_generate_body_has_only_what_was_set_plus_extras() -> None:

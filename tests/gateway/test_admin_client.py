@@ -14,19 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    VersionConflictError,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.gateway.client import AdminClient
-from agentic_lora.gateway.wire import (
-    NDJSON,
-)
-from tests.gateway.test_gateway import (
-    ADMIN_TOKEN,
-)
+from agentic_lora.gateway.wire import NDJSON
+from tests.gateway.test_gateway import ADMIN_TOKEN
 
 
 class Peer:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.gateway.test_gateway import (
-    ADMIN_TOKEN,
-    gateway_stack,
-)
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.gateway.test_gateway import ADMIN_TOKEN
+from tests.gateway.test_gateway import gateway_stack
 
 pytestmark = pytest.mark.asyncio
 

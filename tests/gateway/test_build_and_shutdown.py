@@ -11,18 +11,16 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.errors import (
-    ConfigurationError,
-    JournalCorruptError,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import JournalCorruptError
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.gateway.test_gateway import (
-    ADMIN_TOKEN,
-    gateway_stack,
-    settings_for,
-)
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.gateway.test_gateway import ADMIN_TOKEN
+from tests.gateway.test_gateway import gateway_stack
+from tests.gateway.test_gateway import settings_for
 
 pytestmark = pytest.mark.asyncio
 

@@ -13,7 +13,8 @@ import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,23 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from agentic_lora.config import load_settings
-from agentic_lora.errors import (
-    AccessDeniedError,
-    CapacityError,
-    InvalidAdapterError,
-    VersionConflictError,
-)
+from agentic_lora.errors import AccessDeniedError
+from agentic_lora.errors import CapacityError
+from agentic_lora.errors import InvalidAdapterError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.gateway.sessions import IdleReaped
 from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
-from agentic_lora.testing.streams import ScriptedStream, openai_chunks, stream_reply
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
+from agentic_lora.testing.streams import ScriptedStream
+from agentic_lora.testing.streams import openai_chunks
+from agentic_lora.testing.streams import stream_reply
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,23 +12,26 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
-from schemathesis.specs.openapi.checks import (
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import status_code_conformance
 
-from tests.gateway.test_gateway import Stack, gateway_stack
+from tests.gateway.test_gateway import Stack
+from tests.gateway.test_gateway import gateway_stack
 
 _T = TypeVar("_T")
 # The generation routes and the close routes: where a Session could be opened, leaked or closed

@@ -14,15 +14,14 @@ import httpx
 import pytest
 
 from agentic_lora.gateway.limits import GatewayLimits
-from agentic_lora.gateway.security import AccessLogRedactor, SessionTagger
-from tests.gateway.test_gateway import (
-    ADMIN_TOKEN,
-    BASE_MODEL,
-    Stack,
-    chat,
-    gateway_stack,
-    lora_server_info,
-)
+from agentic_lora.gateway.security import AccessLogRedactor
+from agentic_lora.gateway.security import SessionTagger
+from tests.gateway.test_gateway import ADMIN_TOKEN
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import Stack
+from tests.gateway.test_gateway import chat
+from tests.gateway.test_gateway import gateway_stack
+from tests.gateway.test_gateway import lora_server_info
 
 CHAT = "/v1/chat/completions"
 

@@ -13,42 +13,47 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import openai
 import pytest
 
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import add_arguments, from_args, load_settings
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    ConfigurationError,
-    RequestRefusedError,
-    SessionClosedError,
-    SessionReleaseError,
-    SessionStateError,
-)
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
+from agentic_lora.config import load_settings
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import SessionStateError
 from agentic_lora.gateway.app import Gateway
-from agentic_lora.gateway.sessions import GatewaySessions, IdleReaped
+from agentic_lora.gateway.sessions import GatewaySessions
+from agentic_lora.gateway.sessions import IdleReaped
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import LeaseGrant, NamedSession, RegistryStatus, VersionStatus
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionStatus
 from agentic_lora.registry.verbs import RegistryVerbs
-from agentic_lora.session import SessionPhase, Versioning
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import Versioning
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
-from tests.gateway.test_gateway import (
-    ADMIN_TOKEN,
-    BASE_MODEL,
-    OpenAIRoutes,
-    Stack,
-    chat,
-    lora_name,
-    served_version,
-    settings_for,
-)
+from tests.gateway.test_gateway import ADMIN_TOKEN
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import OpenAIRoutes
+from tests.gateway.test_gateway import Stack
+from tests.gateway.test_gateway import chat
+from tests.gateway.test_gateway import lora_name
+from tests.gateway.test_gateway import served_version
+from tests.gateway.test_gateway import settings_for
 
 pytestmark = pytest.mark.asyncio
 

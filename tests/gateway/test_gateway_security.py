@@ -16,14 +16,17 @@ import httpx
 import pytest
 import uvicorn
 
-from agentic_lora.config import add_arguments, from_args
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import SessionClosedError
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.gateway.limits import GatewayLimits
 from agentic_lora.gateway.security import redacted_path
 from tests.direct_http import direct_only
-from tests.gateway.test_gateway import ADMIN_TOKEN, chat, gateway_stack
+from tests.gateway.test_gateway import ADMIN_TOKEN
+from tests.gateway.test_gateway import chat
+from tests.gateway.test_gateway import gateway_stack
 
 # --- every refusal in one shape -----------------------------------------------------------------
 

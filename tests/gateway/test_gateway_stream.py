@@ -17,13 +17,15 @@ import aiohttp
 import openai
 import pytest
 
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from agentic_lora.testing.streams import (
-    ScriptedStream,
-    StreamEnding,
-    generate_chunks,
-)
-from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from agentic_lora.testing.streams import ScriptedStream
+from agentic_lora.testing.streams import StreamEnding
+from agentic_lora.testing.streams import generate_chunks
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import gateway_stack
+from tests.gateway.test_gateway import lora_name
 from tests.streaming_support import served
 
 pytestmark = pytest.mark.asyncio

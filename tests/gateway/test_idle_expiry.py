@@ -11,17 +11,13 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    SessionReleaseError,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import SessionReleaseError
 from agentic_lora.gateway.sessions import IdleReaped
 from agentic_lora.session import SessionPhase
-from tests.gateway.test_gateway import (
-    FakeClock,
-    chat,
-    gateway_stack,
-)
+from tests.gateway.test_gateway import FakeClock
+from tests.gateway.test_gateway import chat
+from tests.gateway.test_gateway import gateway_stack
 
 pytestmark = pytest.mark.asyncio
 

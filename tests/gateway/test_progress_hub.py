@@ -10,7 +10,9 @@ from collections.abc import Callable
 import pytest
 
 from agentic_lora.gateway.progress import ProgressHub
-from agentic_lora.publication.publisher import Phase, PhaseEvent, PhaseStatus
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
 
 
 def event(engine: str | None, phase: Phase = Phase.PREPARE) -> PhaseEvent:

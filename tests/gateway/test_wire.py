@@ -8,20 +8,16 @@ import enum
 import json
 from pathlib import Path
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    ConfigurationError,
-    NoPublishedVersionError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    VersionConflictError,
-)
-from agentic_lora.gateway.wire import (
-    error_payload,
-    http_status,
-    jsonable,
-    should_retry,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import VersionConflictError
+from agentic_lora.gateway.wire import error_payload
+from agentic_lora.gateway.wire import http_status
+from agentic_lora.gateway.wire import jsonable
+from agentic_lora.gateway.wire import should_retry
 
 
 class Color(enum.Enum):

@@ -14,7 +14,9 @@ import pytest_asyncio
 from aiohttp import web
 
 from tests.chaos.support import EngineTap
-from tests.e2e.recording_proxy import RecordingProxy, Rule, TrafficLog
+from tests.e2e.recording_proxy import RecordingProxy
+from tests.e2e.recording_proxy import Rule
+from tests.e2e.recording_proxy import TrafficLog
 
 pytestmark = pytest.mark.asyncio
 

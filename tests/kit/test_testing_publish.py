@@ -9,13 +9,11 @@ import pytest
 from agentic_lora.errors import NotReadyError
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionState
-from agentic_lora.testing.publish import (
-    commit_staged,
-    digest_for,
-    publish_by_verbs,
-    receipt_for,
-    stage,
-)
+from agentic_lora.testing.publish import commit_staged
+from agentic_lora.testing.publish import digest_for
+from agentic_lora.testing.publish import publish_by_verbs
+from agentic_lora.testing.publish import receipt_for
+from agentic_lora.testing.publish import stage
 
 ENGINES = ("e0", "e1")
 

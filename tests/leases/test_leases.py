@@ -21,40 +21,41 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
-from tenacity import wait_fixed, wait_none
+from tenacity import wait_fixed
+from tenacity import wait_none
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.errors import (
-    ConfigurationError,
-    RequestRefusedError,
-    SessionExpiredError,
-    SessionStillBoundError,
-)
-from agentic_lora.leases import (
-    DEFAULT_LEASE_TTL,
-    LeaseEvent,
-    LeaseEventKind,
-    LeaseKeeper,
-    LeaseState,
-    default_owner,
-)
-from agentic_lora.publication.publisher import PublicationOutcome, Publisher, RegistryRetry
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.leases import DEFAULT_LEASE_TTL
+from agentic_lora.leases import LeaseEvent
+from agentic_lora.leases import LeaseEventKind
+from agentic_lora.leases import LeaseKeeper
+from agentic_lora.leases import LeaseState
+from agentic_lora.leases import default_owner
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.publisher import RegistryRetry
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import LeaseStatus, VersionState, new_request_id
-from agentic_lora.session import Session, SessionPhase, Versioning
+from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session import Session
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
-from tests.session_support import (
-    ENGINES,
-    Harness,
-    harness,
-    make_transport,
-    publish,
-)
+from tests.session_support import ENGINES
+from tests.session_support import Harness
+from tests.session_support import harness
+from tests.session_support import make_transport
+from tests.session_support import publish
 
 pytestmark = pytest.mark.asyncio
 

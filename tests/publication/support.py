@@ -7,23 +7,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+from typing import Protocol
 
 from agentic_lora_http import HttpPushBackend
 from tenacity import wait_none
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.publication.publisher import (
-    Phase,
-    PhaseEvent,
-    PhaseStatus,
-    PublicationOutcome,
-    Publisher,
-    RegistryRetry,
-)
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.publisher import RegistryRetry
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet

@@ -8,8 +8,10 @@ timings).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +20,32 @@ import pytest_asyncio
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import PublicationTarget
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendRefusedError,
-    PublicationBlockedError,
-    VersionConflictError,
-)
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import PublicationBlockedError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.identity import make_lora_name
-from agentic_lora.publication.publisher import (
-    Phase,
-    PhaseEvent,
-    PhaseStatus,
-    PublicationOutcome,
-    PublicationResult,
-    Publisher,
-)
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.publication.publisher import Publisher
 from agentic_lora.publication.reclaimer import Reclaimer
-from agentic_lora.registry.types import Binding, VersionState, new_request_id
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.testing.adapters import tiny_snapshot
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication.support import FAST, A, B, C, LinkedWorld, ground, publish
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.publication.support import FAST
+from tests.publication.support import A
+from tests.publication.support import B
+from tests.publication.support import C
+from tests.publication.support import LinkedWorld
+from tests.publication.support import ground
+from tests.publication.support import publish
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,13 +17,23 @@ import pytest_asyncio
 from agentic_lora_http import HttpPushBackend
 
 from agentic_lora.errors import CapacityError
-from agentic_lora.publication.publisher import PublicationOutcome, Publisher
-from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.reclaimer import Reclaimer
+from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication.support import FAST, A, B, C, ground, publish
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.publication.support import FAST
+from tests.publication.support import A
+from tests.publication.support import B
+from tests.publication.support import C
+from tests.publication.support import ground
+from tests.publication.support import publish
 from tests.publication_support import RegistryReads
 
 pytestmark = pytest.mark.asyncio

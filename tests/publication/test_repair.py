@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,47 +28,46 @@ from tenacity import wait_none
 
 from agentic_lora.adapters.store import AdapterStore
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import add_arguments, from_args, load_settings
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
+from agentic_lora.config import load_settings
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.routing import EngineHealth
-from agentic_lora.errors import (
-    ConfigurationError,
-    JournalError,
-    RequestRefusedError,
-    VersionConflictError,
-    VersionUnavailableError,
-)
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import JournalError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import VersionConflictError
+from agentic_lora.errors import VersionUnavailableError
 from agentic_lora.gateway.app import Gateway
-from agentic_lora.publication.publisher import (
-    Phase,
-    PhaseEvent,
-    PhaseStatus,
-    Publisher,
-    RegistryRetry,
-)
-from agentic_lora.publication.reclaimer import Reclaimer, ReclaimOutcome
-from agentic_lora.publication.repair import (
-    SNAPSHOT_UNAVAILABLE,
-    Repairer,
-    RepairOutcome,
-    SnapshotCache,
-    VersionLocks,
-    repairable,
-)
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseEvent
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.publisher import RegistryRetry
+from agentic_lora.publication.reclaimer import Reclaimer
+from agentic_lora.publication.reclaimer import ReclaimOutcome
+from agentic_lora.publication.repair import SNAPSHOT_UNAVAILABLE
+from agentic_lora.publication.repair import Repairer
+from agentic_lora.publication.repair import RepairOutcome
+from agentic_lora.publication.repair import SnapshotCache
+from agentic_lora.publication.repair import VersionLocks
+from agentic_lora.publication.repair import repairable
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
-from agentic_lora.registry.types import (
-    ReadyReceipt,
-    RegistryStatus,
-    VersionState,
-    VersionStatus,
-    new_request_id,
-)
+from agentic_lora.registry.ray_actor import RayRegistryClient
+from agentic_lora.registry.ray_actor import RegistryActor
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Session
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.publish import publish_by_verbs
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 from tests.e2e.support import open_on
 from tests.session_support import RecordingRegistry
 

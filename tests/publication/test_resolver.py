@@ -23,13 +23,27 @@ from agentic_lora_http import HttpPushBackend
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import PublicationBlockedError
-from agentic_lora.publication.publisher import Phase, PhaseStatus, PublicationOutcome, Publisher
-from agentic_lora.publication.resolver import Resolver, backoff
+from agentic_lora.publication.publisher import Phase
+from agentic_lora.publication.publisher import PhaseStatus
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import Publisher
+from agentic_lora.publication.resolver import Resolver
+from agentic_lora.publication.resolver import backoff
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import VersionState, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.publication.support import FAST, A, B, C, LinkedWorld, Progress, ground, publish
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.publication.support import FAST
+from tests.publication.support import A
+from tests.publication.support import B
+from tests.publication.support import C
+from tests.publication.support import LinkedWorld
+from tests.publication.support import Progress
+from tests.publication.support import ground
+from tests.publication.support import publish
 from tests.session_support import Calls
 
 pytestmark = pytest.mark.asyncio

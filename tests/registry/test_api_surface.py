@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.registry.api import (
-    RegistryAPI,
-    change_feed,
-    in_process_core,
-    peeker,
-    refusal_feed,
-)
-from agentic_lora.registry.core import MUTATING_VERBS, RegistryCore
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.api import change_feed
+from agentic_lora.registry.api import in_process_core
+from agentic_lora.registry.api import peeker
+from agentic_lora.registry.api import refusal_feed
+from agentic_lora.registry.core import MUTATING_VERBS
+from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.ray_actor import RayRegistryClient
-from agentic_lora.registry.types import RegistryStatus, VersionStatus
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionStatus
 from agentic_lora.registry.verbs import RegistryVerbs
 
 

@@ -8,26 +8,37 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.errors import (
-    CapacityError,
-    EngineRestartedError,
-    InvalidStateError,
-    NoPublishedVersionError,
-    NotReadyError,
-    PublicationBlockedError,
-    ReadyMismatchError,
-    RevisionConflictError,
-    SessionClosedError,
-    SessionStillBoundError,
-    StaleAttemptError,
-    UnknownEngineError,
-    UnknownVersionError,
-    VersionConflictError,
-)
+from agentic_lora.errors import CapacityError
+from agentic_lora.errors import EngineRestartedError
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import NotReadyError
+from agentic_lora.errors import PublicationBlockedError
+from agentic_lora.errors import ReadyMismatchError
+from agentic_lora.errors import RevisionConflictError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.errors import StaleAttemptError
+from agentic_lora.errors import UnknownEngineError
+from agentic_lora.errors import UnknownVersionError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.types import ReadyReceipt, ReserveOutcome, SessionState, VersionState
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReserveOutcome
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import VersionState
 
-from .util import E0, E1, bind, call, close, digest_of, new_core, publish, ready, receipt, reclaim
+from .util import E0
+from .util import E1
+from .util import bind
+from .util import call
+from .util import close
+from .util import digest_of
+from .util import new_core
+from .util import publish
+from .util import ready
+from .util import receipt
+from .util import reclaim
 
 
 def test_split_fleet_ready_keeps_default_until_every_engine_is_ready() -> None:

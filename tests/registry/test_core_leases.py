@@ -15,41 +15,36 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    EngineRestartedError,
-    InvalidStateError,
-    LeaseExpiredError,
-    SessionClosedError,
-    SessionExpiredError,
-)
-from agentic_lora.registry.core import TIMED_VERBS, RegistryCore
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import EngineRestartedError
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import LeaseExpiredError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionExpiredError
+from agentic_lora.registry.core import TIMED_VERBS
+from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import (
-    NamedSession,
-    SessionState,
-    SweepResult,
-    VersionState,
-    new_request_id,
-)
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.testing.publish import publish_by_verbs
 
-from .util import (
-    E0,
-    E1,
-    FakeClock,
-    bind,
-    bind_on,
-    call,
-    close,
-    digest_of,
-    lease,
-    new_core,
-    publish,
-    ready,
-    receipt,
-    reclaim,
-)
+from .util import E0
+from .util import E1
+from .util import FakeClock
+from .util import bind
+from .util import bind_on
+from .util import call
+from .util import close
+from .util import digest_of
+from .util import lease
+from .util import new_core
+from .util import publish
+from .util import ready
+from .util import receipt
+from .util import reclaim
 
 W, G = "worker", "gateway"
 NAME_TTL = 100.0

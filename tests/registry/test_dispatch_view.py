@@ -4,8 +4,13 @@ engines as ``peek_version``, through a version's whole life."""
 from __future__ import annotations
 
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.types import DispatchView, Reservation
-from tests.registry.util import E0, E1, call, digest_of, ready
+from agentic_lora.registry.types import DispatchView
+from agentic_lora.registry.types import Reservation
+from tests.registry.util import E0
+from tests.registry.util import E1
+from tests.registry.util import call
+from tests.registry.util import digest_of
+from tests.registry.util import ready
 
 
 def agrees(core: RegistryCore, version_id: str) -> DispatchView | None:

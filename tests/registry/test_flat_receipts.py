@@ -24,18 +24,19 @@ from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.journal import _checksum
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import (
-    Binding,
-    CommitReceipt,
-    ReadyReceipt,
-    Reservation,
-    ReserveOutcome,
-    VersionState,
-    from_wire,
-    to_wire,
-)
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import ReserveOutcome
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import to_wire
 
-from .util import E0, E1, digest_of, new_core
+from .util import E0
+from .util import E1
+from .util import digest_of
+from .util import new_core
 
 DA, DB = digest_of("A"), digest_of("B")
 NAME_A = make_lora_name("policy_lora", 0, "A", DA)

@@ -5,24 +5,29 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentic_lora.errors import (
-    CapacityError,
-    JournalCorruptError,
-    JournalError,
-    JournalForeignError,
-)
-from agentic_lora.registry.journal import Journal, JournalEntry
+from agentic_lora.errors import CapacityError
+from agentic_lora.errors import JournalCorruptError
+from agentic_lora.errors import JournalError
+from agentic_lora.errors import JournalForeignError
+from agentic_lora.registry.journal import Journal
+from agentic_lora.registry.journal import JournalEntry
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import SessionState, VersionState, new_request_id
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.testing.publish import publish_by_verbs
 
-from .util import E0, E1, digest_of
+from .util import E0
+from .util import E1
+from .util import digest_of
 
 pytestmark = pytest.mark.asyncio
 

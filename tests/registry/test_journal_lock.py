@@ -17,12 +17,16 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.errors import JournalCorruptError, JournalError, JournalLockedError
+from agentic_lora.errors import JournalCorruptError
+from agentic_lora.errors import JournalError
+from agentic_lora.errors import JournalLockedError
 from agentic_lora.registry import journal as journal_module
-from agentic_lora.registry.journal import Journal, JournalEntry
+from agentic_lora.registry.journal import Journal
+from agentic_lora.registry.journal import JournalEntry
 from agentic_lora.registry.local import LocalRegistry
 
-from .util import E0, E1
+from .util import E0
+from .util import E1
 
 REPO = Path(__file__).resolve().parents[2]
 IDENTITY = {"x": 1}

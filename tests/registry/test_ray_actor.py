@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +16,20 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from agentic_lora.errors import CapacityError, NoPublishedVersionError, SessionClosedError  # noqa: E402
+from agentic_lora.errors import CapacityError  # noqa: E402
+from agentic_lora.errors import NoPublishedVersionError  # noqa: E402
+from agentic_lora.errors import SessionClosedError  # noqa: E402
 from agentic_lora.leases import LeaseKeeper  # noqa: E402
-from agentic_lora.registry.ray_actor import RayRegistryClient, connect  # noqa: E402
+from agentic_lora.registry.ray_actor import RayRegistryClient  # noqa: E402
+from agentic_lora.registry.ray_actor import connect  # noqa: E402
 from agentic_lora.registry.types import new_request_id  # noqa: E402
-from agentic_lora.testing.publish import commit_staged, publish_by_verbs, stage  # noqa: E402
+from agentic_lora.testing.publish import commit_staged  # noqa: E402
+from agentic_lora.testing.publish import publish_by_verbs  # noqa: E402
+from agentic_lora.testing.publish import stage  # noqa: E402
 
-from .util import E0, E1, digest_of  # noqa: E402
+from .util import E0  # noqa: E402
+from .util import E1  # noqa: E402
+from .util import digest_of  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.asyncio]
 

@@ -9,11 +9,18 @@ from typing import Any
 
 import pytest
 
-from agentic_lora.errors import AgenticLoRAError, SessionStillBoundError, UnknownVersionError
-from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
-from agentic_lora.registry.types import ReadyReceipt, VersionState, new_request_id
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import SessionStillBoundError
+from agentic_lora.errors import UnknownVersionError
+from agentic_lora.registry.ray_actor import RayRegistryClient
+from agentic_lora.registry.ray_actor import RegistryActor
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
 
-from .util import E0, E1, digest_of
+from .util import E0
+from .util import E1
+from .util import digest_of
 
 pytestmark = pytest.mark.asyncio
 

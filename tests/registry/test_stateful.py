@@ -15,36 +15,34 @@ import asyncio
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import (
-    Binding,
-    LeaseGrant,
-    NamedSession,
-    ReadyReceipt,
-    SessionState,
-    SweepResult,
-    VersionState,
-    from_wire,
-    new_request_id,
-)
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import NamedSession
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import SessionState
+from agentic_lora.registry.types import SweepResult
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import from_wire
+from agentic_lora.registry.types import new_request_id
 
-from .util import FakeClock, digest_of
+from .util import FakeClock
+from .util import digest_of
 
 ENGINES = ("e0", "e1")
 CAPACITY = 2

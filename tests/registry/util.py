@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from agentic_lora.registry.core import RegistryCore
-from agentic_lora.registry.types import (
-    Binding,
-    LeaseGrant,
-    ReadyReceipt,
-    Reservation,
-    new_request_id,
-)
-from agentic_lora.testing.publish import digest_for, receipt_for
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import Reservation
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.testing.publish import digest_for
+from agentic_lora.testing.publish import receipt_for
 
 E0, E1 = "e0", "e1"
 

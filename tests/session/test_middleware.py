@@ -3,42 +3,45 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from agentic_lora_vllm.dialect import VllmDialect
 
-from agentic_lora.engines.routing import EngineHealth, InFlightCounter
+from agentic_lora.engines.routing import EngineHealth
+from agentic_lora.engines.routing import InFlightCounter
 from agentic_lora.engines.transport import EngineReply
-from agentic_lora.errors import (
-    AdapterMismatchError,
-    ConfigurationError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    SessionStateError,
-    VersionNotDispatchableError,
-    VersionUnavailableError,
-)
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.errors import VersionNotDispatchableError
+from agentic_lora.errors import VersionUnavailableError
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import Binding, VersionState, VersionStatus, new_request_id
-from agentic_lora.session.middleware import (
-    AdapterInFlight,
-    AdapterPinMiddleware,
-    Dispatch,
-    DispatchGuardMiddleware,
-    EngineCall,
-    InFlight,
-    Middleware,
-    PeekGuard,
-    RoutingMiddleware,
-    build_chain,
-    pin_adapter,
-)
-from tests.session_support import Calls, harness, publish
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session.middleware import AdapterInFlight
+from agentic_lora.session.middleware import AdapterPinMiddleware
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import DispatchGuardMiddleware
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import InFlight
+from agentic_lora.session.middleware import Middleware
+from agentic_lora.session.middleware import PeekGuard
+from agentic_lora.session.middleware import RoutingMiddleware
+from agentic_lora.session.middleware import build_chain
+from agentic_lora.session.middleware import pin_adapter
+from tests.session_support import Calls
+from tests.session_support import harness
+from tests.session_support import publish
 
 VLLM = VllmDialect()
 LORA = "policy_lora@0-v1-0123456789abcdef"

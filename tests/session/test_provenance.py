@@ -22,8 +22,12 @@ from agentic_lora.registry.types import Binding
 from agentic_lora.session import Versioning
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind
-from tests.gateway.test_gateway import BASE_MODEL, gateway_stack, lora_name
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from tests.gateway.test_gateway import BASE_MODEL
+from tests.gateway.test_gateway import gateway_stack
+from tests.gateway.test_gateway import lora_name
 
 pytestmark = pytest.mark.asyncio
 

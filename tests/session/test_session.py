@@ -10,18 +10,25 @@ import asyncio
 
 import pytest
 
-from agentic_lora.errors import (
-    AdapterMismatchError,
-    InvalidRequestError,
-    NoPublishedVersionError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    SessionStateError,
-    VersionNotDispatchableError,
-)
-from agentic_lora.registry.types import Binding, VersionState, new_request_id
-from agentic_lora.session import Session, SessionPhase, Versioning
-from tests.session_support import BASE_MODEL, commit, harness, publish, ready, stage
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.errors import VersionNotDispatchableError
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session import Session
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import Versioning
+from tests.session_support import BASE_MODEL
+from tests.session_support import commit
+from tests.session_support import harness
+from tests.session_support import publish
+from tests.session_support import ready
+from tests.session_support import stage
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,9 +8,16 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from agentic_lora.errors import SessionClosedError, SessionReleaseError, SessionStateError
-from agentic_lora.session import TRANSITIONS, Session, SessionPhase, next_phase
-from tests.session_support import Harness, harness, publish
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionReleaseError
+from agentic_lora.errors import SessionStateError
+from agentic_lora.session import TRANSITIONS
+from agentic_lora.session import Session
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import next_phase
+from tests.session_support import Harness
+from tests.session_support import harness
+from tests.session_support import publish
 
 
 @pytest_asyncio.fixture

@@ -4,10 +4,12 @@ when nothing is left to wait for; every other close goes through the verbs (test
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import pytest
 from tenacity import wait_none
@@ -15,9 +17,16 @@ from tenacity import wait_none
 from agentic_lora.errors import SessionClosedError
 from agentic_lora.registry.api import session_closer
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import Binding, ReleaseResult, SessionStatus, new_request_id
-from agentic_lora.session import SessionPhase, Versioning
-from tests.session_support import BASE_MODEL, Harness, harness, publish
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import ReleaseResult
+from agentic_lora.registry.types import SessionStatus
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session import SessionPhase
+from agentic_lora.session import Versioning
+from tests.session_support import BASE_MODEL
+from tests.session_support import Harness
+from tests.session_support import harness
+from tests.session_support import publish
 
 pytestmark = pytest.mark.asyncio
 

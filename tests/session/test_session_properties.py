@@ -6,18 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from agentic_lora.errors import (
-    NoPublishedVersionError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-    SessionClosedError,
-    SessionReleaseError,
-)
+from agentic_lora.errors import NoPublishedVersionError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import SessionReleaseError
 from agentic_lora.session import SessionPhase
-from tests.session_support import Harness, harness, publish
+from tests.session_support import Harness
+from tests.session_support import harness
+from tests.session_support import publish
 
 STEPS = st.sampled_from(
     [

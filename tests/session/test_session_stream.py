@@ -15,14 +15,28 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from agentic_lora.errors import InvalidRequestError, RequestIndeterminateError, RequestRefusedError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.requests import Route
-from agentic_lora.session.middleware import EngineCall, InFlight
-from agentic_lora.session.streaming import StreamChunk, StreamEndpoint, UpstreamStream
-from agentic_lora.testing.sglang_engine import EngineOp, Fault, FaultKind, ScriptedSGLangEngine
-from agentic_lora.testing.streams import ScriptedStream, StreamEnding, generate_chunks
-from agentic_lora.testing.vllm_engine import ScriptedVllmEngine, VllmOp
-from tests.streaming_support import BASE_MODEL, URL, read_all, stream_harness
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import InFlight
+from agentic_lora.session.streaming import StreamChunk
+from agentic_lora.session.streaming import StreamEndpoint
+from agentic_lora.session.streaming import UpstreamStream
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
+from agentic_lora.testing.sglang_engine import FaultKind
+from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
+from agentic_lora.testing.streams import ScriptedStream
+from agentic_lora.testing.streams import StreamEnding
+from agentic_lora.testing.streams import generate_chunks
+from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
+from agentic_lora.testing.vllm_engine import VllmOp
+from tests.streaming_support import BASE_MODEL
+from tests.streaming_support import URL
+from tests.streaming_support import read_all
+from tests.streaming_support import stream_harness
 
 pytestmark = pytest.mark.asyncio
 

@@ -10,16 +10,16 @@ import asyncio
 
 import pytest
 
-from agentic_lora.errors import (
-    AdapterMismatchError,
-    ConfigurationError,
-    InvalidRequestError,
-    RequestIndeterminateError,
-    VersionNotDispatchableError,
-)
+from agentic_lora.errors import AdapterMismatchError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import InvalidRequestError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Versioning
-from tests.session_support import BASE_MODEL, harness, publish
+from tests.session_support import BASE_MODEL
+from tests.session_support import harness
+from tests.session_support import publish
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,24 +14,29 @@ from typing import Any
 import pytest
 
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import AgenticLoRASettings, load_settings
-from agentic_lora.engines.transport import EngineReply, EngineTransport
-from agentic_lora.errors import (
-    ConfigurationError,
-    SessionClosedError,
-    VersionTooStaleError,
-)
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
+from agentic_lora.engines.transport import EngineReply
+from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import SessionClosedError
+from agentic_lora.errors import VersionTooStaleError
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.provenance import CoreRevision, version_lag
-from agentic_lora.registry.ray_actor import RayRegistryClient, RegistryActor
-from agentic_lora.registry.types import Binding, VersionState
-from agentic_lora.session import Session, Versioning
+from agentic_lora.registry.provenance import CoreRevision
+from agentic_lora.registry.provenance import version_lag
+from agentic_lora.registry.ray_actor import RayRegistryClient
+from agentic_lora.registry.ray_actor import RegistryActor
+from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import VersionState
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
 from agentic_lora.session.middleware import PeekGuard
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
-from agentic_lora.testing.sglang_engine import EngineOp, Fault
+from agentic_lora.testing.sglang_engine import EngineOp
+from agentic_lora.testing.sglang_engine import Fault
 
 pytestmark = pytest.mark.asyncio
 

@@ -21,9 +21,12 @@ import pytest
 from agentic_lora_harness.fixture import Fixture
 from agentic_lora_harness.pytest_fixtures import write_fleet_report
 from agentic_lora_harness.vllm_engines import VllmFleet
-from agentic_lora_harness.vllm_env import VllmEnv, ensure_vllm_env
+from agentic_lora_harness.vllm_env import VllmEnv
+from agentic_lora_harness.vllm_env import ensure_vllm_env
 
-from tests.vllm.engine_gate import ENGINE_SITE, HOLD_GATE_PROCESSOR, EngineGate
+from tests.vllm.engine_gate import ENGINE_SITE
+from tests.vllm.engine_gate import HOLD_GATE_PROCESSOR
+from tests.vllm.engine_gate import EngineGate
 
 __all__ = ["engine_gate", "vllm_env", "vllm_fleet"]
 

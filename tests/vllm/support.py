@@ -6,7 +6,8 @@ from typing import Any
 
 from agentic_lora_harness.vllm_engines import VllmFleet
 
-from agentic_lora.config import AgenticLoRASettings, load_settings
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.config import load_settings
 
 
 def vllm_settings(fleet: VllmFleet, lora_name_prefix: str, **values: Any) -> AgenticLoRASettings:

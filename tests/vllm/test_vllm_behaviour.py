@@ -28,9 +28,11 @@ from agentic_lora_vllm.metrics import parse_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import EngineRef, PublicationTarget
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.foundation.identity import make_lora_name
-from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
+from tests.vllm.engine_gate import WAIT_GUARD_SECONDS
+from tests.vllm.engine_gate import EngineGate
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]
 

@@ -29,8 +29,11 @@ from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
-from agentic_lora.registry.types import VersionState, new_request_id
-from agentic_lora.session.middleware import Dispatch, EngineCall, Middleware
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import new_request_id
+from agentic_lora.session.middleware import Dispatch
+from agentic_lora.session.middleware import EngineCall
+from agentic_lora.session.middleware import Middleware
 from tests.session_support import Calls
 from tests.vllm.engine_gate import EngineGate
 from tests.vllm.support import vllm_settings

@@ -26,7 +26,8 @@ from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import new_request_id
 from tests.session_support import Calls
 from tests.streaming_support import served
-from tests.vllm.engine_gate import WAIT_GUARD_SECONDS, EngineGate
+from tests.vllm.engine_gate import WAIT_GUARD_SECONDS
+from tests.vllm.engine_gate import EngineGate
 from tests.vllm.support import vllm_settings
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm, pytest.mark.slow]

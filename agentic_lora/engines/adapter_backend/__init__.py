@@ -10,12 +10,11 @@
 * :class:`IncarnationTracker`: engine incarnations from a fingerprint and lost adapters.
 """
 
-from agentic_lora.engines.adapter_backend.base import (
-    AdapterAdmin,
-    AdapterDirectoryBackend,
-    DrainHook,
-)
-from agentic_lora.engines.adapter_backend.fences import AttemptFences, Verdict
+from agentic_lora.engines.adapter_backend.base import AdapterAdmin
+from agentic_lora.engines.adapter_backend.base import AdapterDirectoryBackend
+from agentic_lora.engines.adapter_backend.base import DrainHook
+from agentic_lora.engines.adapter_backend.fences import AttemptFences
+from agentic_lora.engines.adapter_backend.fences import Verdict
 from agentic_lora.engines.adapter_backend.incarnation import IncarnationTracker
 
 __all__ = [

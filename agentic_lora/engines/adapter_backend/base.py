@@ -34,29 +34,30 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import Generic
+from typing import Protocol
+from typing import TypeVar
 
 import httpx
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.adapters.store import AdapterStore
-from agentic_lora.engines.adapter_backend.fences import AttemptFences, Verdict
+from agentic_lora.engines.adapter_backend.fences import AttemptFences
+from agentic_lora.engines.adapter_backend.fences import Verdict
 from agentic_lora.engines.adapter_backend.incarnation import IncarnationTracker
-from agentic_lora.engines.admin import AdminTimeouts, UnloadOutcome
-from agentic_lora.engines.backends import (
-    EngineRef,
-    PublicationTarget,
-    target_ambiguous,
-    target_refused,
-)
-from agentic_lora.errors import (
-    BackendAmbiguousError,
-    BackendError,
-    ConfigurationError,
-    VersionConflictError,
-)
+from agentic_lora.engines.admin import AdminTimeouts
+from agentic_lora.engines.admin import UnloadOutcome
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.engines.backends import target_ambiguous
+from agentic_lora.engines.backends import target_refused
+from agentic_lora.errors import BackendAmbiguousError
+from agentic_lora.errors import BackendError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.registry.types import ReadyReceipt
 

@@ -53,16 +53,18 @@ once the registry fail-stopped or stopped answering, or while no engine answers.
 """
 
 from agentic_lora.publication.repair.locks import VersionLocks
-from agentic_lora.publication.repair.probe import EngineProbe, ProbeResult, Readiness
-from agentic_lora.publication.repair.repairer import (
-    SNAPSHOT_UNAVAILABLE,
-    Repairer,
-    RepairOutcome,
-    RepairReport,
-    RepairResult,
-    repairable,
-)
-from agentic_lora.publication.repair.snapshots import SnapshotCache, SnapshotSource, StoredSnapshot
+from agentic_lora.publication.repair.probe import EngineProbe
+from agentic_lora.publication.repair.probe import ProbeResult
+from agentic_lora.publication.repair.probe import Readiness
+from agentic_lora.publication.repair.repairer import SNAPSHOT_UNAVAILABLE
+from agentic_lora.publication.repair.repairer import Repairer
+from agentic_lora.publication.repair.repairer import RepairOutcome
+from agentic_lora.publication.repair.repairer import RepairReport
+from agentic_lora.publication.repair.repairer import RepairResult
+from agentic_lora.publication.repair.repairer import repairable
+from agentic_lora.publication.repair.snapshots import SnapshotCache
+from agentic_lora.publication.repair.snapshots import SnapshotSource
+from agentic_lora.publication.repair.snapshots import StoredSnapshot
 
 __all__ = [
     "SNAPSHOT_UNAVAILABLE",

@@ -7,17 +7,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import KW_ONLY, dataclass, field
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import KW_ONLY
+from dataclasses import dataclass
+from dataclasses import field
 
-from agentic_lora.engines.backends import Backend, EngineRef
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.routing import EngineHealth
-from agentic_lora.errors import ConfigurationError, error_code
-from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import error_code
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.repair.snapshots import SnapshotCache
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import RegistryStatus, new_request_id
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import new_request_id
 
 __all__ = ["EngineProbe", "ProbeResult", "Readiness"]
 

@@ -9,31 +9,43 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.engines.backends import Backend, EngineRef, PublicationTarget
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.engines.routing import EngineHealth
-from agentic_lora.errors import (
-    BackendRefusedError,
-    ConfigurationError,
-    EngineRestartedError,
-    InvalidStateError,
-    RegistryError,
-    UnknownVersionError,
-    error_code,
-)
+from agentic_lora.errors import BackendRefusedError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import EngineRestartedError
+from agentic_lora.errors import InvalidStateError
+from agentic_lora.errors import RegistryError
+from agentic_lora.errors import UnknownVersionError
+from agentic_lora.errors import error_code
 from agentic_lora.foundation.background import Rounds
-from agentic_lora.foundation.phases import Phase, PhaseEvent, PhaseRecorder, PhaseStatus
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseRecorder
+from agentic_lora.foundation.phases import PhaseStatus
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair.locks import VersionLocks
-from agentic_lora.publication.repair.probe import EngineProbe, ProbeResult, Readiness
-from agentic_lora.publication.repair.snapshots import SnapshotCache, SnapshotSource
+from agentic_lora.publication.repair.probe import EngineProbe
+from agentic_lora.publication.repair.probe import ProbeResult
+from agentic_lora.publication.repair.probe import Readiness
+from agentic_lora.publication.repair.snapshots import SnapshotCache
+from agentic_lora.publication.repair.snapshots import SnapshotSource
 from agentic_lora.registry.api import RegistryAPI
-from agentic_lora.registry.types import VersionState, VersionStatus, new_request_id
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 
 __all__ = [
     "SNAPSHOT_UNAVAILABLE",

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Protocol
+from typing import runtime_checkable
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import BackendRefusedError
-from agentic_lora.registry.types import RegistryStatus, VersionState, VersionStatus
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
 
 __all__ = ["SnapshotCache", "SnapshotSource", "StoredSnapshot"]
 

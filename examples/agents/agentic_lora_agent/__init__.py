@@ -3,34 +3,39 @@
 See ``examples/agents/README.md`` for running it on real engines with a real model.
 """
 
-from agentic_lora_agent.agent import DEFAULT_SYSTEM_PROMPT, AgentConfig, AgentObserver, ToolAgent
-from agentic_lora_agent.parsing import ParsedOutput, format_tool_call, parse_tool_calls
-from agentic_lora_agent.policy import FallbackPolicy, PlanStep, ScriptedPolicy, Task
-from agentic_lora_agent.records import (
-    AttemptKind,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    EpisodeStatus,
-    TurnRecord,
-)
-from agentic_lora_agent.stats import Percentiles, episode_json, episode_line, percentiles
-from agentic_lora_agent.tasks import (
-    REFERENCE_TABLE,
-    TASKS,
-    default_toolbox,
-    filler_document,
-    task_for,
-)
-from agentic_lora_agent.tools import (
-    Calculator,
-    Lookup,
-    Tool,
-    ToolBox,
-    ToolCall,
-    ToolError,
-    ToolResult,
-)
+from agentic_lora_agent.agent import DEFAULT_SYSTEM_PROMPT
+from agentic_lora_agent.agent import AgentConfig
+from agentic_lora_agent.agent import AgentObserver
+from agentic_lora_agent.agent import ToolAgent
+from agentic_lora_agent.parsing import ParsedOutput
+from agentic_lora_agent.parsing import format_tool_call
+from agentic_lora_agent.parsing import parse_tool_calls
+from agentic_lora_agent.policy import FallbackPolicy
+from agentic_lora_agent.policy import PlanStep
+from agentic_lora_agent.policy import ScriptedPolicy
+from agentic_lora_agent.policy import Task
+from agentic_lora_agent.records import AttemptKind
+from agentic_lora_agent.records import AttemptOutcome
+from agentic_lora_agent.records import AttemptRecord
+from agentic_lora_agent.records import Episode
+from agentic_lora_agent.records import EpisodeStatus
+from agentic_lora_agent.records import TurnRecord
+from agentic_lora_agent.stats import Percentiles
+from agentic_lora_agent.stats import episode_json
+from agentic_lora_agent.stats import episode_line
+from agentic_lora_agent.stats import percentiles
+from agentic_lora_agent.tasks import REFERENCE_TABLE
+from agentic_lora_agent.tasks import TASKS
+from agentic_lora_agent.tasks import default_toolbox
+from agentic_lora_agent.tasks import filler_document
+from agentic_lora_agent.tasks import task_for
+from agentic_lora_agent.tools import Calculator
+from agentic_lora_agent.tools import Lookup
+from agentic_lora_agent.tools import Tool
+from agentic_lora_agent.tools import ToolBox
+from agentic_lora_agent.tools import ToolCall
+from agentic_lora_agent.tools import ToolError
+from agentic_lora_agent.tools import ToolResult
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",

@@ -20,13 +20,21 @@ from pathlib import Path
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.config import add_arguments, from_args
+from agentic_lora.config import add_arguments
+from agentic_lora.config import from_args
 from agentic_lora.errors import AgenticLoRAError
-from agentic_lora_agent.agent import AgentConfig, ToolAgent
-from agentic_lora_agent.policy import FallbackPolicy, ScriptedPolicy
-from agentic_lora_agent.records import Episode, EpisodeStatus
-from agentic_lora_agent.stats import episode_json, episode_line, percentiles
-from agentic_lora_agent.tasks import TASKS, default_toolbox, task
+from agentic_lora_agent.agent import AgentConfig
+from agentic_lora_agent.agent import ToolAgent
+from agentic_lora_agent.policy import FallbackPolicy
+from agentic_lora_agent.policy import ScriptedPolicy
+from agentic_lora_agent.records import Episode
+from agentic_lora_agent.records import EpisodeStatus
+from agentic_lora_agent.stats import episode_json
+from agentic_lora_agent.stats import episode_line
+from agentic_lora_agent.stats import percentiles
+from agentic_lora_agent.tasks import TASKS
+from agentic_lora_agent.tasks import default_toolbox
+from agentic_lora_agent.tasks import task
 
 __all__ = ["main"]
 

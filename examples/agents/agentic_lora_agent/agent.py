@@ -35,30 +35,32 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Final
 
 from pydantic import ValidationError
 
-from agentic_lora.errors import (
-    AgenticLoRAError,
-    ConfigurationError,
-    RequestIndeterminateError,
-    RequestRefusedError,
-)
+from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import RequestIndeterminateError
+from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.requests import ChatCompletionResponse
 from agentic_lora.session import Session
-from agentic_lora_agent.parsing import ParsedOutput, parse_tool_calls
-from agentic_lora_agent.policy import FallbackPolicy, Task
-from agentic_lora_agent.records import (
-    AttemptKind,
-    AttemptOutcome,
-    AttemptRecord,
-    Episode,
-    EpisodeStatus,
-    TurnRecord,
-)
+from agentic_lora_agent.parsing import ParsedOutput
+from agentic_lora_agent.parsing import parse_tool_calls
+from agentic_lora_agent.policy import FallbackPolicy
+from agentic_lora_agent.policy import Task
+from agentic_lora_agent.records import AttemptKind
+from agentic_lora_agent.records import AttemptOutcome
+from agentic_lora_agent.records import AttemptRecord
+from agentic_lora_agent.records import Episode
+from agentic_lora_agent.records import EpisodeStatus
+from agentic_lora_agent.records import TurnRecord
 from agentic_lora_agent.streamed import stream_turn
 from agentic_lora_agent.tools import ToolBox
 

@@ -13,8 +13,10 @@ returned them), so a later calculator step computes with what a lookup actually 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Protocol
 
 from agentic_lora_agent.tools import ToolCall

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora_agent.tools import ToolCall, ToolResult
+from agentic_lora_agent.tools import ToolCall
+from agentic_lora_agent.tools import ToolResult
 
 __all__ = [
     "AttemptKind",

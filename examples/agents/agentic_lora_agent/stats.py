@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentic_lora_agent.records import AttemptKind, AttemptOutcome, Episode
+from agentic_lora_agent.records import AttemptKind
+from agentic_lora_agent.records import AttemptOutcome
+from agentic_lora_agent.records import Episode
 
 __all__ = ["Percentiles", "episode_json", "episode_line", "percentiles"]
 

@@ -17,7 +17,9 @@ from pathlib import Path
 from pydantic import TypeAdapter
 
 from agentic_lora_agent.policy import Task
-from agentic_lora_agent.tools import Calculator, Lookup, ToolBox
+from agentic_lora_agent.tools import Calculator
+from agentic_lora_agent.tools import Lookup
+from agentic_lora_agent.tools import ToolBox
 
 __all__ = ["REFERENCE_TABLE", "TASKS", "default_toolbox", "filler_document", "task", "task_for"]
 

@@ -11,8 +11,10 @@ import ast
 import json
 import math
 import operator
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 __all__ = [

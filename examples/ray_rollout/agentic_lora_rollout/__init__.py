@@ -11,17 +11,19 @@ See ``examples/ray_rollout/README.md``. The parts:
   model (the test harness) and runs :func:`rollout` on them.
 """
 
-from .driver import (
-    REGISTRY_NAMESPACE,
-    reclaim_until_settled,
-    registry_actor,
-    settled,
-    spawn_worker,
-    trainer_deployment,
-    worker_runtime_env,
-)
-from .rollout import RolloutReport, publish_when_free, rollout
-from .worker import EpisodeLoop, RolloutWorker, WorkerConfig
+from .driver import REGISTRY_NAMESPACE
+from .driver import reclaim_until_settled
+from .driver import registry_actor
+from .driver import settled
+from .driver import spawn_worker
+from .driver import trainer_deployment
+from .driver import worker_runtime_env
+from .rollout import RolloutReport
+from .rollout import publish_when_free
+from .rollout import rollout
+from .worker import EpisodeLoop
+from .worker import RolloutWorker
+from .worker import WorkerConfig
 
 __all__ = [
     "REGISTRY_NAMESPACE",

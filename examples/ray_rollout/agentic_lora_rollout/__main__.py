@@ -23,7 +23,8 @@ from agentic_lora_harness.exit_status import failures_exit
 from agentic_lora_harness.fixture import build_fixture
 
 from .driver import REGISTRY_NAMESPACE
-from .rollout import RolloutReport, rollout
+from .rollout import RolloutReport
+from .rollout import rollout
 
 #: The rollout's sizes, each an integer option: (flag, default, help).
 _SIZES: tuple[tuple[str, int, str], ...] = (

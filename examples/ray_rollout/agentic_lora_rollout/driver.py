@@ -24,10 +24,13 @@ import agentic_lora_agent
 
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.registry.ray_actor import RayRegistryClient, connect
-from agentic_lora.registry.types import RegistryStatus, VersionState
+from agentic_lora.registry.ray_actor import RayRegistryClient
+from agentic_lora.registry.ray_actor import connect
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
 
-from .worker import RolloutWorker, WorkerConfig
+from .worker import RolloutWorker
+from .worker import WorkerConfig
 
 __all__ = [
     "REGISTRY_NAMESPACE",

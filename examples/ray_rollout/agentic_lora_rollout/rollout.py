@@ -18,23 +18,25 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
-from agentic_lora.publication.publisher import PublicationOutcome, PublicationResult
-from agentic_lora.registry.types import RegistryStatus, VersionState
+from agentic_lora.publication.publisher import PublicationOutcome
+from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
 
-from .driver import (
-    REGISTRY_NAMESPACE,
-    reclaim_until_settled,
-    registry_actor,
-    spawn_worker,
-    trainer_deployment,
-)
+from .driver import REGISTRY_NAMESPACE
+from .driver import reclaim_until_settled
+from .driver import registry_actor
+from .driver import spawn_worker
+from .driver import trainer_deployment
 from .worker import WorkerConfig
 
 __all__ = ["RolloutReport", "publish_when_free", "rollout"]

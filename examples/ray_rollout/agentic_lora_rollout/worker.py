@@ -20,25 +20,25 @@ import contextlib
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from agentic_lora_agent import (
-    AgentConfig,
-    AgentObserver,
-    AttemptOutcome,
-    AttemptRecord,
-    ScriptedPolicy,
-    ToolAgent,
-    default_toolbox,
-    episode_json,
-    task_for,
-)
+from agentic_lora_agent import AgentConfig
+from agentic_lora_agent import AgentObserver
+from agentic_lora_agent import AttemptOutcome
+from agentic_lora_agent import AttemptRecord
+from agentic_lora_agent import ScriptedPolicy
+from agentic_lora_agent import ToolAgent
+from agentic_lora_agent import default_toolbox
+from agentic_lora_agent import episode_json
+from agentic_lora_agent import task_for
 
 from agentic_lora.config import load_settings
 from agentic_lora.errors import SessionReleaseError
 from agentic_lora.registry.ray_actor import RayRegistryClient
-from agentic_lora.session import Session, Versioning
+from agentic_lora.session import Session
+from agentic_lora.session import Versioning
 
 __all__ = ["EpisodeLoop", "RolloutWorker", "WorkerConfig"]
 

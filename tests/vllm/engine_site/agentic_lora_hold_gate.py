@@ -23,11 +23,9 @@ import os
 import time
 from typing import Any
 
-from vllm.v1.sample.logits_processor import (  # type: ignore[import-not-found]
-    BatchUpdate,
-    MoveDirectionality,
-)
+from vllm.v1.sample.logits_processor import BatchUpdate  # type: ignore[import-not-found]
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+from vllm.v1.sample.logits_processor import MoveDirectionality  # type: ignore[import-not-found]
 from vllm.v1.worker.gpu.sample.logits_processor.interface import (  # type: ignore[import-not-found]
     LogitsProcessor as V2LogitsProcessor,
 )
