@@ -4,8 +4,8 @@ An old Session streams on A, B is published, a new Session streams on B: every c
 Session's version. A held stream (the engine gate, ``tests/vllm/engine_gate.py``) keeps A in
 flight while its Session's ref is dropped: the reclaim waits for the stream, which then ends in
 full on A. A client that leaves a held stream mid-way has its engine connection closed, which is
-how vLLM learns of it: from the engine's own counters, the request generated far fewer tokens
-than it asked for.
+how vLLM learns of it: with the engine let through one step at a time, the request generated far
+fewer tokens than it asked for.
 """
 
 from __future__ import annotations
@@ -50,6 +50,22 @@ async def counters(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     return out
 
 
+async def release_until_gone(gate: EngineGate, http: httpx.AsyncClient, url: str) -> int:
+    """Let a stepwise gate's request pass one step at a time until the engine runs no request;
+    return how many steps passed. Each step waits for the engine to hold the next one or to run
+    nothing, so the count is the engine's, not the test's speed."""
+    released = 0
+    async with asyncio.timeout(WAIT_GUARD_SECONDS):
+        while True:
+            step = gate.release_step()
+            released += 1
+            # The engine is another process: the marker and its counters are its only signals.
+            while gate.held_step() == step:
+                if not (await counters(http, url))["running"]:
+                    return released
+                await asyncio.sleep(0.05)
+
+
 @pytest.mark.asyncio
 async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_disconnect(
     vllm_fleet: VllmFleet, engine_gate: EngineGate, tmp_path: Path
@@ -67,6 +83,8 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
         settings, backend_options={"store_root": str(tmp_path / "store")}, admin_token="t"
     )
     names: list[str] = []
+    clients: list[openai.AsyncOpenAI] = []
+    leaver_gate = EngineGate(tmp_path, "leaver", stepwise=True)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as http:
         try:
             async with gateway, served(gateway.app) as url:
@@ -79,6 +97,7 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
 
                 names.append((await admin.publish(str(fixture.adapter("A")), "vs-a"))["lora_name"])
                 old, new = agent("old-episode"), agent("new-episode")
+                clients.extend((old, new))
                 first = [c async for c in await old.completions.create(**turn, stream=True)]
                 names.append((await admin.publish(str(fixture.adapter("B")), "vs-b"))["lora_name"])
                 on_b = [c async for c in await new.completions.create(**turn, stream=True)]
@@ -114,9 +133,14 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
                 assert chunks[-1].choices[0].finish_reason == "length"
                 assert (await reclaim).outcome is ReclaimOutcome.RECLAIMED
 
-                # A client that leaves a held stream: the engine stops generating for it.
-                leaver_gate = EngineGate(tmp_path, "leaver")
+                # A client that leaves a held stream: the engine stops generating for it. The
+                # gate holds the request at every step from its second on and the test lets the
+                # steps pass one by one, so how many tokens the engine made after the client
+                # left is counted, not raced: vLLM learns of the disconnect only when it next
+                # writes a chunk, and a gate that opened at once would let the engine run on
+                # for as long as its API server took to notice.
                 leaver = agent("leaver")
+                clients.append(leaver)
                 asked = 200
                 stream = await leaver.completions.create(
                     **{
@@ -131,16 +155,18 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
                 assert version_of(await anext(aiter(stream))) == "vs-b"
                 await leaver_gate.reached(what="the leaver's stream")
                 await stream.close()
-                leaver_gate.open()
                 async with asyncio.timeout(WAIT_GUARD_SECONDS):
-                    # The engine is another process: its counters are the only signal it gives.
-                    while (after := await counters(http, urls[engine]))["running"]:  # noqa: ASYNC110
-                        await asyncio.sleep(0.05)
+                    # The gateway ends its engine stream as soon as the client is gone.
+                    await gateway.versioning.wait_drained(names[1])
+                released = await release_until_gone(leaver_gate, http, urls[engine])
+                after = await counters(http, urls[engine])
+                assert released < asked / 2, f"the engine made {released} steps after the leave"
                 assert after["tokens"] - before["tokens"] < asked / 2
-                for client in (old, new, leaver):
-                    await client.close()
                 await admin.aclose()
         finally:
+            leaver_gate.open()  # a failed run never leaves an engine held
+            for client in clients:
+                await client.close()
             for base in urls.values():
                 for name in names:
                     await http.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name})

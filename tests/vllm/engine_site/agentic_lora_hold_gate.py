@@ -10,6 +10,12 @@ API server keeps answering. The gate writes ``<gate>.held`` when it starts holdi
 once ``<gate>`` exists, so a test can tell "the engine is holding the request now" apart from
 "not yet" without any clock. A gate that already exists never holds.
 
+A request that also names ``{"agentic_lora_hold_stepwise": "1"}`` is held at *every* sampling
+step from its second on, one step at a time: ``<gate>.held`` holds the number of the step held
+now (written whole, by rename), and the step passes once ``<gate>.step`` names it (or ``<gate>``
+exists, which lets the rest pass). A test that must count how many tokens an engine produced
+after something happened releases them one by one instead of racing the engine.
+
 This module runs in the engine's interpreter, which has vLLM; the dev venv has not (hence the
 ``type: ignore`` comments). vLLM 0.32 has two logits processor interfaces, one per model runner
 (V1: ``vllm.v1.sample.logits_processor``; V2, chosen when Triton has a CPU backend:
@@ -32,22 +38,28 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (  # type: igno
 
 #: The ``vllm_xargs`` key naming a request's gate file.
 HOLD_ARG = "agentic_lora_hold"
+#: The ``vllm_xargs`` key that makes a request's gate hold every step (value ``"1"``).
+STEPWISE_ARG = "agentic_lora_hold_stepwise"
 #: A forgotten gate must not wedge an engine for good: after this long the request goes on.
 MAX_HOLD_SECONDS = 600.0
 _POLL_SECONDS = 0.005
 
 
-def _gate_of(params: Any) -> str | None:
+def _gate_of(params: Any) -> tuple[str, bool] | None:
     extra = getattr(params, "extra_args", None)
-    gate = extra.get(HOLD_ARG) if isinstance(extra, dict) else None
-    return gate if isinstance(gate, str) else None
+    if not isinstance(extra, dict):
+        return None
+    gate = extra.get(HOLD_ARG)
+    return (gate, extra.get(STEPWISE_ARG) == "1") if isinstance(gate, str) else None
 
 
 class _Tracked:
-    """One gated request: its gate file and how many sampling steps included it."""
+    """One gated request: its gate file, whether it holds every step, and how many sampling
+    steps included it."""
 
-    def __init__(self, gate: str) -> None:
+    def __init__(self, gate: str, stepwise: bool) -> None:
         self.gate = gate
+        self.stepwise = stepwise
         self.steps = 0
 
 
@@ -95,25 +107,40 @@ class HoldGate(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
         for index in present:
             tracked = self._tracked[index]
             tracked.steps += 1
-            if tracked.steps >= 2 and tracked.gate not in self._done:
+            if tracked.steps < 2 or tracked.gate in self._done:
+                continue
+            if not tracked.stepwise:
                 self._done.add(tracked.gate)
-                _hold(tracked.gate, tracked.steps)
+            _hold(tracked.gate, tracked.steps, tracked.stepwise)
         return logits
 
     def _track(self, index: int, params: Any) -> bool:
         gate = _gate_of(params)
-        if gate is None or gate in self._done:
+        if gate is None or gate[0] in self._done:
             self._tracked.pop(index, None)
             return False
-        self._tracked[index] = _Tracked(gate)
+        self._tracked[index] = _Tracked(*gate)
         return True
 
 
-def _hold(gate: str, steps: int) -> None:
+def _released(gate: str, step: int, stepwise: bool) -> bool:
+    if os.path.exists(gate):
+        return True
+    if not stepwise:
+        return False
+    try:
+        with open(f"{gate}.step") as released:
+            return int(released.read() or 0) >= step
+    except FileNotFoundError:
+        return False
+
+
+def _hold(gate: str, step: int, stepwise: bool) -> None:
     if os.path.exists(gate):
         return
-    with open(f"{gate}.held", "w") as marker:
-        marker.write(f"{steps}\n")
+    with open(f"{gate}.held.tmp", "w") as marker:
+        marker.write(f"{step}\n")
+    os.replace(f"{gate}.held.tmp", f"{gate}.held")
     deadline = time.monotonic() + MAX_HOLD_SECONDS
-    while not os.path.exists(gate) and time.monotonic() < deadline:
+    while not _released(gate, step, stepwise) and time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)
