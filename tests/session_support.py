@@ -302,7 +302,7 @@ class Harness:
         return status.session_refs
 
 
-def make_transport(kind: str = "aiohttp") -> EngineTransport:
+def make_transport(kind: str = "httpx") -> EngineTransport:
     return EngineTransport(
         [EngineRef(n, u) for n, u in ENGINES.items()],
         http_transport=kind,  # type: ignore[arg-type]

@@ -1,8 +1,8 @@
 """The engine HTTP client: one attempt per generation, every failure classified.
 
-One :class:`EngineTransport` holds one ``httpx.AsyncClient`` for the whole engine set. By default
-it runs on ``httpx_aiohttp.AiohttpTransport`` (several times the throughput of httpx's default
-transport on loopback); if that package is missing it falls back to the default transport.
+One :class:`EngineTransport` holds one HTTP stack for the whole engine set
+(:mod:`agentic_lora.engines.stacks`): aiohttp used directly by default, or httpx (what respx mocks,
+and the fallback without aiohttp). The stack carries bytes; everything here decides what they mean.
 
 Nothing here sends a generation twice. The HTTP layer has no retries, aiohttp never re-sends a
 POST on a reused connection, and :meth:`EngineTransport.send` calls the exchange exactly once, with
@@ -44,6 +44,8 @@ from tenacity.wait import wait_base
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLANG
+from agentic_lora.engines.stacks import StackAnswer
+from agentic_lora.engines.stacks import make_stack
 from agentic_lora.engines.wire import WIRE_ERRORS
 from agentic_lora.engines.wire import EngineHttp
 from agentic_lora.engines.wire import HttpAnswer
@@ -52,8 +54,7 @@ from agentic_lora.engines.wire import Outcome
 from agentic_lora.engines.wire import ReplyTooDeepError
 from agentic_lora.engines.wire import classify_exception
 from agentic_lora.engines.wire import classify_status
-from agentic_lora.engines.wire import decode_body
-from agentic_lora.engines.wire import make_engine_client
+from agentic_lora.engines.wire import decode_content
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import DispatchError
 from agentic_lora.errors import InvalidRequestError
@@ -76,8 +77,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_MAX_CACHED_URLS = 256
 
 #: The generation retry policy: one attempt, never a second.
 GENERATION_STOP: stop_base = stop_after_attempt(1)
@@ -126,10 +125,16 @@ class EngineReply:
         return reason is not None and reason.get("type") == "abort"
 
 
+# One encoder for every body: ``json.dumps`` with any non-default option builds a new
+# JSONEncoder per call. Its options never change and ``encode`` keeps no state between calls, so
+# sharing it is safe across tasks (and the bytes are the same as ``json.dumps`` with these options).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def _encode(body: Mapping[str, Any]) -> bytes:
     # Before anything is sent: a body JSON cannot carry (NaN, Infinity, odd types) is refused.
     try:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        return _ENCODER.encode(body).encode()
     except (TypeError, ValueError, RecursionError) as exc:
         # RecursionError: nested deeper than the encoder's stack (a caller's own dict can be).
         raise InvalidRequestError(
@@ -137,21 +142,26 @@ def _encode(body: Mapping[str, Any]) -> bytes:
         ) from exc
 
 
-async def _close_quietly(response: httpx.Response, where: Mapping[str, Any]) -> None:
+def _where(engine: str, path: str, rid: object) -> dict[str, Any]:
+    """The details every failure of one exchange names (built only when one is raised)."""
+    return {"engine": engine, "path": path, "rid": rid}
+
+
+async def _close_quietly(answer: StackAnswer, engine: str, path: str, rid: object) -> None:
     # Runs after the answer was read in full, or while a failure is being raised: a connection
     # that fails to close changes neither, so it must not replace them.
     try:
-        await response.aclose()
+        await answer.close()
     except WIRE_ERRORS as exc:
         logger.debug(
             "closing an engine response failed",
-            extra={**where, "error": type(exc).__name__},
+            extra={**_where(engine, path, rid), "error": type(exc).__name__},
         )
 
 
-async def _lines(response: httpx.Response, where: Mapping[str, Any]) -> AsyncIterator[str]:
+async def _lines(answer: StackAnswer, where: Mapping[str, Any]) -> AsyncIterator[str]:
     try:
-        async for line in response.aiter_lines():
+        async for line in answer.lines():
             yield line
     except WIRE_ERRORS as exc:
         raise _failure(
@@ -204,15 +214,7 @@ class EngineTransport:
         limits = engine_limits(
             max_connections, keepalive_expiry
         )  # see agentic_lora.foundation.http_limits
-        self._client, self._kind = make_engine_client(http_transport, timeout, limits)
-        # What the client's build_request would merge into every request, merged once: the
-        # client's default headers (its own, never an environment's: trust_env=False) and its
-        # timeout. The request on the wire is byte for byte the same (test_transport checks).
-        self._plain_headers = httpx.Headers(self._client.headers)
-        self._json_headers = httpx.Headers(self._client.headers)
-        self._json_headers["content-type"] = "application/json"
-        self._timeout = timeout.as_dict()
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._stack = make_stack(http_transport, timeout, limits)
         self._control_attempts = control_attempts
         self._control_wait: wait_base = (
             control_wait if control_wait is not None else wait_exponential(multiplier=0.05, max=1.0)
@@ -232,8 +234,8 @@ class EngineTransport:
 
     @property
     def http_transport(self) -> HttpTransportKind:
-        """The transport actually in use (``"httpx"`` after a fallback)."""
-        return self._kind
+        """The HTTP stack actually in use (``"httpx"`` after a fallback)."""
+        return self._stack.kind
 
     @property
     def generation_stop(self) -> stop_base:
@@ -248,25 +250,6 @@ class EngineTransport:
             )
         return ref
 
-    def _url(self, engine: str, path: str) -> httpx.URL:
-        url = self._urls.get((engine, path))
-        if url is None:
-            url = httpx.URL(self._ref(engine).base_url.rstrip("/") + path)
-            if len(self._urls) < _MAX_CACHED_URLS:  # paths are a few routes; bounded regardless
-                self._urls[(engine, path)] = url
-        return url
-
-    def _request(self, method: str, engine: str, path: str, content: bytes | None) -> httpx.Request:
-        # What the client's build_request builds, without its per-request merging and URL
-        # parsing (test_transport checks the request is the same).
-        return httpx.Request(
-            method,
-            self._url(engine, path),
-            content=content,
-            headers=self._plain_headers if content is None else self._json_headers,
-            extensions={"timeout": self._timeout},
-        )
-
     async def _exchange(
         self,
         engine: str,
@@ -279,12 +262,10 @@ class EngineTransport:
     ) -> EngineReply:
         """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
         (``check_status=False``: only for what happened on the wire; any answer is returned)."""
-        where = {"engine": engine, "path": path, "rid": rid}
+        base_url = self._ref(engine).base_url
         try:
             # Inside the try: a URL that cannot be requested fails here, before sending.
-            response = await self._client.send(
-                self._request(method, engine, path, content), stream=True
-            )
+            answer = await self._stack.open(method, base_url, path, content)
         except WIRE_ERRORS as exc:
             outcome = classify_exception(exc)
             sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
@@ -293,57 +274,56 @@ class EngineTransport:
                 f"{method} {path} to {engine}: {type(exc).__name__} ({exc}); the request {sent} "
                 "and is not resent",
                 error=type(exc).__name__,
-                **where,
+                **_where(engine, path, rid),
             ) from exc
+        status = answer.status
         try:
             try:
-                await response.aread()
+                data = await answer.read()
             except WIRE_ERRORS as exc:
                 # The engine answered, so it has the request: only a 4xx still proves refusal
                 # (a body cut off, or in a content-encoding that cannot be decoded).
-                outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
+                outcome = classify_status(status) or Outcome.INDETERMINATE
                 if outcome is Outcome.REFUSED:
                     raise _failure(
                         outcome,
-                        f"{method} {path} to {engine} refused with HTTP {response.status_code}",
-                        status=response.status_code,
-                        **where,
+                        f"{method} {path} to {engine} refused with HTTP {status}",
+                        status=status,
+                        **_where(engine, path, rid),
                     ) from exc
                 raise _failure(
                     Outcome.INDETERMINATE,
                     f"{method} {path} to {engine}: reply lost while reading it "
                     f"({type(exc).__name__}); the engine may have run the request",
-                    status=response.status_code,
+                    status=status,
                     error=type(exc).__name__,
-                    **where,
+                    **_where(engine, path, rid),
                 ) from exc
         finally:
-            await _close_quietly(response, where)
+            await _close_quietly(answer, engine, path, rid)
         try:
-            body = decode_body(response)
+            body = decode_content(status, data, answer.charset)
         except ReplyTooDeepError as exc:
             # Passed on as text it would reach the caller as another value than the engine's.
-            outcome = classify_status(response.status_code) or Outcome.INDETERMINATE
+            outcome = classify_status(status) or Outcome.INDETERMINATE
             raise _failure(
                 outcome,
                 f"{method} {path} to {engine}: {exc}",
-                status=response.status_code,
+                status=status,
                 reason="reply_not_json",
-                **where,
+                **_where(engine, path, rid),
             ) from exc
-        status_outcome = classify_status(response.status_code) if check_status else None
+        status_outcome = classify_status(status) if check_status else None
         if status_outcome is not None:
             what = "refused" if status_outcome is Outcome.REFUSED else "failed and may have run"
             raise _failure(
                 status_outcome,
-                f"{method} {path} to {engine} {what}: HTTP {response.status_code}",
-                status=response.status_code,
+                f"{method} {path} to {engine} {what}: HTTP {status}",
+                status=status,
                 body=body,
-                **where,
+                **_where(engine, path, rid),
             )
-        return EngineReply(
-            engine=engine, path=path, status_code=response.status_code, body=body, rid=rid
-        )
+        return EngineReply(engine=engine, path=path, status_code=status, body=body, rid=rid)
 
     async def send(self, engine: str, path: str, body: Mapping[str, Any]) -> EngineReply:
         """POST one generation to ``engine``: exactly one attempt, failures classified."""
@@ -370,11 +350,11 @@ class EngineTransport:
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
         content = _encode(body)
-        where = {"engine": engine, "path": path, "rid": body.get("rid")}
+        base_url = self._ref(engine).base_url
+        rid = body.get("rid")
+        where = _where(engine, path, rid)
         try:
-            response = await self._client.send(
-                self._request("POST", engine, path, content), stream=True
-            )
+            answer = await self._stack.open("POST", base_url, path, content)
         except WIRE_ERRORS as exc:
             raise _failure(
                 classify_exception(exc),
@@ -383,22 +363,22 @@ class EngineTransport:
                 **where,
             ) from exc
         try:
-            outcome = classify_status(response.status_code)
+            status = answer.status
+            outcome = classify_status(status)
             if outcome is not None:
-                answer: Any = None
+                error_body: Any = None
                 with contextlib.suppress(*WIRE_ERRORS, ReplyTooDeepError):
-                    await response.aread()
-                    answer = decode_body(response)
+                    error_body = decode_content(status, await answer.read(), answer.charset)
                 raise _failure(
                     outcome,
-                    f"POST {path} (streamed) to {engine} answered HTTP {response.status_code}",
-                    status=response.status_code,
-                    body=answer,
+                    f"POST {path} (streamed) to {engine} answered HTTP {status}",
+                    status=status,
+                    body=error_body,
                     **where,
                 )
-            yield _lines(response, where)
+            yield _lines(answer, where)
         finally:
-            await _close_quietly(response, where)
+            await _close_quietly(answer, engine, path, rid)
 
     def _control_policy(self) -> AsyncRetrying:
         def retryable(exc: BaseException) -> bool:
@@ -462,10 +442,10 @@ class EngineTransport:
         return HttpAnswer(reply.status_code, reply.body, text)
 
     async def aclose(self) -> None:
-        """Close the HTTP client (idempotent)."""
+        """Close the HTTP stack (idempotent)."""
         if not self._closed:
             self._closed = True
-            await self._client.aclose()
+            await self._stack.aclose()
 
     async def __aenter__(self) -> EngineTransport:
         return self

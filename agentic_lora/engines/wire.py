@@ -14,8 +14,10 @@ that decide which, and :data:`WIRE_ERRORS` is what a client catches to hand a fa
 The generation transport (:mod:`agentic_lora.engines.transport`, errors
 ``REQUEST_REFUSED``/``REQUEST_INDETERMINATE``) and the admin clients
 (:mod:`agentic_lora.engines.admin`, errors ``BACKEND_REFUSED``/``BACKEND_AMBIGUOUS``) both translate
-through them, and both build their ``httpx.AsyncClient`` with :func:`make_engine_client` (no
-retries, no environment proxy, no redirects: one request is one attempt on the wire).
+through them. The admin clients build their ``httpx.AsyncClient`` with :func:`make_engine_client`,
+the transport its HTTP stack with :func:`agentic_lora.engines.stacks.make_stack` (aiohttp directly,
+or httpx); on every one: no retries, no environment proxy, no redirects (one request is one
+attempt on the wire).
 
 :class:`EngineHttp` is the one thing an engine dialect (:mod:`agentic_lora.engines.dialect`) reads
 an engine through, so a dialect's readers (server info, incarnation) are written once and serve
@@ -25,6 +27,7 @@ both clients.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ __all__ = [
     "classify_exception",
     "classify_status",
     "decode_body",
+    "decode_content",
     "error_detail",
     "make_engine_client",
 ]
@@ -64,8 +68,8 @@ class Outcome(enum.StrEnum):
     INDETERMINATE = "indeterminate"  # may have been accepted
 
 
-#: The one exception table: for each failure type of the two HTTP stacks (httpx, and the aiohttp
-#: under ``httpx_aiohttp``), whether the engine may have accepted the request. The entry of the
+#: The one exception table: for each failure type of the two HTTP libraries (httpx, and aiohttp,
+#: used directly by the transport's default stack and under ``httpx_aiohttp``), whether the engine may have accepted the request. The entry of the
 #: nearest class in an exception's MRO decides; a type in neither tree is indeterminate (what
 #: cannot be proven unsent may have run). Every type either stack can raise has its own entry, so
 #: a new subclass in either library lands on its base's verdict, never on an unhandled 5xx.
@@ -180,8 +184,8 @@ def _build_table() -> tuple[type[BaseException] | None, Mapping[type[BaseExcepti
 _AIOHTTP_ERROR, EXCEPTION_TABLE = _build_table()
 
 #: What a call to an engine may raise for what happened on the wire (everything
-#: :data:`EXCEPTION_TABLE` classifies): httpx's request errors, an invalid URL, and the aiohttp
-#: errors ``httpx_aiohttp`` passes through unmapped (a malformed answer, for one).
+#: :data:`EXCEPTION_TABLE` classifies): httpx's request errors, an invalid URL, and aiohttp's
+#: errors (raised by the aiohttp stack, or passed through unmapped by ``httpx_aiohttp``).
 WIRE_ERRORS: tuple[type[BaseException], ...] = (httpx.RequestError, httpx.InvalidURL) + (
     () if _AIOHTTP_ERROR is None else (_AIOHTTP_ERROR,)
 )
@@ -223,20 +227,28 @@ def classify_status(status_code: int) -> Outcome | None:
 
 
 def decode_body(response: httpx.Response) -> Any:
-    """The decoded JSON body, else its text, else None for an empty body.
+    """:func:`decode_content` of an httpx answer that was read."""
+    return decode_content(response.status_code, response.content, response.encoding or "utf-8")
+
+
+def decode_content(status: int, content: bytes, charset: str) -> Any:
+    """The decoded JSON body, else its text (in ``charset``), else None for an empty body.
 
     Raises :class:`ReplyTooDeepError` for a JSON body nested deeper than this process can
     decode: kept as text it would reach the caller as a different value, so the caller
     classifies it as a failed answer instead.
     """
-    if not response.content:
+    if not content:
         return None
     try:
-        return response.json()
+        return json.loads(content)
     except RecursionError as exc:
-        raise ReplyTooDeepError(response.status_code) from exc
+        raise ReplyTooDeepError(status) from exc
     except ValueError:
-        return response.text
+        try:
+            return content.decode(charset, errors="replace")
+        except LookupError:  # a charset Python does not know: as httpx does, UTF-8
+            return content.decode("utf-8", errors="replace")
 
 
 class ReplyTooDeepError(ValueError):

@@ -1,18 +1,16 @@
 """The engine transport: one attempt, every failure classified refused or indeterminate.
 
-The classification is checked twice: with respx (scripted engine answers) and against real
-loopback sockets, because respx replaces the HTTP transport and so cannot show how the aiohttp
-transport reports a connection that dies after the request was written.
+The classification is checked twice: with respx (scripted engine answers, on the httpx stack) and
+against real loopback sockets on both stacks, because respx replaces httpx's transport and so can
+neither script the aiohttp stack nor show how a connection dies after the request was written
+(the aiohttp stack's own scripted cases: tests/engines/test_aiohttp_stack.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
-from collections.abc import Awaitable
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +30,14 @@ from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import RequestIndeterminateError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import UnknownEngineError
+from tests.engines.loopback import loopback_server
+from tests.engines.loopback import read_request
 
 URL = "http://127.0.0.1:30000"
 KINDS = ["aiohttp", "httpx"]
 
 
-def transport(kind: str = "aiohttp", url: str = URL, attempts: int = 3) -> EngineTransport:
+def transport(kind: str = "httpx", url: str = URL, attempts: int = 3) -> EngineTransport:
     return EngineTransport(
         [EngineRef("e0", url)],
         http_transport=kind,  # type: ignore[arg-type]
@@ -120,14 +120,13 @@ FAILURES: dict[str, tuple[Callable[[], object], type[Exception]]] = {
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 async def test_a_failed_generation_is_attempted_exactly_once_whatever_the_failure(
-    kind: str, failure: str
+    failure: str,
 ) -> None:
     # The control calls of the same transport do retry (3 attempts): the generation must not.
     make, expected = FAILURES[failure]
-    async with transport(kind, attempts=3) as t:
+    async with transport(attempts=3) as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate")
             # A second attempt, if there were one, would succeed: only a retry could hide the
@@ -139,9 +138,8 @@ async def test_a_failed_generation_is_attempted_exactly_once_whatever_the_failur
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", KINDS)
-async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
-    async with transport(kind) as t:
+async def test_scripted_answers_are_classified_and_sent_once() -> None:
+    async with transport() as t:
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate")
             route.side_effect = [
@@ -166,7 +164,7 @@ async def test_scripted_answers_are_classified_and_sent_once(kind: str) -> None:
             with pytest.raises(RequestIndeterminateError, match="indeterminate"):
                 await t.send("e0", "/generate", {"text": "x"})
             assert route.call_count == 5  # five sends, five requests: nothing retried
-    assert t.http_transport == kind
+    assert t.http_transport == "httpx"
 
 
 @pytest.mark.asyncio
@@ -272,28 +270,6 @@ def test_fleet_shape_is_checked() -> None:
 
 
 # --- real loopback sockets ------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def loopback_server(
-    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
-) -> AsyncIterator[str]:
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    return await reader.readexactly(length)
 
 
 @pytest.mark.asyncio

@@ -31,17 +31,18 @@ async def test_as_a_context_manager_it_closes_and_then_refuses_every_send() -> N
 
 
 @pytest.mark.asyncio
-async def test_without_httpx_aiohttp_it_falls_back_to_the_httpx_transport(
+async def test_without_aiohttp_it_falls_back_to_the_httpx_stack(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A None entry in sys.modules makes the import fail as if the package were not installed.
-    monkeypatch.setitem(sys.modules, "httpx_aiohttp", None)
-    with caplog.at_level(logging.WARNING, logger="agentic_lora.engines.transport"):
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    monkeypatch.delitem(sys.modules, "agentic_lora.engines.aiohttp_stack", raising=False)
+    with caplog.at_level(logging.WARNING, logger="agentic_lora.engines.stacks"):
         t = EngineTransport([EngineRef("e0", URL)], http_transport="aiohttp")
     try:
         assert t.http_transport == "httpx"
         assert [r.getMessage() for r in caplog.records] == [
-            "httpx-aiohttp is not installed; using httpx's default transport"
+            "aiohttp is not installed; the engine transport uses httpx"
         ]
         with respx.mock(using="httpx") as mock:
             route = mock.post(URL + "/generate").respond(200, json={"text": "ok"})
@@ -64,13 +65,13 @@ async def test_idle_connections_expire_before_the_engines_keep_alive_closes_them
     from agentic_lora.foundation.http_limits import engine_limits
 
     seen: list[httpx.Limits] = []
-    real = transport_module.make_engine_client
+    real = transport_module.make_stack
 
     def spy(kind: Any, timeout: httpx.Timeout, limits: httpx.Limits) -> Any:
         seen.append(limits)
         return real(kind, timeout, limits)
 
-    monkeypatch.setattr(transport_module, "make_engine_client", spy)
+    monkeypatch.setattr(transport_module, "make_stack", spy)
     engines = [EngineRef("e0", "http://127.0.0.1:1")]
     for given, expected in ((None, 2.0), (1.5, 1.5)):
         made = (

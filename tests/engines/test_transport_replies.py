@@ -19,10 +19,10 @@ import respx
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import RequestIndeterminateError
 from agentic_lora.errors import RequestRefusedError
+from tests.engines.loopback import loopback_server
+from tests.engines.loopback import read_request
 from tests.engines.test_transport import KINDS
 from tests.engines.test_transport import URL
-from tests.engines.test_transport import loopback_server
-from tests.engines.test_transport import read_request
 from tests.engines.test_transport import send_once
 from tests.engines.test_transport import transport
 

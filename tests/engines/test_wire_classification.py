@@ -30,6 +30,7 @@ from yarl import URL as YURL
 from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.engines.transport import _encode
 from agentic_lora.engines.wire import EXCEPTION_TABLE
 from agentic_lora.engines.wire import WIRE_ERRORS
 from agentic_lora.engines.wire import Outcome
@@ -44,8 +45,8 @@ from agentic_lora.errors import RequestRefusedError
 from agentic_lora.gateway.wire import JSONABLE_MAX_DEPTH
 from agentic_lora.gateway.wire import error_payload
 from agentic_lora.gateway.wire import jsonable
-from tests.engines.test_transport import loopback_server
-from tests.engines.test_transport import read_request
+from tests.engines.loopback import loopback_server
+from tests.engines.loopback import read_request
 from tests.engines.test_transport import send_once
 from tests.gateway.test_gateway import BASE_MODEL
 from tests.gateway.test_gateway import Stack
@@ -276,6 +277,9 @@ def not_gzip() -> httpx.ByteStream:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", ["aiohttp", "httpx"])
 async def test_a_reply_in_an_undecodable_content_encoding(kind: str) -> None:
+    # Each stack names the failure its own way; both mean "the engine answered, then the body
+    # could not be read".
+    error = {"aiohttp": "ClientPayloadError", "httpx": "DecodingError"}[kind]
     statuses = iter([b"200 OK", b"400 Bad Request"])
     received: list[bytes] = []
 
@@ -293,10 +297,7 @@ async def test_a_reply_in_an_undecodable_content_encoding(kind: str) -> None:
     async with loopback_server(gzip_garbage) as url, transport(kind, url) as t:
         with pytest.raises(RequestIndeterminateError) as ran:
             await t.send("e0", "/generate", {"text": "x"})
-        assert (ran.value.details["status"], ran.value.details["error"]) == (
-            200,
-            "DecodingError",
-        )
+        assert (ran.value.details["status"], ran.value.details["error"]) == (200, error)
         # The engine said no: still a refusal, whatever the body's encoding.
         with pytest.raises(RequestRefusedError) as refused:
             await t.send("e0", "/generate", {"text": "x"})
@@ -360,13 +361,13 @@ async def test_a_close_that_fails_after_a_lost_reply_does_not_replace_its_verdic
         writer.close()
         await writer.wait_closed()
 
-    release = aiohttp.ClientResponse.__aexit__
+    release = aiohttp.ClientResponse.close
 
-    async def broken_exit(self: aiohttp.ClientResponse, *exc_info: Any) -> None:
-        await release(self, *exc_info)  # the connection is let go; only the report fails
+    def broken_close(self: aiohttp.ClientResponse) -> None:
+        release(self)  # the connection is let go; only the report fails
         raise ce.ClientOSError(104, "reset while releasing")
 
-    monkeypatch.setattr(aiohttp.ClientResponse, "__aexit__", broken_exit)
+    monkeypatch.setattr(aiohttp.ClientResponse, "close", broken_close)
     caplog.set_level(logging.DEBUG, logger="agentic_lora.engines.transport")
     async with loopback_server(cut_off) as url, transport("aiohttp", url) as t:
         with pytest.raises(RequestIndeterminateError, match="reply lost while reading"):
@@ -375,7 +376,7 @@ async def test_a_close_that_fails_after_a_lost_reply_does_not_replace_its_verdic
     assert (record.engine, record.rid, record.error) == (  # type: ignore[attr-defined]
         "e0",
         "r-close",
-        "ConnectTimeout",  # httpx-aiohttp's name for any aiohttp connection error
+        "ClientOSError",
     )
 
 
@@ -403,6 +404,22 @@ async def test_a_caller_body_json_cannot_carry_is_invalid_and_never_sent() -> No
                     await t.send("e0", "/generate", body)
                 assert info.value.details["reason"] == "not_json"
             assert route.call_count == 0
+
+
+def test_a_body_is_encoded_as_json_dumps_encodes_it_with_the_same_options() -> None:
+    body = {
+        "text": 'h\u00e9llo \u2713 "quoted"\n',
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.5, "stop": ["</s>"]},
+        "input_ids": None,
+        "return_logprob": True,
+        "rid": "r-1",
+    }
+    expected = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    assert _encode(body) == expected.encode()
+    # The encoder is shared: a refused body leaves nothing behind for the next one.
+    with pytest.raises(InvalidRequestError):
+        _encode({"text": "x", "sampling_params": {"temperature": float("inf")}})
+    assert _encode(body) == expected.encode()
 
 
 def _deep_json(depth: int) -> bytes:
