@@ -17,6 +17,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from typing import NamedTuple
 from typing import Protocol
 from typing import TypeVar
 
@@ -49,9 +50,11 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One versioned dispatch: the bound version and its lag when the dispatch started."""
+class Turn(NamedTuple):
+    """One versioned dispatch: the bound version and its lag when the dispatch started.
+
+    A named tuple: made once per dispatch, and a tuple is built in one step where a frozen
+    dataclass sets each field through ``object.__setattr__``."""
 
     binding: Binding
     lag: int | None
@@ -143,6 +146,10 @@ class PassThroughBinder:
 PASS_THROUGH = PassThroughBinder()
 
 
+def _bound_already() -> None:
+    """What a binder's ``on_bound`` becomes once it was told (see ``RegistryBinder._bind_once``)."""
+
+
 def _provenance(
     session_id: str, b: Binding | None, lags: list[int | None], too_stale: int | None
 ) -> dict[str, Any]:
@@ -160,15 +167,19 @@ def _provenance(
 
 @dataclass(frozen=True, slots=True)
 class BinderConfig:
-    """What every versioned Session of one Versioning shares."""
+    """What every versioned Session of one Versioning shares.
+
+    No defaults: the Versioning sets every field (a forgotten one must not pass as "off"). None
+    means no lease, no staleness bound, no revision reader.
+    """
 
     registry: RegistryAPI
     dialect: EngineDialect
     retry: RegistryRetry
-    lease: LeaseKeeper | None = None
-    max_version_lag: int | None = None
-    revision: DefaultRevisionReader | None = None
-    staleness: Sequence[StalenessListener] = ()
+    lease: LeaseKeeper | None
+    max_version_lag: int | None
+    revision: DefaultRevisionReader | None
+    staleness: Sequence[StalenessListener]
 
 
 class RegistryBinder:
@@ -228,13 +239,18 @@ class RegistryBinder:
             # Before the bind and any engine call: a Session whose lease is lost sends nothing
             # (its ref may be released and its version reclaimed already).
             term.check(session=self._key)
-        binding = await self._bound()
-        # Close may have started while this request waited for the bind.
-        still_open()
-        term = self._term
+        binding = self._binding
+        if binding is None:
+            binding = await self._bound()
+            # Close may have started while this request waited for the bind.
+            still_open()
+            term = self._term
+            if term is not None:
+                # The bind, or the wait for it, may have outlasted the lease.
+                term.check(session=self._key)
+        # A Session already bound reaches this line without an await since the caller's and
+        # the lease's checks above, so neither needs repeating (nothing could change between).
         if term is not None:
-            # The bind, or the wait for it, may have outlasted the lease.
-            term.check(session=self._key)
             term.touch()
         # Only here, at the start of a dispatch: a generation already running is never cut by a
         # publication that lands while it runs (its reply still comes back).
@@ -319,15 +335,21 @@ class RegistryBinder:
                 stage="bind",
             ) from exc
         self._binding = binding
-        self._on_bound()
-        logger.info(
-            "session bound",
-            extra={
-                "session": self._key,
-                "version": binding.version_id,
-                "lora_name": binding.lora_name,
-            },
-        )
+        on_bound = self._on_bound
+        # Told once (a Session binds once), then dropped: the callback is the Session's own
+        # method, and without it a bound Session and its binder form no reference cycle, so
+        # they are freed as soon as the last reference goes, not by a garbage-collector pass.
+        self._on_bound = _bound_already
+        on_bound()
+        if logger.isEnabledFor(logging.INFO):  # the extra dict is not built for nobody
+            logger.info(
+                "session bound",
+                extra={
+                    "session": self._key,
+                    "version": binding.version_id,
+                    "lora_name": binding.lora_name,
+                },
+            )
         return binding
 
     async def _bound(self) -> Binding:

@@ -102,11 +102,10 @@ class Session:
         self._close_task: asyncio.Task[ReleaseResult | None] | None = None
         self._release_result: ReleaseResult | None = None
         self._in_flight: set[InFlight] = set()
-        self._drained = asyncio.Event()
-        self._drained.set()
-        #: Set when :meth:`close` starts waiting for requests still in flight (after aborting
-        #: those the engine can abort); never set when nothing was in flight at that point.
-        self.close_waits = asyncio.Event()
+        # Both events are made only when something waits on them: most Sessions close with
+        # nothing in flight, and an event per Session (or a clear per dispatch) is pure cost.
+        self._drained: asyncio.Event | None = None
+        self._close_waits: asyncio.Event | None = None
 
     # --- what it is ------------------------------------------------------------------------------
 
@@ -124,6 +123,15 @@ class Session:
     def in_flight(self) -> int:
         """Requests of this Session currently dispatched and not yet ended."""
         return len(self._in_flight)
+
+    @property
+    def close_waits(self) -> asyncio.Event:
+        """Set when :meth:`close` starts waiting for requests still in flight (after aborting
+        those the engine can abort); never set when nothing was in flight at that point."""
+        event = self._close_waits
+        if event is None:
+            event = self._close_waits = asyncio.Event()
+        return event
 
     @property
     def lease(self) -> LeaseTerm | None:
@@ -170,6 +178,14 @@ class Session:
         """OpenAI ``/v1/completions`` with this Session's version."""
         return await self.dispatch(Route.COMPLETIONS, request)
 
+    def _body(self, route: Route, request: RequestLike) -> dict[str, Any]:
+        # The fields this Session reads are checked (a one-shot and a streamed turn alike);
+        # sampling values are the engine's to judge (a bad one is a 4xx: refused, never resent).
+        body = request_body(route, request, validate=False)
+        if self._binder.validate:
+            check_shape(route, body)
+        return body
+
     async def dispatch(self, route: Route, request: RequestLike) -> EngineReply:
         """Send one request down the chain: exactly one attempt, failures classified.
 
@@ -178,14 +194,11 @@ class Session:
         """
         self._require_dispatchable()
         binder = self._binder
-        body = request_body(route, request, validate=False)
-        if binder.validate:
-            check_shape(route, body)
+        body = self._body(route, request)
         turn = await binder.before_send(route, body, self._require_dispatchable)
         rid = body.get("rid")
         flight = InFlight(rid=rid if isinstance(rid, str) else None)
         self._in_flight.add(flight)
-        self._drained.clear()
         try:
             reply = await self._rt.chain(
                 EngineCall(
@@ -215,14 +228,13 @@ class Session:
         if chain is None:
             raise SessionStateError("this Session's manager has no streaming chain")
         binder = self._binder
-        body = request_body(route, request, validate=binder.validate)
+        body = self._body(route, request)
         body.pop("stream", None)  # this call always streams; the dialect asks for it below
         turn = await binder.before_send(route, body, self._require_dispatchable)
         body = self._rt.dialect.stream_body(route, body)
         rid = body.get("rid")
         flight = InFlight(rid=rid if isinstance(rid, str) else None)
         self._in_flight.add(flight)
-        self._drained.clear()
         binding = turn.binding if turn is not None else None
         upstream = UpstreamStream(
             chain,
@@ -248,9 +260,22 @@ class Session:
             await upstream.aclose(lambda: self._flight_ended(flight))
 
     def _flight_ended(self, flight: InFlight) -> None:
-        self._in_flight.discard(flight)
-        if not self._in_flight:
+        in_flight = self._in_flight
+        in_flight.discard(flight)
+        if not in_flight and self._drained is not None:
             self._drained.set()
+
+    async def _wait_drained(self) -> None:
+        """Return at the first moment no request of this Session is in flight (now if none is)."""
+        if not self._in_flight:
+            return
+        drained = self._drained
+        if drained is None or drained.is_set():
+            # A set event belongs to an earlier busy period. Made after the check with no await
+            # since: the last request of this period to end finds it and sets it, so no waiter
+            # can miss its wake-up; waiters of one period share it.
+            drained = self._drained = asyncio.Event()
+        await drained.wait()
 
     def provenance(self) -> dict[str, Any]:
         """This Session's trajectory provenance, JSON-able, for the trainer to store with it.
@@ -332,7 +357,7 @@ class Session:
                 extra={"session": self.key, "in_flight": len(self._in_flight)},
             )
             self.close_waits.set()
-        await self._drained.wait()
+            await self._wait_drained()
         self._closed(await binder.release())
         await self._rt.on_closed(self)
         return self._release_result

@@ -34,12 +34,9 @@ binding, never trusted.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,13 +57,14 @@ from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import SessionStateError
 from agentic_lora.errors import VersionNotDispatchableError
 from agentic_lora.errors import VersionUnavailableError
-from agentic_lora.foundation.listeners import notify
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.api import in_process_core
 from agentic_lora.registry.api import peeker
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import DispatchView
 from agentic_lora.registry.types import VersionStatus
+from agentic_lora.session.in_flight import AdapterInFlight
+from agentic_lora.session.in_flight import DrainWaitListener
 
 __all__ = [
     "AdapterInFlight",
@@ -97,9 +95,12 @@ class InFlight:
     engine: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineCall:
-    """One request travelling down the chain. Change it with :func:`dataclasses.replace`.
+    """One request travelling down the chain. Never changed in place: a middleware hands the next
+    one a changed copy (:meth:`with_body`, :meth:`with_engines`, :meth:`routed_to`, or
+    :func:`dataclasses.replace`), so a middleware that kept the call it was given still reads
+    what it was given.
 
     ``engines``: the engines that hold the bound version right now (set by the dispatch guard;
     None: no restriction, e.g. a pass-through Session). ``engine``: the one the router chose.
@@ -114,7 +115,9 @@ class EngineCall:
     engines: tuple[str, ...] | None = None
 
     # The hot path's copies call the constructor directly: dataclasses.replace costs about
-    # twice as much per dispatch (it walks the fields by name).
+    # twice as much per dispatch (it walks the fields by name). Not frozen: a frozen dataclass
+    # sets each field through object.__setattr__, three times the cost of the four copies a
+    # versioned dispatch makes; immutability is the rule above, which every middleware keeps.
 
     def with_body(self, body: Mapping[str, Any]) -> EngineCall:
         """This call with another body."""
@@ -143,10 +146,6 @@ RefusedListener = Callable[[str, Binding], object]
 Called synchronously on the dispatch path, so it must only note or schedule (poke a repairer,
 start a refresh); an exception it raises is logged and never reaches the caller.
 """
-
-DrainWaitListener = Callable[[str, int], object]
-"""``listener(lora_name, in_flight)``: a drain wait on ``lora_name`` started with ``in_flight``
-requests still running (see :attr:`AdapterInFlight.on_wait`); an exception it raises is logged."""
 
 
 class Middleware:
@@ -206,7 +205,10 @@ class AdapterPinMiddleware:
         self._base_model = base_model
         self._pin = dialect.pin
 
-    async def __call__(self, call: EngineCall) -> EngineReply:
+    # Not a coroutine function: it hands back the next step's awaitable, one frame fewer per
+    # dispatch (nothing of its own runs after the next step, so nothing needs awaiting here).
+    # A refusal is raised when the call is made, which is also when the chain awaits it.
+    def __call__(self, call: EngineCall) -> Awaitable[EngineReply]:
         binding = call.binding
         if binding is None:
             # Fail closed: a versioned request without a binding would run on the base model.
@@ -215,7 +217,7 @@ class AdapterPinMiddleware:
                 session=call.session_key,
             )
         body = self._pin(call.route, call.body, binding.lora_name, self._base_model)
-        return await self._next(call.with_body(body))
+        return self._next(call.with_body(body))
 
 
 # --- dispatch guard -----------------------------------------------------------------------------
@@ -274,76 +276,6 @@ class PeekGuard:
                 state=status.state.value,
             )
         return status.ready_engines
-
-
-class AdapterInFlight:
-    """Requests in flight per adapter (lora name), with an event-driven wait for one to drain.
-
-    :class:`DispatchGuardMiddleware` counts a request from the moment it passed the guard until
-    its reply (or failure) is back. :meth:`wait_drained` is what a backend awaits before unloading
-    a version from an engine whose unload does not wait for its own in-flight requests (vLLM).
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        # At most one event per busy name, created by the first waiter of a busy period and set
-        # when the count returns to zero: a waiter never sees a later busy period's event, so it
-        # cannot miss its wake-up (and a busy period nobody waits for costs no event).
-        self._drained: dict[str, asyncio.Event] = {}
-        #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for busy
-        #: requests (never when it returns at once); append listeners at any time.
-        self.on_wait: list[DrainWaitListener] = []
-
-    def count(self, lora_name: str) -> int:
-        """Requests on ``lora_name`` in flight now."""
-        return self._counts.get(lora_name, 0)
-
-    def busy(self) -> dict[str, int]:
-        """Every adapter with requests in flight, and how many."""
-        return dict(self._counts)
-
-    @contextlib.contextmanager
-    def track(self, lora_name: str) -> Iterator[None]:
-        """Count one request on ``lora_name`` for the duration of the block."""
-        self.enter(lora_name)
-        try:
-            yield
-        finally:
-            self.leave(lora_name)
-
-    def enter(self, lora_name: str) -> None:
-        """Count one request on ``lora_name`` (pair it with :meth:`leave` in a ``finally``;
-        :meth:`track` does both, at the cost of a generator per request)."""
-        counts = self._counts
-        counts[lora_name] = counts.get(lora_name, 0) + 1
-
-    def leave(self, lora_name: str) -> None:
-        """The request counted by :meth:`enter` ended."""
-        left = self._counts[lora_name] - 1
-        if left:
-            self._counts[lora_name] = left
-        else:
-            del self._counts[lora_name]
-            drained = self._drained.pop(lora_name, None)
-            if drained is not None:
-                drained.set()
-
-    async def wait_drained(self, lora_name: str) -> None:
-        """Return at the first moment no request on ``lora_name`` is in flight (now if none is).
-
-        Call it once the version can no longer be dispatched (RECLAIMING): then no request on it
-        starts after the call, and the return means every one of them ended.
-        """
-        in_flight = self._counts.get(lora_name, 0)
-        if not in_flight:
-            return
-        event = self._drained.get(lora_name)
-        if event is None:
-            event = self._drained[lora_name] = asyncio.Event()
-        extra = {"version": lora_name, "in_flight": in_flight}
-        logger.info("waiting for requests on %s to end", lora_name, extra=extra)
-        notify(self.on_wait, lora_name, in_flight, logger=logger, what="on_wait", extra=extra)
-        await event.wait()
 
 
 class DispatchGuardMiddleware:
@@ -490,10 +422,11 @@ class TransportEndpoint:
     def __init__(self, transport: EngineTransport) -> None:
         self._transport = transport
 
-    async def __call__(self, call: EngineCall) -> EngineReply:
+    # Not a coroutine function, like the adapter pin: the send's own coroutine is the step.
+    def __call__(self, call: EngineCall) -> Awaitable[EngineReply]:
         if call.engine is None:
             raise ConfigurationError(
                 "the chain reached the transport without choosing an engine (no router?)",
                 check="router",
             )
-        return await self._transport.send(call.engine, call.route.value, call.body)
+        return self._transport.send(call.engine, call.route.value, call.body)

@@ -171,7 +171,7 @@ async def test_a_client_disconnect_aborts_the_engine_request(tmp_path: Path) -> 
         session = stack.gateway.versioning.get("gen-1")
         assert session is not None
         while session.in_flight:
-            await session._drained.wait()  # type: ignore[attr-defined]
+            await session._wait_drained()  # type: ignore[attr-defined]
         assert stack.gateway.versioning.in_flight(lora_name(stack, "A")) == 0
         # The Session stays usable and nothing was retried.
         again = await stack.http().post(

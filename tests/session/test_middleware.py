@@ -602,3 +602,34 @@ async def test_the_real_registry_routes_a_version_only_to_engines_that_hold_it()
         assert router.offered == [("e0", "e1"), ("e0",)]
     finally:
         await registry.aclose()
+
+
+class Keeper:
+    """A framework middleware that keeps every call it was given, to read it after the send."""
+
+    def __init__(self, next_dispatch: Dispatch, *, kept: list[EngineCall]) -> None:
+        self._next = next_dispatch
+        self._kept = kept
+
+    async def __call__(self, call: EngineCall) -> EngineReply:
+        self._kept.append(call)
+        return await self._next(call)
+
+
+@pytest.mark.asyncio
+async def test_no_step_of_the_chain_changes_a_call_in_place() -> None:
+    kept: list[EngineCall] = []
+    async with harness(published="A", middleware=[Middleware(Keeper, kept=kept)]) as h:
+        s = h.versioning.open_session("s")
+        reply = await s.generate({"text": "x"})
+        (call,) = kept
+        # The pin, the guard and the router each handed on a changed copy; this one is as the
+        # Session made it.
+        assert reply.engine in {e.name for e in h.transport.engines}
+        assert call.engine is None
+        assert call.engines is None
+        assert "lora_path" not in call.body
+        assert call.binding is not None
+        assert call.binding == s.binding
+        assert call.ticket is not None
+        assert call.ticket.engine == reply.engine

@@ -250,7 +250,7 @@ async def collect(stream: AsyncIterator[StreamChunk], into: list[StreamChunk]) -
 
 async def s_drained(s: object) -> None:
     """Wait until the Session's abandoned stream released its record (event-driven)."""
-    await s._drained.wait()  # type: ignore[attr-defined]
+    await s._wait_drained()  # type: ignore[attr-defined]
 
 
 async def test_a_reader_leaving_a_vllm_stream_closes_the_engine_connection() -> None:
