@@ -25,7 +25,9 @@ HTTP 200 with ``success: false`` is a failure: bodies are checked, not just stat
 
 :class:`AdminHttpClient` is the plumbing every engine's admin client shares (one attempt per call,
 transport failures classified by :mod:`agentic_lora.engines.wire`'s table, the one the generation
-transport uses, typed errors logged with stable keys). It is an
+transport uses, typed errors logged with stable keys), with the requests that are the same on
+every engine: the adapter listing of ``GET /v1/models`` (each engine reads its answer's cards,
+:meth:`AdminHttpClient._model_cards`), the unload post and the probe post. It is an
 :class:`~agentic_lora.engines.wire.EngineHttp`, so the engine dialect reads server info and the
 incarnation through it with the same code as through the generation transport.
 :class:`EngineAdminClient` adds SGLang's routes and answer shapes,
@@ -66,6 +68,7 @@ from agentic_lora.foundation.http_limits import engine_limits
 
 __all__ = [
     "FINGERPRINT_FIELDS",
+    "LIST_MODELS",
     "AdminHttpClient",
     "AdminTimeouts",
     "EngineAdminClient",
@@ -88,6 +91,8 @@ _FAILURES: dict[Outcome, tuple[type[BackendError], int, str]] = {
 #: The phrase SGLang's LoRA registry uses when asked to unregister a name it does not hold
 #: (``LoRARegistry.unregister``). It is the only signal that an unload found nothing to do.
 ABSENT_MARKER = "does not exist"
+#: The ``op`` of :meth:`AdminHttpClient.list_lora_adapters` in errors and logs.
+LIST_MODELS = "list_models"
 
 #: What an admin client's reader makes of one HTTP answer (the engine's answer shape).
 AnswerT = TypeVar("AnswerT")
@@ -210,6 +215,31 @@ class AdminHttpClient(abc.ABC, Generic[AnswerT]):
             raise self._transport_failure(op, exc, lora_name) from exc
         return self._read(op, response, lora_name)
 
+    async def _post_unload(self, op: str, path: str, lora_name: str) -> AnswerT:
+        """The unload every engine takes: the name alone, under the unload limit."""
+        payload = {"lora_name": lora_name}
+        return await self._post(op, path, payload, limit=self.timeouts.unload, lora_name=lora_name)
+
+    async def _post_probe(
+        self, op: str, path: str, payload: Mapping[str, Any], lora_name: str
+    ) -> AnswerT:
+        """A one-token generation through ``lora_name``, under the probe limit."""
+        return await self._post(op, path, payload, limit=self.timeouts.probe, lora_name=lora_name)
+
+    async def list_lora_adapters(self) -> dict[str, str]:
+        """Registered adapters as ``{name: path}`` (from ``GET /v1/models``)."""
+        cards = self._model_cards(await self._get(LIST_MODELS, "/v1/models"))
+        # Both engines list the base model too; only adapters have a parent.
+        return {
+            str(card.get("id")): str(card.get("root"))
+            for card in cards
+            if isinstance(card, dict) and card.get("parent") is not None
+        }
+
+    @abc.abstractmethod
+    def _model_cards(self, answer: AnswerT) -> list[Any]:
+        """The ``data`` array of a ``/v1/models`` answer; raises the classified error if none."""
+
     async def _get(self, op: str, path: str) -> AnswerT:
         return self._read(op, await self._send_get(op, path), None)
 
@@ -243,16 +273,6 @@ class AdminHttpClient(abc.ABC, Generic[AnswerT]):
             extra={"engine": self.engine, "version": details.get("lora_name")},
         )
         return kind(f"{self.engine} {op}: {message}", engine=self.engine, op=op, **details)
-
-    @staticmethod
-    def _adapters_in(cards: list[Any]) -> dict[str, str]:
-        """``{name: path}`` of the adapter cards in a ``/v1/models`` ``data`` array."""
-        # Both engines list the base model too; only adapters have a parent.
-        return {
-            str(card.get("id")): str(card.get("root"))
-            for card in cards
-            if isinstance(card, dict) and card.get("parent") is not None
-        }
 
     def _transport_failure(
         self, op: str, exc: BaseException, lora_name: str | None
@@ -310,13 +330,7 @@ class EngineAdminClient(AdminHttpClient[dict[str, Any]]):
     async def unload_lora_adapter(self, lora_name: str) -> UnloadOutcome:
         """Unload ``lora_name`` once its in-flight requests finished; ABSENT if not held."""
         op = "unload_lora_adapter"
-        body = await self._post(
-            op,
-            "/unload_lora_adapter",
-            {"lora_name": lora_name},
-            limit=self.timeouts.unload,
-            lora_name=lora_name,
-        )
+        body = await self._post_unload(op, "/unload_lora_adapter", lora_name)
         if body.get("success") is True:
             return UnloadOutcome.UNLOADED
         message = str(body.get("error_message") or "unload refused")
@@ -324,32 +338,18 @@ class EngineAdminClient(AdminHttpClient[dict[str, Any]]):
             return UnloadOutcome.ABSENT
         raise self._refused(op, message, lora_name=lora_name)
 
-    async def list_lora_adapters(self) -> dict[str, str]:
-        """Registered adapters as ``{name: path}`` (from ``GET /v1/models``)."""
-        op = "list_models"
-        body = await self._get(op, "/v1/models")
-        data = body.get("data")
-        if not isinstance(data, list):
-            raise self._ambiguous(op, "model list has no 'data' array")
-        return self._adapters_in(data)
-
     async def probe_generate(
         self, lora_name: str, *, input_ids: Sequence[int] = (0,)
     ) -> ProbeResult:
         """Generate one token through exactly ``lora_name`` (greedy), proving it serves."""
         op = "probe_generate"
-        body = await self._post(
-            op,
-            "/generate",
-            {
-                "input_ids": list(input_ids),
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                "lora_path": lora_name,
-                "stream": False,
-            },
-            limit=self.timeouts.probe,
-            lora_name=lora_name,
-        )
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "lora_path": lora_name,
+            "stream": False,
+        }
+        body = await self._post_probe(op, "/generate", payload, lora_name)
         if "error" in body:
             raise self._refused(op, error_detail(body), lora_name=lora_name)
         meta = body.get("meta_info")
@@ -405,6 +405,12 @@ class EngineAdminClient(AdminHttpClient[dict[str, Any]]):
                 op, f"HTTP {status}: {error_detail(body)}", lora_name=lora_name, status=status
             )
         return body
+
+    def _model_cards(self, answer: dict[str, Any]) -> list[Any]:
+        data = answer.get("data")
+        if not isinstance(data, list):
+            raise self._ambiguous(LIST_MODELS, "model list has no 'data' array")
+        return data
 
 
 def _loaded_adapters(body: Mapping[str, Any]) -> dict[str, str] | None:

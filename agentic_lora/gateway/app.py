@@ -34,6 +34,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import TypedDict
+from typing import Unpack
 
 from fastapi import FastAPI
 from fastapi import Request
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from agentic_lora.assembly.metrics import Metrics
     from agentic_lora.engines.backends import Backend
 
-__all__ = ["PROVENANCE_FIELD", "Gateway"]
+__all__ = ["PROVENANCE_FIELD", "Gateway", "GatewayOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,18 @@ def _tagger_for(admin_token: str | None) -> SessionTagger:
         return SessionTagger(key.encode())
     # Derived from the admin token, so tags (and key prefixes) stay the same across restarts.
     return SessionTagger.derived(admin_token) if admin_token else SessionTagger()
+
+
+class GatewayOptions(TypedDict, total=False):
+    """The gateway's own options, taken alike by :class:`Gateway` and
+    :meth:`Gateway.from_settings` (described in :class:`Gateway`)."""
+
+    admin_token: str | None
+    idle_timeout: float | None
+    reuse_closed_ids: bool
+    clock: Callable[[], float]
+    limits: GatewayLimits | None
+    tagger: SessionTagger | None
 
 
 class Gateway(GenerationRoutes):
@@ -109,22 +123,25 @@ class Gateway(GenerationRoutes):
     * ``limits``: input limits and the Session bound (default: from the settings).
     * ``tagger``: hashes Session ids for logs and registry keys (default: keyed by
       ``$AGENTIC_LORA_SESSION_HASH_KEY``, else derived from the admin token, else random).
+    * ``clock``: measures Session idleness only (default: ``time.monotonic``).
+
+    ``admin_token``, ``idle_timeout``, ``reuse_closed_ids``, ``limits``, ``tagger`` and ``clock``
+    are the :class:`GatewayOptions`.
     """
 
     def __init__(
         self,
         deployment: Deployment,
         *,
-        admin_token: str | None = None,
         metrics: Metrics | None = None,
         progress: ProgressHub | None = None,
-        idle_timeout: float | None = None,
-        reuse_closed_ids: bool = False,
-        clock: Callable[[], float] = time.monotonic,
         owns_deployment: bool = False,
-        limits: GatewayLimits | None = None,
-        tagger: SessionTagger | None = None,
+        **options: Unpack[GatewayOptions],
     ) -> None:
+        admin_token = options.get("admin_token")
+        idle_timeout = options.get("idle_timeout")
+        limits = options.get("limits")
+        tagger = options.get("tagger")
         if idle_timeout is not None and idle_timeout <= 0:
             raise ConfigurationError("idle_timeout must be positive", check="idle_timeout")
         if admin_token is not None and not admin_token.strip():
@@ -146,8 +163,8 @@ class Gateway(GenerationRoutes):
         self.sessions = GatewaySessions(
             deployment.versioning,
             lease=deployment.versioning.lease,
-            clock=clock,
-            reuse_closed_ids=reuse_closed_ids,
+            clock=options.get("clock", time.monotonic),
+            reuse_closed_ids=options.get("reuse_closed_ids", False),
             deployment_epoch=settings.deployment_epoch,
             tagger=self._tagger,
             max_sessions=self.limits.max_sessions,
@@ -167,11 +184,8 @@ class Gateway(GenerationRoutes):
         *,
         backend_options: Mapping[str, Any] | None = None,
         backend: Backend | None = None,
-        admin_token: str | None = None,
-        idle_timeout: float | None = None,
-        reuse_closed_ids: bool = False,
         with_metrics: bool = True,
-        clock: Callable[[], float] = time.monotonic,
+        **options: Unpack[GatewayOptions],
     ) -> Gateway:
         """Registry, Sessions, publisher, reclaimer and backend from settings, instrumented.
 
@@ -179,8 +193,8 @@ class Gateway(GenerationRoutes):
         ``with_metrics``, a dispatch-counting middleware, a registry listener and a metrics
         listener on the hub. The gateway owns the deployment (closed by :meth:`aclose`). Its
         Sessions bind under the owner lease of ``settings.gateway_id`` with
-        ``on_restart="adopt"`` (see :mod:`agentic_lora.gateway.sessions`).
-        ``clock`` only measures Session idleness.
+        ``on_restart="adopt"`` (see :mod:`agentic_lora.gateway.sessions`). ``options`` are the
+        gateway's own (:class:`GatewayOptions`).
         """
         if not settings.enable_versioned_lora_publication:
             raise ConfigurationError(
@@ -209,16 +223,7 @@ class Gateway(GenerationRoutes):
         if metrics is not None:
             metrics.watch_registry(deployment.registry)
             metrics.watch_staleness(deployment.versioning)
-        return cls(
-            deployment,
-            admin_token=admin_token,
-            metrics=metrics,
-            progress=progress,
-            idle_timeout=idle_timeout,
-            reuse_closed_ids=reuse_closed_ids,
-            clock=clock,
-            owns_deployment=True,
-        )
+        return cls(deployment, metrics=metrics, progress=progress, owns_deployment=True, **options)
 
     @property
     def versioning(self) -> Versioning:

@@ -64,8 +64,6 @@ from agentic_lora.errors import TooManySessionsError
 from agentic_lora.gateway.adoption import AdoptedSessions
 from agentic_lora.gateway.closed_elsewhere import closed_elsewhere
 from agentic_lora.gateway.replay import SessionReplay
-from agentic_lora.gateway.security import MAX_SESSION_ID_LENGTH
-from agentic_lora.gateway.security import SESSION_HEADER
 from agentic_lora.gateway.security import SessionTagger
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.api import RegistryAPI
@@ -78,12 +76,7 @@ from agentic_lora.session import Session
 from agentic_lora.session import SessionPhase
 from agentic_lora.session import Versioning
 
-__all__ = [
-    "MAX_SESSION_ID_LENGTH",
-    "SESSION_HEADER",
-    "GatewaySessions",
-    "IdleReaped",
-]
+__all__ = ["GatewaySessions", "IdleReaped"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +157,7 @@ class GatewaySessions:
         self._opening: dict[str, asyncio.Task[Session]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         if lease is not None:
-            lease.add_listener(self._adopted.on_lease_event)
+            lease.listeners.append(self._adopted.on_lease_event)
 
     # --- lifecycle ------------------------------------------------------------------------------
 

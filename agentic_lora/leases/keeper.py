@@ -115,8 +115,9 @@ class LeaseKeeper:
         self._wake = asyncio.Event()
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
-        self._last_used: float | None = None
-        self._listeners: list[LeaseListener] = []
+        #: Told every :class:`~agentic_lora.leases.term.LeaseEvent` of this keeper's terms (opened,
+        #: renewed, lost, closed, with the Sessions released or adopted); append any time.
+        self.listeners: list[LeaseListener] = []
 
     @classmethod
     def from_settings(
@@ -149,18 +150,6 @@ class LeaseKeeper:
     def superseded(self) -> bool:
         """True once a newer incarnation of this owner took over: this keeper never opens again."""
         return self._superseded
-
-    @property
-    def last_used(self) -> float | None:
-        """When a dispatch last used the lease, on the keeper's clock."""
-        return self._last_used
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def add_listener(self, listener: LeaseListener) -> None:
-        self._listeners.append(listener)
 
     def check(self) -> None:
         """Raise SessionExpiredError unless the current incarnation's lease holds (no I/O)."""
@@ -307,12 +296,10 @@ class LeaseKeeper:
     # --- renewing ------------------------------------------------------------------------------
 
     def _touch(self, term: LeaseTerm) -> None:
-        now = self.clock()
-        self._last_used = now
         if term is not self._term or term._state is not _HELD or self._renewing:
             return
         # HELD always has a renewal time; an overdue one means the renewer's timer is late.
-        if now - term._renewed_at >= self.renew_interval:
+        if self.clock() - term._renewed_at >= self.renew_interval:
             self._wake.set()
 
     def _renewer_ended(self, task: asyncio.Task[None]) -> None:
@@ -404,7 +391,7 @@ class LeaseKeeper:
         adopted: tuple[str, ...] = (),
     ) -> None:
         event = LeaseEvent(kind, term.lease_id, self.clock(), reason, released, adopted)
-        notify(self._listeners, event, logger=logger, what="lease", extra={"lease": term.lease_id})
+        notify(self.listeners, event, logger=logger, what="lease", extra={"lease": term.lease_id})
 
     # --- closing -------------------------------------------------------------------------------
 

@@ -8,4 +8,6 @@
 * :mod:`~agentic_lora.publication.resolver`: settles publications a dead publisher left open.
 * :mod:`~agentic_lora.publication.result` and :mod:`~agentic_lora.publication.cleanup`: a
   publication's outcome and the undo of a failed one.
+* :mod:`~agentic_lora.publication.steps`: the registry step all of them take (one request id,
+  replayed while the reply may be lost, timed as the phase named after the verb).
 """

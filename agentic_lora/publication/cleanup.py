@@ -16,18 +16,19 @@ from collections.abc import Coroutine
 from collections.abc import Sequence
 from typing import Any
 
-from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
-from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
 from agentic_lora.publication.result import PublicationRun
-from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.publication.steps import FleetWorker
+from agentic_lora.publication.steps import attempt_extra
+from agentic_lora.publication.steps import attempt_of
+from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.registry.types import new_request_id
 
@@ -36,16 +37,8 @@ __all__ = ["CleanupSteps"]
 logger = logging.getLogger(__name__)
 
 
-class CleanupSteps:
-    """Observe, fan out over the fleet, abort and clean: the steps a publisher shares.
-
-    The subclass sets the four attributes below (``engines`` is the fixed fleet).
-    """
-
-    registry: RegistryAPI
-    backend: Backend
-    engines: tuple[EngineRef, ...]
-    retry: RegistryRetry
+class CleanupSteps(FleetWorker):
+    """Observe, fan out over the fleet, abort and clean: the steps a publisher shares."""
 
     async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> None:
         async with run.recorder.phase(engine.name, Phase.OBSERVE):
@@ -79,19 +72,13 @@ class CleanupSteps:
         skip: set[str] | None = None,
         observe_first: bool = False,
     ) -> PublicationResult:
-        extra = {"version": target.version_id, "attempt": target.attempt}
-        request_id = new_request_id()
+        extra = attempt_extra(target)
+
+        async def abort(rid: str) -> VersionStatus:
+            return await self.registry.abort(request_id=rid, reason=reason, **attempt_of(target))
+
         try:
-            async with run.recorder.phase(None, Phase.ABORT):
-                await self.retry.call(
-                    "abort",
-                    lambda: self.registry.abort(
-                        request_id=request_id,
-                        version_id=target.version_id,
-                        attempt=target.attempt,
-                        reason=reason,
-                    ),
-                )
+            await registry_step(run.recorder, None, Phase.ABORT, self.retry, abort)
         except Exception as exc:
             logger.error("abort of %s unconfirmed: %r", target.version_id, exc, extra=extra)
             return run.result(
@@ -137,7 +124,7 @@ class CleanupSteps:
         target: PublicationTarget,
         observe_first: bool = False,
     ) -> EngineReport:
-        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        extra = attempt_extra(target, engine.name)
         if observe_first and await self._cleaned_by_restart(run, engine, target):
             logger.info(
                 "%s holds nothing of %s (new incarnation): no cleanup call",
@@ -146,22 +133,20 @@ class CleanupSteps:
                 extra=extra,
             )
             return EngineReport(engine.name, cleaned=True)
+
+        async def confirm(rid: str) -> VersionStatus:
+            return await self.registry.confirm_cleanup(
+                request_id=rid, engine=engine.name, **attempt_of(target)
+            )
+
         try:
             async with run.recorder.phase(engine.name, Phase.CLEANUP):
                 # A refusal means, by contract, that the engine holds nothing of this attempt.
                 with contextlib.suppress(BackendRefusedError):
                     await self.backend.cleanup(engine, target)
-            request_id = new_request_id()
-            async with run.recorder.phase(engine.name, Phase.CONFIRM_CLEANUP):
-                status: VersionStatus = await self.retry.call(
-                    "confirm_cleanup",
-                    lambda: self.registry.confirm_cleanup(
-                        request_id=request_id,
-                        version_id=target.version_id,
-                        attempt=target.attempt,
-                        engine=engine.name,
-                    ),
-                )
+            status = await registry_step(
+                run.recorder, engine.name, Phase.CONFIRM_CLEANUP, self.retry, confirm
+            )
         except Exception as exc:
             code = error_code(exc)
             logger.warning("cleanup unconfirmed on %s: %s", engine.name, exc, extra=extra)

@@ -37,16 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Protocol
+from typing import Unpack
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
-from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
@@ -65,11 +63,16 @@ from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
 from agentic_lora.publication.result import PublicationRun
+from agentic_lora.publication.steps import FleetOptions
+from agentic_lora.publication.steps import attempt_extra
+from agentic_lora.publication.steps import attempt_of
+from agentic_lora.publication.steps import record_ready
+from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import CommitReceipt
 from agentic_lora.registry.types import Reservation
 from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
-from agentic_lora.registry.types import new_request_id
 
 # Phase types, RegistryRetry and the result types live in agentic_lora.foundation.phases, agentic_lora.foundation.replay
 # and agentic_lora.publication.result; they stay importable from here for callers written before
@@ -123,18 +126,11 @@ class Publisher(CleanupSteps):
         engines: Sequence[EngineRef],
         *,
         reclaimer: ReclaimTrigger | None = None,
-        on_progress: Callable[[PhaseEvent], None] | None = None,
-        registry_retry: RegistryRetry | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        **options: Unpack[FleetOptions],
     ) -> None:
-        self.registry = registry
-        self.backend = backend
-        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
+        super().__init__(registry, backend, engines, **options)
         self.reclaimer = reclaimer
         self.resolver: ResolveTrigger | None = None
-        self.on_progress = on_progress
-        self.retry = registry_retry or RegistryRetry()
-        self._clock = clock
         self._lock = asyncio.Lock()
         #: Versions a publication of this process left unresolved (BLOCKED, or ended without a
         #: result while LOADING). Only this process's publisher can know that nobody is still
@@ -160,7 +156,7 @@ class Publisher(CleanupSteps):
                 version_id,
                 snapshot.digest,
                 bootstrap=status.default_version is None,
-                recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
+                recorder=self._recorder(version_id),
             )
             reservation = await self._reserve(run)
             if reservation is None:
@@ -202,7 +198,7 @@ class Publisher(CleanupSteps):
                 version_id,
                 status.digest,
                 bootstrap=False,
-                recorder=PhaseRecorder(self._clock, self.on_progress, version_id),
+                recorder=self._recorder(version_id),
                 target=status.ref,
             )
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
@@ -228,19 +224,16 @@ class Publisher(CleanupSteps):
     # --- steps --------------------------------------------------------------------------------
 
     async def _reserve(self, run: PublicationRun) -> Reservation | None:
-        request_id = new_request_id()
+        async def reserve(rid: str) -> Reservation:
+            return await self.registry.reserve(
+                request_id=rid, version_id=run.version_id, digest=run.digest
+            )
 
-        async def reserve() -> Reservation:
-            async with run.recorder.phase(None, Phase.RESERVE):
-                return await self.retry.call(
-                    "reserve",
-                    lambda: self.registry.reserve(
-                        request_id=request_id, version_id=run.version_id, digest=run.digest
-                    ),
-                )
+        async def step() -> Reservation:
+            return await registry_step(run.recorder, None, Phase.RESERVE, self.retry, reserve)
 
         try:
-            return await reserve()
+            return await step()
         except CapacityError as exc:
             if self.reclaimer is None:
                 self._skip(run, exc)
@@ -248,7 +241,7 @@ class Publisher(CleanupSteps):
         # Capacity is full: one reclaim round may free a retired version's slot.
         await self.reclaimer.reclaim_once()
         try:
-            return await reserve()
+            return await step()
         except CapacityError as exc:
             self._skip(run, exc)
             return None
@@ -303,17 +296,12 @@ class Publisher(CleanupSteps):
         target: PublicationTarget,
         snapshot: AdapterSnapshot,
     ) -> EngineReport:
-        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        extra = attempt_extra(target, engine.name)
         try:
             await self._observe_or_raise(run, engine)
             async with run.recorder.phase(engine.name, Phase.PREPARE):
                 receipt = await self.backend.prepare(engine, target, snapshot)
-            request_id = new_request_id()
-            async with run.recorder.phase(engine.name, Phase.RECORD_READY):
-                await self.retry.call(
-                    "record_ready",
-                    lambda: self.registry.record_ready(request_id=request_id, receipt=receipt),
-                )
+            await record_ready(self.registry, self.retry, run.recorder, receipt)
         except Exception as exc:
             # Collected, not propagated: the other engines' prepares run to their own end.
             code = error_code(exc)
@@ -333,19 +321,15 @@ class Publisher(CleanupSteps):
     async def _commit(
         self, run: PublicationRun, target: PublicationTarget, revision: int
     ) -> PublicationResult:
-        request_id = new_request_id()
-        extra = {"version": target.version_id, "attempt": target.attempt}
+        extra = attempt_extra(target)
+
+        async def commit(rid: str) -> CommitReceipt:
+            return await self.registry.commit(
+                request_id=rid, expected_default_revision=revision, **attempt_of(target)
+            )
+
         try:
-            async with run.recorder.phase(None, Phase.COMMIT):
-                receipt = await self.retry.call(
-                    "commit",
-                    lambda: self.registry.commit(
-                        request_id=request_id,
-                        version_id=target.version_id,
-                        attempt=target.attempt,
-                        expected_default_revision=revision,
-                    ),
-                )
+            receipt = await registry_step(run.recorder, None, Phase.COMMIT, self.retry, commit)
         except RegistryError as exc:
             # A definite refusal (an engine restarted, the default moved): nothing was switched.
             return await self._abort_and_clean(run, target, reason=f"commit refused: {exc.code}")

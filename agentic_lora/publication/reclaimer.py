@@ -40,17 +40,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
-from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Unpack
 
 from tenacity.wait import wait_base
 
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import error_code
@@ -58,12 +56,13 @@ from agentic_lora.foundation.background import Rounds
 from agentic_lora.foundation.background import backoff as default_backoff
 from agentic_lora.foundation.background import delay_after
 from agentic_lora.foundation.phases import Phase
-from agentic_lora.foundation.phases import PhaseEvent
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseTiming
-from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair import VersionLocks
+from agentic_lora.publication.steps import FleetOptions
+from agentic_lora.publication.steps import FleetWorker
+from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import ReclaimClaim
 from agentic_lora.registry.types import VersionState
@@ -110,7 +109,7 @@ class ReclaimReport:
         return tuple(r.version_id for r in self.results if r.outcome is ReclaimOutcome.PENDING)
 
 
-class Reclaimer(BackgroundLoop):
+class Reclaimer(FleetWorker, BackgroundLoop):
     """Reclaims retired versions through ``backend`` on the fixed fleet ``engines``."""
 
     _loop_name = "agentic-lora reclaimer"
@@ -121,22 +120,15 @@ class Reclaimer(BackgroundLoop):
         backend: Backend,
         engines: Sequence[EngineRef],
         *,
-        registry_retry: RegistryRetry | None = None,
-        on_progress: Callable[[PhaseEvent], None] | None = None,
         backoff: wait_base | None = None,
-        clock: Callable[[], float] = time.perf_counter,
         version_locks: VersionLocks | None = None,
+        **options: Unpack[FleetOptions],
     ) -> None:
-        self.registry = registry
-        self.backend = backend
-        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
-        self.retry = registry_retry or RegistryRetry()
-        self.on_progress = on_progress
+        super().__init__(registry, backend, engines, **options)
         #: Wait before the background loop retries a version left unconfirmed (per version).
         self.backoff = backoff if backoff is not None else default_backoff()
         #: Shared with the Repairer: a claim never overlaps a repair of the same version.
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
-        self._clock = clock
         self._inflight: dict[str, asyncio.Task[ReclaimResult]] = {}
         self._rounds = Rounds()
         # version -> (unconfirmed rounds in a row, clock() before which the loop does not retry)
@@ -226,7 +218,7 @@ class Reclaimer(BackgroundLoop):
     # --- one version --------------------------------------------------------------------------
 
     async def _reclaim(self, version_id: str) -> ReclaimResult:
-        recorder = PhaseRecorder(self._clock, self.on_progress, version_id)
+        recorder = self._recorder(version_id)
         request_id = new_request_id()
         try:
             async with (
@@ -298,22 +290,23 @@ class Reclaimer(BackgroundLoop):
     ) -> VersionStatus | str:
         """The registry's status after this engine's confirmation, or the failure's code."""
         extra = {"engine": engine.name, "version": claim.version_id}
+
+        async def confirm(rid: str) -> VersionStatus:
+            return await self.registry.confirm_reclaim(
+                request_id=rid,
+                version_id=claim.version_id,
+                reclaim_id=claim.reclaim_id,
+                engine=engine.name,
+            )
+
         try:
             async with recorder.phase(engine.name, Phase.RECLAIM):
                 await self.backend.reclaim(
                     engine, lora_name=claim.lora_name, reclaim_id=claim.reclaim_id
                 )
-            request_id = new_request_id()
-            async with recorder.phase(engine.name, Phase.CONFIRM_RECLAIM):
-                return await self.retry.call(
-                    "confirm_reclaim",
-                    lambda: self.registry.confirm_reclaim(
-                        request_id=request_id,
-                        version_id=claim.version_id,
-                        reclaim_id=claim.reclaim_id,
-                        engine=engine.name,
-                    ),
-                )
+            return await registry_step(
+                recorder, engine.name, Phase.CONFIRM_RECLAIM, self.retry, confirm
+            )
         except Exception as exc:
             # Collected: the other engines' unloads run to their own end.
             logger.warning("reclaim unconfirmed on %s: %s", engine.name, exc, extra=extra)

@@ -43,18 +43,23 @@ class EngineReport:
 
 @dataclass(frozen=True)
 class PublicationResult:
-    """The outcome of :meth:`~agentic_lora.publication.publisher.Publisher.publish` or its ``resolve``."""
+    """The outcome of :meth:`~agentic_lora.publication.publisher.Publisher.publish` or its ``resolve``.
+
+    Every field is always set (:meth:`PublicationRun.result` is its one constructor): None where
+    the publication has none (``lora_name`` and ``attempt`` before a reservation, ``commit``
+    without a commit, ``reason`` on success).
+    """
 
     version_id: str
     digest: str
     outcome: PublicationOutcome
     bootstrap: bool
-    lora_name: str | None = None
-    attempt: int | None = None
-    commit: CommitReceipt | None = None
-    reason: str | None = None
-    engines: tuple[EngineReport, ...] = ()
-    timings: tuple[PhaseTiming, ...] = ()
+    lora_name: str | None
+    attempt: int | None
+    commit: CommitReceipt | None
+    reason: str | None
+    engines: tuple[EngineReport, ...]
+    timings: tuple[PhaseTiming, ...]
 
     @property
     def ok(self) -> bool:

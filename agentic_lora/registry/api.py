@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
+from typing import TypeVar
 from typing import runtime_checkable
 
 from agentic_lora.registry.types import Binding
@@ -70,6 +71,8 @@ __all__ = [
     "session_closer",
 ]
 
+T = TypeVar("T")
+
 #: Called after every applied state change with the verb and its result (not on replays).
 RegistryListener = Callable[[str, Any], None]
 
@@ -80,6 +83,12 @@ class RegistryAPI(abc.ABC):
     @abc.abstractmethod
     async def _call(self, verb: str, request_id: str, args: dict[str, Any]) -> Any:
         """Carry out one verb; return its result or raise its typed error."""
+
+    async def _ask(self, answer: type[T], verb: str, request_id: str, args: dict[str, Any]) -> T:
+        """:meth:`_call`, its result typed ``answer`` (the verb's declared result: the
+        implementation is trusted, not checked, as with any reply)."""
+        result: T = await self._call(verb, request_id, args)
+        return result
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -95,57 +104,42 @@ class RegistryAPI(abc.ABC):
 
     async def reserve(self, *, request_id: str, version_id: str, digest: str) -> Reservation:
         """Admit a version (takes a capacity slot) before any transfer starts."""
-        r: Reservation = await self._call(
-            "reserve", request_id, {"version_id": version_id, "digest": digest}
-        )
-        return r
+        args = {"version_id": version_id, "digest": digest}
+        return await self._ask(Reservation, "reserve", request_id, args)
 
     async def record_ready(self, *, request_id: str, receipt: ReadyReceipt) -> VersionStatus:
         """Record one engine's READY for the current attempt and incarnation."""
-        r: VersionStatus = await self._call("record_ready", request_id, {"receipt": receipt})
-        return r
+        return await self._ask(VersionStatus, "record_ready", request_id, {"receipt": receipt})
 
     async def observe_incarnation(self, *, request_id: str, engine: str, incarnation: str) -> bool:
         """Tell the registry an engine's current incarnation; a change drops its pending READYs."""
-        r: bool = await self._call(
-            "observe_incarnation", request_id, {"engine": engine, "incarnation": incarnation}
-        )
-        return r
+        args = {"engine": engine, "incarnation": incarnation}
+        return await self._ask(bool, "observe_incarnation", request_id, args)
 
     async def commit(
         self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
     ) -> CommitReceipt:
         """The only place the default changes. Needs READY from every engine."""
-        r: CommitReceipt = await self._call(
-            "commit",
-            request_id,
-            {
-                "version_id": version_id,
-                "attempt": attempt,
-                "expected_default_revision": expected_default_revision,
-            },
-        )
-        return r
+        args = {
+            "version_id": version_id,
+            "attempt": attempt,
+            "expected_default_revision": expected_default_revision,
+        }
+        return await self._ask(CommitReceipt, "commit", request_id, args)
 
     async def abort(
         self, *, request_id: str, version_id: str, attempt: int, reason: str
     ) -> VersionStatus:
         """LOADING -> ABORTED; the slot stays held until every engine confirms cleanup."""
-        r: VersionStatus = await self._call(
-            "abort", request_id, {"version_id": version_id, "attempt": attempt, "reason": reason}
-        )
-        return r
+        args = {"version_id": version_id, "attempt": attempt, "reason": reason}
+        return await self._ask(VersionStatus, "abort", request_id, args)
 
     async def confirm_cleanup(
         self, *, request_id: str, version_id: str, attempt: int, engine: str
     ) -> VersionStatus:
         """One engine holds nothing of this attempt; all engines -> FAILED_CLEAN, slot freed."""
-        r: VersionStatus = await self._call(
-            "confirm_cleanup",
-            request_id,
-            {"version_id": version_id, "attempt": attempt, "engine": engine},
-        )
-        return r
+        args = {"version_id": version_id, "attempt": attempt, "engine": engine}
+        return await self._ask(VersionStatus, "confirm_cleanup", request_id, args)
 
     # --- Sessions ------------------------------------------------------------------------------
 
@@ -159,25 +153,23 @@ class RegistryAPI(abc.ABC):
         args: dict[str, Any] = {"session_key": session_key}
         if lease is not None:
             args["lease"] = lease
-        r: Binding = await self._call("bind_first", request_id, args)
-        return r
+        return await self._ask(Binding, "bind_first", request_id, args)
 
     async def begin_close(self, *, request_id: str, session_key: str) -> SessionStatus:
         """Refuse any later bind for this Session (works before a bind, too)."""
-        r: SessionStatus = await self._call("begin_close", request_id, {"session_key": session_key})
-        return r
+        return await self._ask(
+            SessionStatus, "begin_close", request_id, {"session_key": session_key}
+        )
 
     async def release(self, *, request_id: str, session_key: str) -> ReleaseResult:
         """Drop the Session ref exactly once; leaves a CLOSED tombstone."""
-        r: ReleaseResult = await self._call("release", request_id, {"session_key": session_key})
-        return r
+        return await self._ask(ReleaseResult, "release", request_id, {"session_key": session_key})
 
     async def forget_sessions(self, *, request_id: str, session_keys: Sequence[str]) -> int:
         """Drop CLOSED tombstones once the local records are gone (bounded memory)."""
-        r: int = await self._call(
-            "forget_sessions", request_id, {"session_keys": list(session_keys)}
+        return await self._ask(
+            int, "forget_sessions", request_id, {"session_keys": list(session_keys)}
         )
-        return r
 
     # --- leases and durable names --------------------------------------------------------------
 
@@ -192,67 +184,53 @@ class RegistryAPI(abc.ABC):
     ) -> LeaseGrant:
         """Start (or renew) ``owner``'s lease for this incarnation; a new incarnation ends the
         previous one at once, releasing (``"release"``) or adopting (``"adopt"``) its Sessions."""
-        r: LeaseGrant = await self._call(
-            "open_lease",
-            request_id,
-            {"owner": owner, "incarnation": incarnation, "ttl": ttl, "on_restart": on_restart},
-        )
-        return r
+        args = {"owner": owner, "incarnation": incarnation, "ttl": ttl, "on_restart": on_restart}
+        return await self._ask(LeaseGrant, "open_lease", request_id, args)
 
     async def renew_lease(self, *, request_id: str, owner: str, incarnation: str) -> LeaseGrant:
         """Extend a live lease by its TTL (LEASE_EXPIRED once it expired or was superseded)."""
-        r: LeaseGrant = await self._call(
-            "renew_lease", request_id, {"owner": owner, "incarnation": incarnation}
-        )
-        return r
+        args = {"owner": owner, "incarnation": incarnation}
+        return await self._ask(LeaseGrant, "renew_lease", request_id, args)
 
     async def close_lease(
         self, *, request_id: str, owner: str, incarnation: str
     ) -> tuple[str, ...]:
         """End a lease on purpose; Sessions still on it are expired (their refs released)."""
-        r: tuple[str, ...] = tuple(
-            await self._call(
-                "close_lease", request_id, {"owner": owner, "incarnation": incarnation}
-            )
+        # Any sequence of names (a Ray reply may carry a list), handed out as a tuple.
+        names: Sequence[str] = await self._call(
+            "close_lease", request_id, {"owner": owner, "incarnation": incarnation}
         )
-        return r
+        return tuple(names)
 
     async def resume_leases(self, *, request_id: str) -> int:
         """Give every live lease a full TTL from now (the registry host was down)."""
-        r: int = await self._call("resume_leases", request_id, {})
-        return r
+        return await self._ask(int, "resume_leases", request_id, {})
 
     async def sweep(self, *, request_id: str, name_ttl: float) -> SweepResult:
         """Expire leases past their deadline; forget name tombstones older than ``name_ttl``."""
-        r: SweepResult = await self._call("sweep", request_id, {"name_ttl": name_ttl})
-        return r
+        return await self._ask(SweepResult, "sweep", request_id, {"name_ttl": name_ttl})
 
     async def open_named(
         self, *, request_id: str, name: str, session_key: str, lease: str | None
     ) -> NamedSession:
         """The Session behind a client-chosen name (created on first use; never re-bound)."""
-        r: NamedSession = await self._call(
-            "open_named", request_id, {"name": name, "session_key": session_key, "lease": lease}
-        )
-        return r
+        args = {"name": name, "session_key": session_key, "lease": lease}
+        return await self._ask(NamedSession, "open_named", request_id, args)
 
     # --- reclaim -------------------------------------------------------------------------------
 
     async def claim_reclaim(self, *, request_id: str, version_id: str) -> ReclaimClaim:
         """RETIRED with zero Session refs -> RECLAIMING with a stable reclaim id."""
-        r: ReclaimClaim = await self._call("claim_reclaim", request_id, {"version_id": version_id})
-        return r
+        return await self._ask(
+            ReclaimClaim, "claim_reclaim", request_id, {"version_id": version_id}
+        )
 
     async def confirm_reclaim(
         self, *, request_id: str, version_id: str, reclaim_id: str, engine: str
     ) -> VersionStatus:
         """One engine unloaded the version; all engines -> RECLAIMED, slot freed."""
-        r: VersionStatus = await self._call(
-            "confirm_reclaim",
-            request_id,
-            {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine},
-        )
-        return r
+        args = {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine}
+        return await self._ask(VersionStatus, "confirm_reclaim", request_id, args)
 
 
 # --- optional capabilities ---------------------------------------------------------------------

@@ -327,6 +327,17 @@ class RegistryCore(RegistryState):
     def forget_sessions(self, session_keys: Sequence[str]) -> int:
         return session_lifecycle.forget_sessions(self, session_keys)
 
+    def close_session_now(
+        self, session_key: str, now: float
+    ) -> tuple[SessionStatus, ReleaseResult]:
+        """``begin_close``, ``release`` and ``forget_sessions([session_key])`` as one step (see
+        :func:`~agentic_lora.registry.session_lifecycle.close_now`). Not a verb: nothing remembers
+        a request id and nothing is journaled, so it is only for a registry without a journal,
+        called in its own process (:meth:`LocalRegistry.close_session_now`)."""
+        answers = session_lifecycle.close_now(self, session_key, now)
+        self.seq += 3  # the three verbs it stands for
+        return answers
+
     # --- owner leases and durable Session names (rules in owner_leases / durable_names) -------
 
     def open_lease(

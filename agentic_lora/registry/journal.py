@@ -38,11 +38,14 @@ import weakref
 from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from typing import NotRequired
+from typing import TypedDict
 
 from agentic_lora.errors import JournalCorruptError
 from agentic_lora.errors import JournalError
@@ -50,7 +53,7 @@ from agentic_lora.errors import JournalForeignError
 from agentic_lora.errors import JournalLockedError
 from agentic_lora.foundation.fsync import fsync_path
 
-__all__ = ["IDENTITY_KEYS", "Journal", "JournalEntry", "Recovered"]
+__all__ = ["IDENTITY_KEYS", "Journal", "JournalEntry", "Recovered", "RegistryIdentity"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +135,20 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
     return holder if isinstance(holder, dict) else None
 
 
+class RegistryIdentity(TypedDict):
+    """The keywords that say which registry this is: its fleet, its capacity, its deployment
+    epoch and its adapter name prefix (defaults: those of
+    :class:`~agentic_lora.registry.state.RegistryState`). A journal records them and refuses to
+    open for a registry with any other (:class:`~agentic_lora.errors.JournalForeignError`)."""
+
+    engines: Sequence[str]
+    capacity: int
+    deployment_epoch: NotRequired[int]
+    prefix: NotRequired[str]
+
+
 #: The identity keys every registry journal records (see :class:`LocalRegistry`).
-IDENTITY_KEYS = frozenset({"engines", "capacity", "deployment_epoch", "prefix"})
+IDENTITY_KEYS = frozenset(RegistryIdentity.__annotations__)
 
 
 def _checked_meta(conn: sqlite3.Connection, path: Path) -> tuple[set[str], dict[str, str]]:

@@ -35,10 +35,10 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from typing import Unpack
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import JournalCorruptError
@@ -50,6 +50,7 @@ from agentic_lora.registry.core import TIMED_VERBS
 from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.journal import Journal
 from agentic_lora.registry.journal import JournalEntry
+from agentic_lora.registry.journal import RegistryIdentity
 from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.registry.types import SweepResult
@@ -68,15 +69,17 @@ _Item = JournalEntry | tuple[int, dict[str, Any]] | None
 
 
 class LocalRegistry(RegistryAPI):
-    """The LoRA version registry in this process (see module docstring)."""
+    """The LoRA version registry in this process (see module docstring).
+
+    Its identity (``engines``, ``capacity``, ``deployment_epoch``, ``prefix``: see
+    :class:`~agentic_lora.registry.journal.RegistryIdentity`) builds its
+    :class:`~agentic_lora.registry.core.RegistryCore` and is what a journal at ``journal_path``
+    records.
+    """
 
     def __init__(
         self,
         *,
-        engines: Sequence[str],
-        capacity: int,
-        deployment_epoch: int = 0,
-        prefix: str = "policy_lora",
         journal_path: str | Path | None = None,
         group_commit: bool = False,
         compact_every: int = 50_000,
@@ -84,6 +87,7 @@ class LocalRegistry(RegistryAPI):
         clock: Callable[[], float] = time.time,
         sweep_interval: float | None = 1.0,
         name_ttl: float = 3600.0,
+        **identity: Unpack[RegistryIdentity],
     ) -> None:
         if sweep_interval is not None and not sweep_interval > 0:
             raise ValueError("sweep_interval must be above 0 (or None: sweep only on request)")
@@ -93,13 +97,7 @@ class LocalRegistry(RegistryAPI):
         self._sweep_interval = sweep_interval
         self._name_ttl = name_ttl
         self._sweeper: asyncio.Task[None] | None = None
-        self._core = RegistryCore(
-            engines=engines,
-            capacity=capacity,
-            deployment_epoch=deployment_epoch,
-            prefix=prefix,
-            idempotency_window=idempotency_window,
-        )
+        self._core = core = RegistryCore(idempotency_window=idempotency_window, **identity)
         self._listeners: list[RegistryListener] = []
         self._journal: Journal | None = None
         self._group_commit = group_commit
@@ -116,13 +114,14 @@ class LocalRegistry(RegistryAPI):
         # Highest seq whose row is committed; below ``core.seq`` while rows are queued or in flight.
         self._durable_seq = 0
         if journal_path is not None:
+            # The core's values, defaults filled in: a journal records all four.
             self._journal = Journal(
                 journal_path,
                 identity={
-                    "deployment_epoch": deployment_epoch,
-                    "engines": list(engines),
-                    "capacity": capacity,
-                    "prefix": prefix,
+                    "deployment_epoch": core.deployment_epoch,
+                    "engines": list(core.engines),
+                    "capacity": core.capacity,
+                    "prefix": core.prefix,
                 },
             )
             self._replay(self._journal)
@@ -182,7 +181,7 @@ class LocalRegistry(RegistryAPI):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`aclose` was called: every later call is refused."""
+        """True once :meth:`aclose` was called: every later call is refused (for readiness)."""
         return self._closed
 
     def add_listener(self, listener: RegistryListener) -> None:
@@ -235,20 +234,11 @@ class LocalRegistry(RegistryAPI):
         """
         if self._journal is not None or self._failed is not None or self._closed:
             return None
-        core = self._core
-        # Once begin_close ran, neither later step can refuse: the record is CLOSING, CLOSED or
-        # EXPIRED (release answers each), and a released record holds no ref (forget takes it).
-        # So the three are applied whole or (begin_close refused) not at all.
-        steps = (
-            ("begin_close", {"session_key": session_key, "now": self._clock()}),
-            ("release", {"session_key": session_key}),
-            ("forget_sessions", {"session_keys": (session_key,)}),
-        )
-        results = [core.apply(verb, args) for verb, args in steps]
+        closing, released = self._core.close_session_now(session_key, self._clock())
         if self._listeners:
-            for (verb, _), result in zip(steps, results, strict=True):
-                self._tell(verb, result)
-        released: ReleaseResult = results[1]
+            self._tell("begin_close", closing)
+            self._tell("release", released)
+            self._tell("forget_sessions", 1)
         return released
 
     def _tell(self, verb: str, result: Any) -> None:

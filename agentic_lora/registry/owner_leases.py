@@ -14,6 +14,7 @@ from agentic_lora.errors import InvalidStateError
 from agentic_lora.registry.durable_names import tombstone
 from agentic_lora.registry.session_lifecycle import expire_session
 from agentic_lora.registry.state import LeaseRecord
+from agentic_lora.registry.state import NameRecord
 from agentic_lora.registry.state import RegistryState
 from agentic_lora.registry.state import check_time
 from agentic_lora.registry.state import check_token
@@ -134,15 +135,11 @@ def sweep(state: RegistryState, now: float, name_ttl: float) -> SweepResult:
     now = check_time(now, "now")
     name_ttl = check_time(name_ttl, "name_ttl", positive=True)
     state._tick(now)
-    expired = sorted(lid for lid, lease in state._leases.items() if lease.expires_at <= now)
+    expired = sorted(lid for lid, lease in state._leases.items() if _expired(lease, now))
     sessions: list[str] = []
     for expired_id in expired:
         sessions.extend(end_lease(state, state._leases[expired_id], "expired"))
-    stale = [
-        n
-        for n, rec in state._names.items()
-        if rec.closed_at is not None and rec.closed_at + name_ttl <= now
-    ]
+    stale = [n for n, rec in state._names.items() if _stale(rec, now, name_ttl)]
     for name in stale:
         rec = state._names.pop(name)
         if state._name_of.get(rec.session_key) == name:
@@ -152,7 +149,18 @@ def sweep(state: RegistryState, now: float, name_ttl: float) -> SweepResult:
 
 def sweep_due(state: RegistryState, now: float, name_ttl: float) -> bool:
     """Whether :func:`sweep` at ``now`` would change anything (a read: nothing journaled)."""
-    return any(lease.expires_at <= now for lease in state._leases.values()) or any(
-        rec.closed_at is not None and rec.closed_at + name_ttl <= now
-        for rec in state._names.values()
+    # The same two rules as sweep: a due sweep that changes nothing, or a needed one never
+    # found due, would journal an empty row or keep a dead lease's refs.
+    return any(_expired(lease, now) for lease in state._leases.values()) or any(
+        _stale(rec, now, name_ttl) for rec in state._names.values()
     )
+
+
+def _expired(lease: LeaseRecord, now: float) -> bool:
+    """A lease is expired by the first sweep at or after its deadline."""
+    return lease.expires_at <= now
+
+
+def _stale(rec: NameRecord, now: float, name_ttl: float) -> bool:
+    """A name tombstone is forgotten once it is ``name_ttl`` old."""
+    return rec.closed_at is not None and rec.closed_at + name_ttl <= now

@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import Unpack
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import error_from_code
@@ -35,6 +36,9 @@ from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.registry.types import from_wire
 from agentic_lora.registry.types import to_wire
+
+if TYPE_CHECKING:
+    from agentic_lora.registry.journal import RegistryIdentity
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_NAMESPACE", "RayRegistryClient", "RegistryActor", "connect"]
 
@@ -280,28 +284,25 @@ def _unwrap(reply: dict[str, Any]) -> Any:
 
 def connect(
     *,
-    engines: Sequence[str],
-    capacity: int,
-    deployment_epoch: int = 0,
-    prefix: str = "policy_lora",
     journal_path: str | Path | None = None,
     group_commit: bool = True,
     name: str = DEFAULT_NAME,
     namespace: str = DEFAULT_NAMESPACE,
     max_restarts: int = -1,
+    **identity: Unpack[RegistryIdentity],
 ) -> RayRegistryClient:
     """Get the named registry actor, creating it if it does not exist yet.
 
-    Call after ``ray.init()``. A registry without ``journal_path`` forgets everything when its
-    actor restarts; production deployments must give one on storage that survives the node.
+    Call after ``ray.init()``. ``identity`` (``engines``, ``capacity``, ``deployment_epoch``,
+    ``prefix``) is that of :class:`~agentic_lora.registry.local.LocalRegistry`. A registry
+    without ``journal_path`` forgets everything when its actor restarts; production deployments
+    must give one on storage that survives the node.
     """
     import ray
 
     config: dict[str, Any] = {
-        "engines": list(engines),
-        "capacity": capacity,
-        "deployment_epoch": deployment_epoch,
-        "prefix": prefix,
+        **identity,
+        "engines": list(identity["engines"]),
         "journal_path": str(journal_path) if journal_path is not None else None,
         "group_commit": group_commit,
     }

@@ -30,6 +30,7 @@ from agentic_lora.registry.views import session_status
 __all__ = [
     "begin_close",
     "bind_first",
+    "close_now",
     "detach",
     "expire_session",
     "forget_sessions",
@@ -117,13 +118,21 @@ def release(state: RegistryState, session_key: str) -> ReleaseResult:
     s.state = SessionState.CLOSED
     if version_id is not None:
         state._versions[version_id].session_refs -= 1
-    detach(state, session_key, s)
+    if s.lease is not None:  # a lease-free Session has nothing to detach (every close asks)
+        detach(state, session_key, s)
     return ReleaseResult(session_key, version_id, released_now=True)
 
 
 def forget_sessions(state: RegistryState, session_keys: Sequence[str]) -> int:
     keys = list(session_keys)
-    live = [k for k in keys if (s := state._sessions.get(k)) is not None and s.state.holds_ref]
+    sessions = state._sessions
+    # A loop, not a comprehension: every close of a Session forgets its key (one key, usually),
+    # and a comprehension is a call of its own.
+    live = []
+    for k in keys:
+        s = sessions.get(k)
+        if s is not None and s.state.holds_ref:
+            live.append(k)
     if live:
         raise SessionStillBoundError(
             f"{len(live)} session(s) are not released yet", sessions=live[:8]
@@ -135,6 +144,36 @@ def forget_sessions(state: RegistryState, session_keys: Sequence[str]) -> int:
     # A named Session's name (and its key mapping) outlives the record: it is a tombstone
     # kept by age (see sweep), so the name can never open a second lifecycle meanwhile.
     return forgotten
+
+
+def close_now(
+    state: RegistryState, session_key: str, now: float
+) -> tuple[SessionStatus, ReleaseResult]:
+    """``begin_close``, ``release`` and ``forget_sessions([session_key])`` as one step, with their
+    effects to the letter (a test replays every record state both ways and compares the whole
+    state): what ``begin_close`` would answer, and the release. Never refuses once ``now`` is
+    valid: after a begin_close the record is CLOSING, CLOSED or EXPIRED, release answers each, and
+    a released record holds no ref, so forget takes it. For a caller in the registry's process
+    with nothing left to wait for: no request id, nothing journaled, so nothing replays."""
+    state._tick(check_time(now, "now"))
+    name = state._name_of.get(session_key)
+    if name is not None:
+        tombstone(state, name, "closed")
+    s = state._sessions.pop(session_key, None)
+    if s is None:
+        # begin_close would keep a CLOSING record, release close it, and forget drop it.
+        closing = SessionStatus(session_key, SessionState.CLOSING, None, None)
+        return closing, ReleaseResult(session_key, None, released_now=True)
+    binding = s.binding
+    version_id = binding.version_id if binding is not None else None
+    if not s.state.holds_ref:  # CLOSED or EXPIRED: the ref went already
+        status = SessionStatus(session_key, s.state, version_id, s.lease)
+        return status, ReleaseResult(session_key, version_id, released_now=False)
+    if version_id is not None:
+        state._versions[version_id].session_refs -= 1
+    detach(state, session_key, s)
+    status = SessionStatus(session_key, SessionState.CLOSING, version_id, s.lease)
+    return status, ReleaseResult(session_key, version_id, released_now=True)
 
 
 def detach(state: RegistryState, session_key: str, s: SessionRecord) -> None:

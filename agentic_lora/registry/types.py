@@ -4,7 +4,7 @@ All are frozen (immutable) so a result handed to one caller can be handed to a r
 as-is; ``to_wire``/``from_wire`` give the JSON form used by the journal and the Ray client.
 
 The receipts (:class:`ReadyReceipt`, :class:`Reservation`, :class:`CommitReceipt`,
-:class:`Binding`) carry the version they name as one
+:class:`Binding`, :class:`ReclaimClaim`) carry the version they name as one
 :class:`~agentic_lora.foundation.identity.VersionRef` (``ref``), never as loose fields; their
 ``version_id``, ``digest``, ``lora_name`` and ``attempt`` are read-only views of it.
 """
@@ -18,9 +18,14 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
+from operator import attrgetter
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import Generic
 from typing import NamedTuple
+from typing import Self
 from typing import TypeVar
+from typing import overload
 
 from agentic_lora.foundation.identity import VersionRef
 
@@ -32,6 +37,7 @@ __all__ = [
     "EngineStatus",
     "LeaseGrant",
     "LeaseStatus",
+    "LeaseTerms",
     "NamedSession",
     "ReadyReceipt",
     "ReclaimClaim",
@@ -106,6 +112,29 @@ class VersionKey:
     version_id: str
 
 
+_P = TypeVar("_P")
+
+
+class _RefPart(property, Generic[_P]):
+    """A read-only view of one field of the owner's ``ref``, typed ``_P``.
+
+    A ``property`` around a C-level ``attrgetter``, so no Python frame runs per read: these views
+    are read about five times per dispatch, and a read costs what a ``def`` property's does
+    (``bench/ref_views.py``). Only the type checker sees the overloads below.
+    """
+
+    def __init__(self, field_name: str) -> None:
+        super().__init__(attrgetter(f"ref.{field_name}"))
+
+    if TYPE_CHECKING:
+
+        @overload
+        def __get__(self, instance: None, owner: type[Any] | None = None, /) -> Self: ...
+        @overload
+        def __get__(self, instance: object, owner: type[Any] | None = None, /) -> _P: ...
+        def __get__(self, instance: object, owner: type[Any] | None = None, /) -> Self | _P: ...
+
+
 class CarriesRef:
     """Read-only views of a value's :class:`~agentic_lora.foundation.identity.VersionRef`.
 
@@ -116,21 +145,10 @@ class CarriesRef:
     __slots__ = ()
     ref: VersionRef
 
-    @property
-    def version_id(self) -> str:
-        return self.ref.version_id
-
-    @property
-    def digest(self) -> str:
-        return self.ref.digest
-
-    @property
-    def lora_name(self) -> str:
-        return self.ref.lora_name
-
-    @property
-    def attempt(self) -> int:
-        return self.ref.attempt
+    version_id = _RefPart[str]("version_id")
+    digest = _RefPart[str]("digest")
+    lora_name = _RefPart[str]("lora_name")
+    attempt = _RefPart[int]("attempt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +208,11 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True, slots=True)
-class ReclaimClaim:
-    version_id: str
-    lora_name: str
+class ReclaimClaim(CarriesRef):
+    """What ``claim_reclaim`` answers: ``ref`` (the attempt that committed, the adapter the
+    engines hold) is RECLAIMING under ``reclaim_id``; ``confirmed`` engines already unloaded it."""
+
+    ref: VersionRef
     reclaim_id: str
     engines: tuple[str, ...]
     confirmed: tuple[str, ...] = ()
@@ -207,7 +227,19 @@ class SessionStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseGrant:
+class LeaseTerms:
+    """An owner's lease as the registry holds it: ``lease_id`` (``owner/incarnation``), its
+    ``ttl`` and its deadline ``expires_at``, on the registry host's clock."""
+
+    lease_id: str
+    owner: str
+    incarnation: str
+    ttl: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant(LeaseTerms):
     """An owner's lease: the Sessions it binds stay held while it is renewed.
 
     ``released`` lists the Session keys of the owner's previous incarnation that this grant
@@ -216,22 +248,15 @@ class LeaseGrant:
     the ``ttl`` measured from when it *sent* the call (see :class:`~agentic_lora.leases.LeaseKeeper`).
     """
 
-    lease_id: str
-    owner: str
-    incarnation: str
-    ttl: float
-    expires_at: float
     released: tuple[str, ...] = ()
     adopted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseStatus:
-    lease_id: str
-    owner: str
-    incarnation: str
-    ttl: float
-    expires_at: float
+class LeaseStatus(LeaseTerms):
+    """A live lease in :class:`RegistryStatus`: its terms and how many Sessions and names it
+    holds."""
+
     sessions: int
     names: int
 

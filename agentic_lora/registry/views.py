@@ -74,12 +74,9 @@ def reservation(state: RegistryState, v: VersionRecord, outcome: ReserveOutcome)
 
 def reclaim_claim(state: RegistryState, v: VersionRecord) -> ReclaimClaim:
     assert v.reclaim_id is not None
+    confirmed = _in_fleet_order(state.engines, v.reclaimed)
     return ReclaimClaim(
-        version_id=v.version_id,
-        lora_name=v.lora_name,
-        reclaim_id=v.reclaim_id,
-        engines=state.engines,
-        confirmed=tuple(e for e in state.engines if e in v.reclaimed),
+        ref=v.ref, reclaim_id=v.reclaim_id, engines=state.engines, confirmed=confirmed
     )
 
 
@@ -93,29 +90,19 @@ def session_status(session_key: str, s: SessionRecord) -> SessionStatus:
 
 
 def lease_status(lease: LeaseRecord) -> LeaseStatus:
-    return LeaseStatus(
-        lease_id=lease.lease_id,
-        owner=lease.owner,
-        incarnation=lease.incarnation,
-        ttl=lease.ttl,
-        expires_at=lease.expires_at,
-        sessions=len(lease.sessions),
-        names=len(lease.names),
-    )
+    return LeaseStatus(*_terms(lease), sessions=len(lease.sessions), names=len(lease.names))
 
 
 def lease_grant(
     lease: LeaseRecord, released: tuple[str, ...] = (), adopted: tuple[str, ...] = ()
 ) -> LeaseGrant:
-    return LeaseGrant(
-        lease_id=lease.lease_id,
-        owner=lease.owner,
-        incarnation=lease.incarnation,
-        ttl=lease.ttl,
-        expires_at=lease.expires_at,
-        released=released,
-        adopted=adopted,
-    )
+    return LeaseGrant(*_terms(lease), released=released, adopted=adopted)
+
+
+def _terms(lease: LeaseRecord) -> tuple[str, str, str, float, float]:
+    """The :class:`~agentic_lora.registry.types.LeaseTerms` of ``lease``, in field order (both
+    lease views start with them)."""
+    return (lease.lease_id, lease.owner, lease.incarnation, lease.ttl, lease.expires_at)
 
 
 def registry_status(state: RegistryState) -> RegistryStatus:

@@ -115,7 +115,8 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
 
     @abc.abstractmethod
     def routes(self) -> list[tuple[str, str, Handler]]:
-        """``(method, path, handler)`` of every endpoint this engine serves."""
+        """``(method, path, handler)`` of every endpoint this engine serves but ``GET /v1/models``
+        (served here, from :attr:`adapters`)."""
 
     @abc.abstractmethod
     def fault_reply(self, op: OpT, kind: FaultKind, message: str) -> httpx.Response:
@@ -130,7 +131,9 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
 
     def mount(self, router: Any) -> None:
         """Route this engine's endpoints on a ``respx`` router (or the ``respx`` module)."""
-        for method, path, handler in self.routes():
+        # Every engine lists its models (and adapters) the OpenAI way; the card shape is shared.
+        routes = [*self.routes(), ("GET", "/v1/models", self._models)]
+        for method, path, handler in routes:
             router.route(method=method, url=self.base_url + path).mock(
                 side_effect=_answering(handler)
             )

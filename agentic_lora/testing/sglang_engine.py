@@ -130,7 +130,6 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
             ("POST", "/abort_request", self._abort),
             ("GET", "/server_info", self._server_info_new),
             ("GET", "/get_server_info", self._server_info_legacy),
-            ("GET", "/v1/models", self._models),
         ]
 
     def fault_reply(self, op: EngineOp, kind: FaultKind, message: str) -> httpx.Response:

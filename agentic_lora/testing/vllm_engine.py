@@ -109,7 +109,6 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
             ("POST", "/v1/unload_lora_adapter", unload),
             ("POST", "/v1/completions", self._completion),
             ("POST", "/v1/chat/completions", self._chat),
-            ("GET", "/v1/models", self._models),
             ("GET", "/metrics", self._metrics),
         ]
 

@@ -326,20 +326,27 @@ def _save_tokenizer(tokenizer: Any, model_dir: Path, spec: FixtureSpec) -> None:
 # --- model and adapters --------------------------------------------------------------------------
 
 
+#: The :class:`FixtureSpec` fields that give the model its shape: ``Qwen3Config`` keywords of the
+#: same names.
+_MODEL_SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
 def _build_model(spec: FixtureSpec, tokenizer: Any) -> Any:
     import torch
     from transformers import Qwen3Config
     from transformers import Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
+        **{name: getattr(spec, name) for name in _MODEL_SHAPE},
         tie_word_embeddings=False,
         bos_token_id=tokenizer.token_to_id("<|endoftext|>"),
         eos_token_id=tokenizer.token_to_id("<|im_end|>"),

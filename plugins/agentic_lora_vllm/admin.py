@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from agentic_lora.engines.admin import LIST_MODELS
 from agentic_lora.engines.admin import AdminHttpClient
 from agentic_lora.engines.admin import UnloadOutcome
 from agentic_lora_vllm.dialect import read_metrics
@@ -99,13 +100,7 @@ class VllmAdminClient(AdminHttpClient[_Answer]):
     async def unload_lora_adapter(self, lora_name: str) -> UnloadOutcome:
         """Forget ``lora_name`` (returns at once; in-flight requests keep running on it)."""
         op = "unload_lora_adapter"
-        answer = await self._post(
-            op,
-            "/v1/unload_lora_adapter",
-            {"lora_name": lora_name},
-            limit=self.timeouts.unload,
-            lora_name=lora_name,
-        )
+        answer = await self._post_unload(op, "/v1/unload_lora_adapter", lora_name)
         if answer.status == 200 and answer.text.startswith(SUCCESS_PREFIX):
             return UnloadOutcome.UNLOADED
         error = _error_object(answer.json)
@@ -118,34 +113,19 @@ class VllmAdminClient(AdminHttpClient[_Answer]):
             return UnloadOutcome.ABSENT
         raise self._not_a_success(op, answer, lora_name)
 
-    async def list_lora_adapters(self) -> dict[str, str]:
-        """Registered adapters as ``{name: path}`` (from ``GET /v1/models``)."""
-        op = "list_models"
-        answer = await self._get(op, "/v1/models")
-        body = answer.json
-        data = body.get("data") if isinstance(body, dict) else None
-        if answer.status != 200 or not isinstance(data, list):
-            raise self._not_a_success(op, answer, None)
-        return self._adapters_in(data)
-
     async def probe_completion(
         self, lora_name: str, *, prompt_ids: Sequence[int] = (0,)
     ) -> ProbeResult:
         """Complete one token (greedy) through exactly ``lora_name``, proving it serves."""
         op = "probe_completion"
-        answer = await self._post(
-            op,
-            "/v1/completions",
-            {
-                "model": lora_name,
-                "prompt": list(prompt_ids),
-                "max_tokens": 1,
-                "temperature": 0.0,
-                "stream": False,
-            },
-            limit=self.timeouts.probe,
-            lora_name=lora_name,
-        )
+        payload = {
+            "model": lora_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "stream": False,
+        }
+        answer = await self._post_probe(op, "/v1/completions", payload, lora_name)
         body = answer.json
         if answer.status != 200 or not isinstance(body, dict) or "error" in body:
             raise self._not_a_success(op, answer, lora_name)
@@ -180,6 +160,12 @@ class VllmAdminClient(AdminHttpClient[_Answer]):
                 status=response.status_code,
             )
         return _Answer(response.status_code, response.text, _json_or_none(response))
+
+    def _model_cards(self, answer: _Answer) -> list[Any]:
+        data = answer.json.get("data") if isinstance(answer.json, dict) else None
+        if answer.status != 200 or not isinstance(data, list):
+            raise self._not_a_success(LIST_MODELS, answer, None)
+        return data
 
     def _not_a_success(self, op: str, answer: _Answer, lora_name: str | None) -> Exception:
         """A 2xx-4xx answer that is not the success the call needs, classified."""

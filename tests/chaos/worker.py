@@ -107,7 +107,7 @@ async def run(cfg: dict[str, Any]) -> None:
         )
         keeper = versioning.lease
         if keeper is not None:
-            keeper.add_listener(
+            keeper.listeners.append(
                 lambda e: _write(
                     out,
                     {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentic_lora.gateway.sessions import MAX_SESSION_ID_LENGTH
+from agentic_lora.gateway.security import MAX_SESSION_ID_LENGTH
 from agentic_lora.testing.sglang_engine import EngineOp
 from agentic_lora.testing.sglang_engine import Fault
 from agentic_lora.testing.sglang_engine import FaultKind

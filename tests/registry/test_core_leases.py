@@ -7,7 +7,6 @@ on :class:`LocalRegistry` with an injected clock and no background sweeper.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -45,23 +44,18 @@ from .util import publish
 from .util import ready
 from .util import receipt
 from .util import reclaim
+from .util import registry_image
 
 W, G = "worker", "gateway"
 NAME_TTL = 100.0
 
 
-def _state(core: RegistryCore) -> dict[str, Any]:
-    """The full image, through JSON (what the journal stores), for exact comparisons."""
-    result: dict[str, Any] = json.loads(json.dumps(core.to_state()))
-    return result
-
-
 def _refused(core: RegistryCore, verb: str, **args: Any) -> AgenticLoRAError:
     """Run a call that must be refused; prove it changed nothing at all (not even the clock)."""
-    before = _state(core)
+    before = registry_image(core)
     with pytest.raises(AgenticLoRAError) as err:
         call(core, verb, **args)
-    assert _state(core) == before, f"refused {verb} changed the registry"
+    assert registry_image(core) == before, f"refused {verb} changed the registry"
     return err.value
 
 
@@ -237,7 +231,7 @@ def test_the_memory_of_dead_incarnations_is_bounded() -> None:
     core = new_core()
     for n in range(4100):
         lease(core, W, f"i{n}", now=float(n))
-    dead = _state(core)["dead_leases"]
+    dead = registry_image(core)["dead_leases"]
     assert len(dead) == 4096  # bounded: the oldest ended incarnations are forgotten first
     assert dead[0] == ["worker/i3", "owner_restarted"]
     assert dead[-1] == ["worker/i4098", "owner_restarted"]
@@ -679,10 +673,10 @@ def test_a_repair_ready_for_a_version_on_its_way_out_is_a_no_op(state: str) -> N
     if state == "RECLAIMED":
         for e in core.engines:
             call(core, "confirm_reclaim", version_id="A", reclaim_id=claim.reclaim_id, engine=e)
-    before = _state(core)
+    before = registry_image(core)
     status = call(core, "record_ready", receipt=receipt(core, r, E1, "inc-1"))
     assert status.state.value == state
-    after = _state(core)
+    after = registry_image(core)
     # Only the call's own bookkeeping moved (seq, the remembered result).
     assert {k: v for k, v in after.items() if k not in ("seq", "done")} == {
         k: v for k, v in before.items() if k not in ("seq", "done")
@@ -735,9 +729,9 @@ def test_a_first_sighting_of_an_engine_changes_nothing_else() -> None:
     ra = call(core, "reserve", version_id="A", digest=digest_of("A"))
     ready(core, ra, E0)
     call(core, "abort", version_id="A", attempt=ra.attempt, reason="test")
-    before = _state(core)
+    before = registry_image(core)
     assert _restart(core, E1, "first")
-    after = _state(core)
+    after = registry_image(core)
     assert after["incarnations"] == {E0: "inc-1", E1: "first"}
     assert after["versions"] == before["versions"]  # no cleanup credited: no process ended
     assert core.version("A").state is VersionState.ABORTED
@@ -787,20 +781,20 @@ def _rich_scenario(core: RegistryCore) -> None:
 def test_a_snapshot_round_trip_with_leases_names_and_dead_leases_is_exact() -> None:
     core = new_core()
     _rich_scenario(core)
-    image = _state(core)
+    image = registry_image(core)
     assert image["leases"]
     assert image["dead_leases"]
     assert image["names"]
     assert image["now"] == 6.0
     copy = new_core()
     copy.load_state(image)
-    assert _state(copy) == image
+    assert registry_image(copy) == image
     # And it behaves the same from here on.
     for c in (core, copy):
         assert call(c, "sweep", now=34.0, name_ttl=NAME_TTL, request_id="s") == SweepResult(
             ("gateway/g2", "worker/i2"), ("k1",), 0
         )
-    assert _state(copy) == _state(core)
+    assert registry_image(copy) == registry_image(core)
     with pytest.raises(LeaseExpiredError):
         call(copy, "open_lease", owner=W, incarnation="i1", ttl=1.0, now=40.0)
     with pytest.raises(SessionClosedError):
@@ -845,8 +839,8 @@ class Restartable:
     async def replays_exactly(self) -> dict[str, Any]:
         """Restart with the clock unmoved and prove the journal rebuilt the same image."""
         assert self.reg is not None
-        image = _state(self.reg.core)
-        assert _state((await self.restart()).core) == image
+        image = registry_image(self.reg.core)
+        assert registry_image((await self.restart()).core) == image
         return image
 
 
@@ -906,7 +900,7 @@ async def test_a_close_through_local_registry_dates_the_name_tombstone_itself(
     await reg.open_named(request_id=new_request_id(), name="chat-1", session_key="k1", lease=None)
     local.clock.t = 500.0  # no other timed call in between: only the close itself brings the time
     await reg.begin_close(request_id=new_request_id(), session_key="k1")
-    assert _state(reg.core)["names"] == [["chat-1", "k1", None, 500.0, "closed"]]
+    assert registry_image(reg.core)["names"] == [["chat-1", "k1", None, 500.0, "closed"]]
     local.clock.t = 500.0 + NAME_TTL - 0.5
     assert await reg.sweep_if_due() is None
     local.clock.t = 500.0 + NAME_TTL
@@ -940,10 +934,10 @@ async def test_journal_replay_rebuilds_leases_names_and_the_clock_exactly(
 ) -> None:
     reg = local.open(compact_every=compact_every)
     await _local_scenario(reg, local.clock)
-    image = _state(reg.core)
+    image = registry_image(reg.core)
     assert image["now"] == 5.0
     reg = await local.restart(at=500.0)  # the registry was down far longer than any TTL
-    assert _state(reg.core) == image  # nothing ran yet: not even the lease grace
+    assert registry_image(reg.core) == image  # nothing ran yet: not even the lease grace
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,7 @@ from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import CommitReceipt
 from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReclaimClaim
 from agentic_lora.registry.types import Reservation
 from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
@@ -194,6 +195,7 @@ def test_every_receipt_carries_its_identity_as_one_ref_on_the_wire() -> None:
         Reservation(B2, ReserveOutcome.RETRY_STARTED, VersionState.LOADING, (E0, E1)),
         CommitReceipt(B2, default_revision=2, previous_default="A"),
         Binding("s2", B2, default_revision=2),
+        ReclaimClaim(B2, "reclaim-1", (E0, E1), confirmed=(E1,)),
     ]
     for receipt in receipts:
         wire = to_wire(receipt)
@@ -213,6 +215,18 @@ def test_a_flat_receipt_lacking_a_part_is_refused_without_the_registry_record() 
         from_wire(_commit("B", NAME_B, 2, 2, "A"))
     # A flat receipt that had all four parts needs no record.
     assert from_wire(_ready(E1, "B", DB, NAME_B, 2)) == ReadyReceipt(E1, B2, "inc-1")
+
+
+def test_a_flat_reclaim_claim_takes_its_ref_from_the_registry_record() -> None:
+    # Written before claims carried a ref: the version's id and adapter name only.
+    flat = {"__type__": "ReclaimClaim", "version_id": "B", "lora_name": NAME_B}
+    flat |= {"reclaim_id": "reclaim-1", "engines": [E0, E1], "confirmed": [E1]}
+    with pytest.raises(ValueError, match="attempt"):
+        from_wire(flat)
+    claim = ReclaimClaim(B2, "reclaim-1", (E0, E1), confirmed=(E1,))
+    assert from_wire(flat, known={"B": B2}.__getitem__) == claim
+    with pytest.raises(ValueError, match="disagrees"):
+        from_wire({**flat, "lora_name": NAME_A}, known={"B": B2}.__getitem__)
 
 
 # --- snapshots written flat -----------------------------------------------------------------------

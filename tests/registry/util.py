@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agentic_lora.registry.core import RegistryCore
@@ -16,6 +17,12 @@ from agentic_lora.testing.publish import receipt_for
 E0, E1 = "e0", "e1"
 
 digest_of = digest_for
+
+
+def registry_image(core: RegistryCore) -> dict[str, Any]:
+    """The core's full image, through JSON (what the journal stores), for exact comparisons."""
+    result: dict[str, Any] = json.loads(json.dumps(core.to_state()))
+    return result
 
 
 def call(core: RegistryCore, verb: str, request_id: str | None = None, **args: Any) -> Any:

@@ -4,6 +4,8 @@ when nothing is left to wait for; every other close goes through the verbs (test
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from collections.abc import Coroutine
 from contextlib import asynccontextmanager
@@ -239,3 +241,35 @@ async def test_the_one_step_close_answers_every_record_state_as_release_does() -
         assert (await registry.status()).live_sessions == 0
     finally:
         await registry.aclose()
+
+
+async def test_a_closed_session_and_its_binder_are_freed_without_the_garbage_collector() -> None:
+    # The binder's on_bound callback is the Session's own method: kept after the bind, it would
+    # make a reference cycle that only a collector pass frees (every Session of a rollout).
+    async with harness(published="A") as h, direct(h) as versioning:
+        s = versioning.open_session("freed")
+        await s.generate(BODY)
+        await s.generate(BODY)
+        assert run_without_suspending(s.close()) is not None
+        session_ref, binder_ref = weakref.ref(s), weakref.ref(s._binder)
+        gc.disable()
+        try:
+            del s
+            assert session_ref() is None
+            assert binder_ref() is None
+        finally:
+            gc.enable()
+
+
+async def test_a_session_makes_no_drain_event_until_a_close_waits_for_a_request() -> None:
+    async with harness(published="A") as h, direct(h) as versioning:
+        s = versioning.open_session("events")
+        await s.generate(BODY)
+        assert (s._drained, s._close_waits) == (None, None)
+        # Asked for before any close: the same event the close then sets.
+        waits = s.close_waits
+        assert waits is s.close_waits
+        assert not waits.is_set()
+        run_without_suspending(s.close())
+        assert s._drained is None
+        assert not waits.is_set()

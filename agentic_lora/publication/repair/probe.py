@@ -23,9 +23,9 @@ from agentic_lora.foundation.phases import PhaseEvent
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.repair.snapshots import SnapshotCache
+from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import RegistryStatus
-from agentic_lora.registry.types import new_request_id
 
 __all__ = ["EngineProbe", "ProbeResult", "Readiness"]
 
@@ -206,16 +206,15 @@ class EngineProbe:
             )
 
     async def _observe(self, engine: str, incarnation: str, *, first: bool) -> bool:
-        request_id = new_request_id()
         recorder = PhaseRecorder(self.clock, self.on_progress)
+
+        async def observe(rid: str) -> bool:
+            return await self.registry.observe_incarnation(
+                request_id=rid, engine=engine, incarnation=incarnation
+            )
+
         try:
-            async with recorder.phase(engine, Phase.OBSERVE):
-                await self.retry.call(
-                    "observe_incarnation",
-                    lambda: self.registry.observe_incarnation(
-                        request_id=request_id, engine=engine, incarnation=incarnation
-                    ),
-                )
+            await registry_step(recorder, engine, Phase.OBSERVE, self.retry, observe)
         except Exception as exc:
             code = error_code(exc)
             logger.warning(

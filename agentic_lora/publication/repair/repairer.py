@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Unpack
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
-from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import ConfigurationError
@@ -34,7 +34,6 @@ from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseEvent
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseStatus
-from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair.locks import VersionLocks
 from agentic_lora.publication.repair.probe import EngineProbe
@@ -42,10 +41,13 @@ from agentic_lora.publication.repair.probe import ProbeResult
 from agentic_lora.publication.repair.probe import Readiness
 from agentic_lora.publication.repair.snapshots import SnapshotCache
 from agentic_lora.publication.repair.snapshots import SnapshotSource
+from agentic_lora.publication.steps import FleetOptions
+from agentic_lora.publication.steps import FleetWorker
+from agentic_lora.publication.steps import attempt_extra
+from agentic_lora.publication.steps import record_ready
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import VersionStatus
-from agentic_lora.registry.types import new_request_id
 
 __all__ = [
     "SNAPSHOT_UNAVAILABLE",
@@ -112,7 +114,7 @@ class RepairReport:
 # --- the repairer -------------------------------------------------------------------------------
 
 
-class Repairer(BackgroundLoop):
+class Repairer(FleetWorker, BackgroundLoop):
     """Loads dispatchable versions onto engines that lost them (see :mod:`agentic_lora.publication.repair`).
 
     ``health``: the Sessions' :class:`~agentic_lora.engines.routing.EngineHealth`; an engine whose probe
@@ -135,23 +137,16 @@ class Repairer(BackgroundLoop):
         probe_timeout: float = 5.0,
         version_locks: VersionLocks | None = None,
         health: EngineHealth | None = None,
-        registry_retry: RegistryRetry | None = None,
-        on_progress: Callable[[PhaseEvent], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter,
         monotonic: Callable[[], float] = time.monotonic,
+        **options: Unpack[FleetOptions],
     ) -> None:
         if not probe_interval > 0:
             raise ConfigurationError("probe_interval must be above 0", check="probe_interval")
         if not probe_timeout > 0:
             raise ConfigurationError("probe_timeout must be above 0", check="probe_timeout")
-        self.registry = registry
-        self.backend = backend
-        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
+        super().__init__(registry, backend, engines, **options)
         self.snapshots = snapshots
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
-        self.retry = registry_retry or RegistryRetry()
-        self.on_progress = on_progress
-        self._clock = clock
         #: Every repair's outcome so far, counted (for metrics and tests).
         self.outcomes: Counter[RepairOutcome] = Counter()
         self._probe = EngineProbe(
@@ -162,8 +157,8 @@ class Repairer(BackgroundLoop):
             probe_timeout=probe_timeout,
             health=health,
             retry=self.retry,
-            on_progress=on_progress,
-            clock=clock,
+            on_progress=self.on_progress,
+            clock=self._clock,
             monotonic=monotonic,
         )
         self._poked_by: set[str] = set()
@@ -288,7 +283,7 @@ class Repairer(BackgroundLoop):
     async def _repair_version(
         self, version_id: str, engines: list[EngineRef]
     ) -> list[RepairResult]:
-        recorder = PhaseRecorder(self._clock, self.on_progress, version_id)
+        recorder = self._recorder(version_id)
         async with self.version_locks.hold(version_id):
             # Re-read under the lock: a reclaim claimed meanwhile (RECLAIMING), a last Session gone
             # (RETIRED without refs), or another repair done, and there is nothing to do.
@@ -359,7 +354,7 @@ class Repairer(BackgroundLoop):
         target: PublicationTarget,
         snapshot: AdapterSnapshot,
     ) -> RepairResult:
-        extra = {"engine": engine.name, "version": target.version_id, "attempt": target.attempt}
+        extra = attempt_extra(target, engine.name)
         try:
             async with recorder.phase(engine.name, Phase.PREPARE):
                 receipt = await self.backend.prepare(engine, target, snapshot)
@@ -371,13 +366,8 @@ class Repairer(BackgroundLoop):
                 "repair of %s failed on %s: %s", target.version_id, engine.name, exc, extra=extra
             )
             return RepairResult(target.version_id, engine.name, RepairOutcome.FAILED, code)
-        request_id = new_request_id()
         try:
-            async with recorder.phase(engine.name, Phase.RECORD_READY):
-                status = await self.retry.call(
-                    "record_ready",
-                    lambda: self.registry.record_ready(request_id=request_id, receipt=receipt),
-                )
+            status = await record_ready(self.registry, self.retry, recorder, receipt)
         except RegistryError as exc:
             return await self._refused(recorder, engine, target, exc.code, exc)
         except Exception as exc:

@@ -236,7 +236,7 @@ class RolloutWorker:
         released: list[str] = []
         keeper = versioning.lease
         if keeper is not None:
-            keeper.add_listener(lambda e: released.extend(e.released))
+            keeper.listeners.append(lambda e: released.extend(e.released))
             await keeper.acquire()
         self._loop = EpisodeLoop(
             versioning,

@@ -1,0 +1,126 @@
+"""What every publication, reclaim and repair shares: the registry, backend and fleet it acts on
+(:class:`FleetWorker`), and the registry step it takes after an engine call.
+
+Each registry verb of these flows is one timed phase named after the verb (``Phase.COMMIT`` is
+``commit``), sent under one request id minted for it and replayed with that same id while its
+reply may have been lost: the registry answers a replay with the first answer, so the verb takes
+effect at most once however often the reply is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TypedDict
+from typing import TypeVar
+from typing import Unpack
+
+from agentic_lora.engines.backends import Backend
+from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.fleet import fixed_fleet
+from agentic_lora.foundation.identity import VersionRef
+from agentic_lora.foundation.phases import Phase
+from agentic_lora.foundation.phases import PhaseEvent
+from agentic_lora.foundation.phases import PhaseRecorder
+from agentic_lora.foundation.replay import RegistryRetry
+from agentic_lora.registry.api import RegistryAPI
+from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
+
+__all__ = [
+    "AttemptKey",
+    "FleetOptions",
+    "FleetWorker",
+    "attempt_extra",
+    "attempt_of",
+    "record_ready",
+    "registry_step",
+]
+
+T = TypeVar("T")
+
+
+class FleetOptions(TypedDict, total=False):
+    """The keywords every :class:`FleetWorker` takes besides its own.
+
+    ``registry_retry`` replays registry verbs whose reply may be lost (default: a
+    :class:`~agentic_lora.foundation.replay.RegistryRetry`); ``on_progress`` receives a
+    :class:`~agentic_lora.foundation.phases.PhaseEvent` per phase start and end (for a CLI);
+    ``clock`` only feeds the phase timings (default: ``time.perf_counter``).
+    """
+
+    registry_retry: RegistryRetry | None
+    on_progress: Callable[[PhaseEvent], None] | None
+    clock: Callable[[], float]
+
+
+class FleetWorker:
+    """Acts on one registry through ``backend`` on the fixed fleet ``engines``: the publisher,
+    the reclaimer and the repairer."""
+
+    def __init__(
+        self,
+        registry: RegistryAPI,
+        backend: Backend,
+        engines: Sequence[EngineRef],
+        **options: Unpack[FleetOptions],
+    ) -> None:
+        self.registry = registry
+        self.backend = backend
+        self.engines: tuple[EngineRef, ...] = fixed_fleet(engines)
+        self.retry = options.get("registry_retry") or RegistryRetry()
+        self.on_progress = options.get("on_progress")
+        self._clock = options.get("clock", time.perf_counter)
+
+    def _recorder(self, version_id: str) -> PhaseRecorder:
+        """A fresh timing of ``version_id``'s phases, reported to ``on_progress``."""
+        return PhaseRecorder(self._clock, self.on_progress, version_id)
+
+
+async def registry_step(
+    recorder: PhaseRecorder,
+    engine: str | None,
+    phase: Phase,
+    retry: RegistryRetry,
+    call: Callable[[str], Awaitable[T]],
+) -> T:
+    """``call(request_id)`` timed as ``phase`` on ``engine`` (None: fleet-wide), replayed."""
+    # Minted once, outside the replay: every replay must carry the same id.
+    request_id = new_request_id()
+    async with recorder.phase(engine, phase):
+        return await retry.call(phase.value, lambda: call(request_id))
+
+
+class AttemptKey(TypedDict):
+    """The keywords naming one attempt in the registry verbs ``abort``, ``commit`` and
+    ``confirm_cleanup`` (passed as ``**attempt_of(target)``; the type checker checks each)."""
+
+    version_id: str
+    attempt: int
+
+
+def attempt_of(target: VersionRef) -> AttemptKey:
+    """Both from one :class:`VersionRef`: a verb never names one version with another's attempt."""
+    return {"version_id": target.version_id, "attempt": target.attempt}
+
+
+async def record_ready(
+    registry: RegistryAPI, retry: RegistryRetry, recorder: PhaseRecorder, receipt: ReadyReceipt
+) -> VersionStatus:
+    """Record the READY an engine's prepare returned (publication and repair alike)."""
+
+    async def verb(rid: str) -> VersionStatus:
+        return await registry.record_ready(request_id=rid, receipt=receipt)
+
+    return await registry_step(recorder, receipt.engine, Phase.RECORD_READY, retry, verb)
+
+
+def attempt_extra(target: VersionRef, engine: str | None = None) -> dict[str, object]:
+    """The log ``extra=`` keys naming one attempt (and the engine it is on, if any)."""
+    extra: dict[str, object] = {"version": target.version_id, "attempt": target.attempt}
+    if engine is not None:
+        extra["engine"] = engine
+    return extra
