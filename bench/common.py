@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any
 from typing import Self
 
+import aiohttp
 import httpx
 import numpy as np
 from httpx_aiohttp import AiohttpTransport
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
@@ -118,6 +120,15 @@ def summarize(samples: Iterable[float]) -> Summary:
     return Summary(
         int(data.size), float(p50), float(p95), float(p99), float(data.mean()), float(data.max())
     )
+
+
+def median_block_ratio(variant: Iterable[float], baseline: Iterable[float]) -> float:
+    """The median over rounds of ``variant``'s k-th block figure divided by ``baseline``'s k-th
+    (NaN when no pair counts). Blocks of one round ran within one interleaved round of each
+    other, so a drift or a neighbour's burst that lasts a round moves both sides of a pair: it
+    moves this less than a ratio of pooled figures. A pair with no baseline figure (0) or no
+    variant figure (NaN) is left out."""
+    return summarize(v / b for b, v in zip(baseline, variant, strict=False) if b > 0 and v == v).p50
 
 
 def max_gap(completions: Sequence[float], start: float, end: float) -> float:
@@ -312,6 +323,17 @@ async def publish_in_registry(
     return r.lora_name
 
 
+def direct_aiohttp_client() -> aiohttp.ClientSession:
+    """The client the ``aiohttp`` direct variants use: a bare ``aiohttp.ClientSession`` with the
+    pool, keep-alive expiry and timeouts of the transport's default stack, nothing of ours on top
+    (the same HTTP stack as the versioned path, so the gap to it is ours alone)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
+        timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_connect=5.0, sock_read=600.0),
+        trust_env=False,
+    )
+
+
 def direct_client() -> httpx.AsyncClient:
     """The client a direct variant uses: the transport, pool limits and timeouts EngineTransport
     builds (idle connections dropped before the engine's keep-alive ends), nothing of ours on top."""
@@ -332,6 +354,7 @@ class InstantSetup:
     lora_name: str
     transport: EngineTransport
     direct: httpx.AsyncClient
+    raw: aiohttp.ClientSession
 
 
 @contextlib.asynccontextmanager
@@ -344,8 +367,8 @@ async def instant_setup() -> AsyncIterator[InstantSetup]:
         lora_name = await publish_in_registry(registry, "e0")
         transport = EngineTransport([ref])
         try:
-            async with direct_client() as direct:
-                yield InstantSetup(ref, registry, lora_name, transport, direct)
+            async with direct_client() as direct, direct_aiohttp_client() as raw:
+                yield InstantSetup(ref, registry, lora_name, transport, direct, raw)
         finally:
             await transport.aclose()
             await registry.aclose()
@@ -376,6 +399,7 @@ class SglangSetup:
     lora_name: str
     versioning: Versioning
     direct: httpx.AsyncClient
+    raw: aiohttp.ClientSession
 
 
 @contextlib.asynccontextmanager
@@ -395,7 +419,7 @@ async def sglang_setup(name: str) -> AsyncIterator[SglangSetup]:
         settings = fleet_settings(fleet)
         with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as store:
             deployment = Deployment.from_settings(settings, backend_options={"store_root": store})
-            async with deployment, direct_client() as direct:
+            async with deployment, direct_client() as direct, direct_aiohttp_client() as raw:
                 result = await deployment.publish(
                     f"A-{uuid.uuid4().hex[:8]}",
                     AdapterSnapshot.from_peft_dir(fixture.adapter("A")),
@@ -403,4 +427,4 @@ async def sglang_setup(name: str) -> AsyncIterator[SglangSetup]:
                 if not result.ok or result.lora_name is None:
                     raise RuntimeError(f"publication failed: {result}")
                 versioning = deployment.versioning
-                yield SglangSetup(versioning.engines[0], result.lora_name, versioning, direct)
+                yield SglangSetup(versioning.engines[0], result.lora_name, versioning, direct, raw)

@@ -1,19 +1,18 @@
 """Dispatch overhead: a versioned Session's full path vs a direct httpx call to the same engine.
 
-Four ways to send the same ``/generate`` body, run in one process, interleaved block by block
+Five ways to send the same ``/generate`` body, run in one process, interleaved block by block
 (ABBA order, so a noisy neighbour or a slow drift hits every variant alike):
 
-* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
-  product uses), ``client.post(url, json=body)``; the body already names the adapter. No
-  versioning at all: the baseline.
+* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport``,
+  ``client.post(url, json=body)``; the body already names the adapter. No versioning at all: the
+  baseline the targets are written against (what a caller without this library would write).
+* ``aiohttp``: a bare ``aiohttp.ClientSession.post`` with the pool, keep-alive expiry and
+  timeouts of the transport's default stack. The product's own HTTP stack with nothing on top:
+  the gap from it to ``full`` is this library's cost alone, and is printed beside the targets.
 * ``transport``: :meth:`EngineTransport.send` alone (one classified attempt, no Session).
 * ``passthrough``: a Session with the feature flag off (no registry, body sent as given).
 * ``full``: a versioned Session: lookup by id, bind at its first dispatch (registry
   ``bind_first``), request validation, ``lora_path`` injection, dispatch guard, router, one send.
-
-On request (``--variants direct,aiohttp,...``; instant engine only) a fifth, ``aiohttp``: a bare
-``aiohttp.ClientSession.post`` with the same pool size and keep-alive expiry, no httpx on top.
-It measures what the httpx layer of ``direct`` costs.
 
 Each concurrent worker runs Sessions of ``--turns`` dispatches; every dispatch is timed from the
 Session lookup to the decoded reply (the ``first`` dispatch of a Session includes its bind).
@@ -55,6 +54,7 @@ from common import OUT_DIR
 from common import instant_setup
 from common import interleaved_order
 from common import machine
+from common import median_block_ratio
 from common import print_table
 from common import publish_in_registry
 from common import sglang_setup
@@ -66,7 +66,6 @@ from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.engines.routing import load_router
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.engines.transport import EngineTransport
-from agentic_lora.foundation.http_limits import ENGINE_KEEPALIVE_EXPIRY
 from agentic_lora.foundation.requests import Route
 from agentic_lora.foundation.requests import check_shape
 from agentic_lora.foundation.requests import new_rid
@@ -87,7 +86,6 @@ from agentic_lora.session.middleware import pin_adapter
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EXTRA_VARIANTS",
     "VARIANTS",
     "Plan",
     "Target",
@@ -98,9 +96,7 @@ __all__ = [
     "run_engine",
 ]
 
-VARIANTS: tuple[str, ...] = ("direct", "transport", "passthrough", "full")
-#: Measured only when named in ``--variants``.
-EXTRA_VARIANTS: tuple[str, ...] = ("aiohttp",)
+VARIANTS: tuple[str, ...] = ("direct", "aiohttp", "transport", "passthrough", "full")
 INSTANT_BODY: dict[str, Any] = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
 SGLANG_BODY: dict[str, Any] = {
     "text": "The engine serves the adapter version the session was bound to",
@@ -121,7 +117,7 @@ class Target:
     versioning: Versioning
     passthrough: Versioning
     direct: httpx.AsyncClient
-    raw: aiohttp.ClientSession | None = None
+    raw: aiohttp.ClientSession
 
     @property
     def legacy_body(self) -> dict[str, Any]:
@@ -184,8 +180,6 @@ async def _direct(t: Target, sessions: int, turns: int, out: Samples, tag: str) 
 
 
 async def _aiohttp(t: Target, sessions: int, turns: int, out: Samples, tag: str) -> None:
-    if t.raw is None:
-        raise RuntimeError("the aiohttp variant runs against the instant engine only")
     url = t.engine.base_url + "/generate"
     body = t.legacy_body
     raw = t.raw
@@ -308,9 +302,6 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
         first = summarize(s.first).scaled(US)
         later = summarize(s.later).scaled(US)
         cpu_us = s.cpu / max(len(s.latencies), 1) * US
-        paired = [
-            b / a for a, b in zip(direct.block_p50, s.block_p50, strict=False) if a > 0 and b == b
-        ]
         out[variant] = {
             "dispatches": len(s.latencies),
             "latency_us": lat.as_dict(),
@@ -333,7 +324,7 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
             "later_ratio_of_medians": later.p50 / d_later.p50 if d_later.p50 else float("nan"),
             "added_later_p50_us": later.p50 - d_later.p50,
             "added_later_p99_us": later.p99 - d_later.p99,
-            "median_block_ratio": summarize(paired).p50,
+            "median_block_ratio": median_block_ratio(s.block_p50, direct.block_p50),
             # Each block's own p99, then the median over blocks: one stalled block (a
             # neighbour's burst on a shared machine) moves the pooled p99, not this.
             "median_block_p99_us": summarize(s.block_p99).p50 * US,
@@ -409,9 +400,35 @@ def check_targets(report: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any
         else:
             ratio = full["throughput_per_s"] / variants["direct"]["throughput_per_s"]
             check(f"instant c={conc}: throughput full/direct >= 0.90", ratio, ratio >= 0.90)
+        raw = variants.get("aiohttp")
+        if raw is not None:
+            # The same figures against the product's own HTTP stack: the library's cost alone.
+            same = {
+                "added client CPU per dispatch": (
+                    full["client_cpu_us_per_dispatch"] - raw["client_cpu_us_per_dispatch"],
+                    60,
+                ),
+                "added p50": (full["latency_us"]["p50"] - raw["latency_us"]["p50"], 60),
+            }
+            if conc == 1:
+                for what, (value, limit) in same.items():
+                    check(f"instant c=1, same stack: {what} <= {limit} us", value, value <= limit)
+            else:
+                ratio = full["throughput_per_s"] / raw["throughput_per_s"]
+                check(
+                    f"instant c={conc}, same stack: throughput full/aiohttp >= 0.90",
+                    ratio,
+                    ratio >= 0.90,
+                )
     for conc, level in report.get("sglang", {}).items():
-        ratio = level["variants"]["full"]["ratio_of_medians"]
+        variants = level["variants"]
+        ratio = variants["full"]["ratio_of_medians"]
         check(f"sglang c={conc}: full/direct p50 ratio <= 1.02", ratio, ratio <= 1.02)
+        if "aiohttp" in variants:
+            same = variants["full"]["latency_us"]["p50"] / variants["aiohttp"]["latency_us"]["p50"]
+            check(
+                f"sglang c={conc}, same stack: full/aiohttp p50 ratio <= 1.02", same, same <= 1.02
+            )
     return checks
 
 
@@ -510,19 +527,10 @@ async def breakdown(n: int = 20_000) -> dict[str, float]:
 # --- engine set-ups ----------------------------------------------------------------------------
 
 
-def _raw_client() -> aiohttp.ClientSession:
-    # The pool limit and keep-alive expiry of the direct client, on aiohttp alone.
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=ENGINE_KEEPALIVE_EXPIRY),
-        timeout=aiohttp.ClientTimeout(total=600.0, connect=5.0),
-        trust_env=False,
-    )
-
-
 @contextlib.asynccontextmanager
 async def instant_target() -> AsyncIterator[Target]:
     """The instant engine in its own process, a LocalRegistry with one committed version."""
-    async with instant_setup() as setup, _raw_client() as raw:
+    async with instant_setup() as setup:
         yield Target(
             name="instant",
             engine=setup.engine,
@@ -531,7 +539,7 @@ async def instant_target() -> AsyncIterator[Target]:
             versioning=Versioning(transport=setup.transport, registry=setup.registry),
             passthrough=Versioning(transport=setup.transport, enabled=False),
             direct=setup.direct,
-            raw=raw,
+            raw=setup.raw,
         )
 
 
@@ -547,6 +555,7 @@ async def sglang_target() -> AsyncIterator[Target]:
             versioning=setup.versioning,
             passthrough=Versioning(transport=setup.versioning.transport, enabled=False),
             direct=setup.direct,
+            raw=setup.raw,
         )
 
 
@@ -619,7 +628,7 @@ async def main() -> None:
     p.add_argument("--engine", choices=["instant", "sglang", "both"], default="both")
     p.add_argument("--concurrency", type=_split, default=[1, 64, 256])
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--sglang-variants", default="direct,full")
+    p.add_argument("--sglang-variants", default="direct,aiohttp,full")
     p.add_argument("--blocks", type=int, help="override the blocks per variant of every level")
     p.add_argument("--profile", action="store_true", help="profile the full path and exit")
     a = p.parse_args()

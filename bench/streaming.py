@@ -1,10 +1,13 @@
 """Streaming overhead: a versioned Session's stream vs a direct streamed call to the same engine.
 
-Two ways to stream the same SGLang ``/generate`` body, run in one process, interleaved block by
-block (ABBA order, so a noisy neighbour or a slow drift hits both alike):
+Three ways to stream the same SGLang ``/generate`` body, run in one process, interleaved block by
+block (ABBA order, so a noisy neighbour or a slow drift hits all alike):
 
-* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (the transport the
-  product uses) streaming ``POST /generate`` with the adapter named by hand, read line by line;
+* ``direct``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` streaming
+  ``POST /generate`` with the adapter named by hand, read line by line (the baseline the targets
+  are written against);
+* ``aiohttp``: the same with a bare ``aiohttp.ClientSession`` (the product's own HTTP stack, with
+  nothing on top: the gap from it to ``versioned`` is this library's cost alone);
 * ``versioned``: :meth:`Session.stream` of a versioned Session (bind at its first turn, pin,
   dispatch guard, router; the chain in a task of its own while the reader reads the engine's
   answer inline), every chunk carrying its version.
@@ -18,6 +21,9 @@ Per stream: TTFT (from the call to the first chunk in hand) and every inter-chun
 also kept apart for the streams that are not a Session's first ("later"), since a versioned
 Session's first stream carries its registry bind and an agent streams many turns per Session; and the client process's CPU time
 per stream (``time.process_time`` over each block). Prints one table per concurrency and the versioned/direct ratios side by side; writes ``bench/out/streaming.json``.
+Beside the pooled TTFT p50 ratio it prints a paired one: each block's own p50, divided by the
+same round's block of the other variant, median over rounds (a drift or a burst that lasts a
+round moves both blocks of a pair alike).
 
 Usage: python bench/streaming.py [--engine sglang|instant] [--concurrency 1,64] [--blocks 8]
        [--streams 4] [--streams-at-scale 2] [--tokens 32]
@@ -39,10 +45,12 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+import aiohttp
 import httpx
 from common import instant_setup
 from common import interleaved_order
 from common import machine
+from common import median_block_ratio
 from common import print_table
 from common import sglang_setup
 from common import summarize
@@ -52,7 +60,7 @@ from agentic_lora.foundation.requests import Route
 from agentic_lora.session import Versioning
 
 US = 1e6
-VARIANTS = ("direct", "versioned")
+VARIANTS = ("direct", "aiohttp", "versioned")
 
 
 @dataclass
@@ -62,6 +70,7 @@ class Target:
     body: dict[str, Any]
     versioning: Versioning
     direct: httpx.AsyncClient
+    raw: aiohttp.ClientSession
 
 
 @dataclass
@@ -74,6 +83,9 @@ class Samples:
     #: Client process CPU seconds spent in this variant's blocks.
     cpu: float = 0.0
     failures: list[str] = field(default_factory=list)
+    #: Each block's own TTFT p50, in block order: the k-th block of every variant ran within one
+    #: round of the others' k-th, so their ratio is taken under about the same load.
+    block_ttft_p50: list[float] = field(default_factory=list)
 
 
 async def _direct(t: Target, streams: int, out: Samples, tag: str) -> None:
@@ -86,6 +98,22 @@ async def _direct(t: Target, streams: int, out: Samples, tag: str) -> None:
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 json.loads(line[5:])  # the reader decodes each chunk, as Session.stream does
+                now = time.perf_counter()
+                _record(out, turn, first, now - (start if first else last))
+                first, last = False, now
+
+
+async def _aiohttp(t: Target, streams: int, out: Samples, tag: str) -> None:
+    body = {**t.body, "lora_path": t.lora_name, "stream": True}
+    for turn in range(streams):
+        start = last = time.perf_counter()
+        first = True
+        async with t.raw.post(t.url + "/generate", json=body) as response:
+            async for raw in response.content:
+                line = raw.decode().rstrip("\r\n")
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                json.loads(line[5:])
                 now = time.perf_counter()
                 _record(out, turn, first, now - (start if first else last))
                 first, last = False, now
@@ -117,6 +145,7 @@ async def _versioned(t: Target, streams: int, out: Samples, tag: str) -> None:
 
 WORKERS: dict[str, Callable[[Target, int, Samples, str], Awaitable[None]]] = {
     "direct": _direct,
+    "aiohttp": _aiohttp,
     "versioned": _versioned,
 }
 
@@ -128,9 +157,11 @@ async def _block(t: Target, variant: str, concurrency: int, streams: int, out: S
         except Exception as exc:  # counted and reported, never hidden
             out.failures.append(f"{type(exc).__name__}: {exc}")
 
-    cpu = time.process_time()
+    cpu, seen = time.process_time(), len(out.ttft)
     await asyncio.gather(*(guarded(w) for w in range(concurrency)))
     out.cpu += time.process_time() - cpu
+    if len(out.ttft) > seen:
+        out.block_ttft_p50.append(summarize(out.ttft[seen:]).p50)
 
 
 async def measure(t: Target, concurrency: int, blocks: int, streams: int) -> dict[str, Samples]:
@@ -153,11 +184,18 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
             "cpu_per_stream_us": s.cpu / max(1, len(s.ttft)) * US,
             "failures": s.failures[:5],
             "failure_count": len(s.failures),
+            "block_ttft_p50_us": [p50 * US for p50 in s.block_ttft_p50],
         }
-    d, v = out["direct"], out["versioned"]
-    out["ratio"] = {
+    out["ratio"] = _ratios(out["versioned"], out["direct"])
+    out["ratio_same_stack"] = _ratios(out["versioned"], out["aiohttp"])
+    return out
+
+
+def _ratios(v: dict[str, Any], d: dict[str, Any]) -> dict[str, float | None]:
+    return {
         "ttft_p50": v["ttft_us"]["p50"] / d["ttft_us"]["p50"],
         "ttft_p99": v["ttft_us"]["p99"] / d["ttft_us"]["p99"],
+        "ttft_p50_paired": median_block_ratio(v["block_ttft_p50_us"], d["block_ttft_p50_us"]),
         "ttft_later_p50": (
             v["ttft_later_us"]["p50"] / d["ttft_later_us"]["p50"]
             if v["ttft_later_us"] and d["ttft_later_us"]
@@ -167,7 +205,6 @@ def _report(samples: dict[str, Samples]) -> dict[str, Any]:
         "gap_p99": v["gap_us"]["p99"] / d["gap_us"]["p99"],
         "cpu_per_stream": v["cpu_per_stream_us"] / d["cpu_per_stream_us"],
     }
-    return out
 
 
 def _body(tokens: int) -> dict[str, Any]:
@@ -183,7 +220,12 @@ async def instant_target(tokens: int) -> AsyncIterator[Target]:
     async with instant_setup() as setup:
         versioning = Versioning(transport=setup.transport, registry=setup.registry)
         yield Target(
-            str(setup.engine.base_url), setup.lora_name, _body(tokens), versioning, setup.direct
+            str(setup.engine.base_url),
+            setup.lora_name,
+            _body(tokens),
+            versioning,
+            setup.direct,
+            setup.raw,
         )
 
 
@@ -197,6 +239,7 @@ async def sglang_target(tokens: int) -> AsyncIterator[Target]:
             _body(tokens),
             setup.versioning,
             setup.direct,
+            setup.raw,
         )
 
 
@@ -216,25 +259,34 @@ def _print(conc: int, report: dict[str, Any]) -> None:
                 r["failure_count"],
             ]
         )
-    ratio = report["ratio"]
-    rows.append(
-        [
-            "versioned/direct",
-            "",
-            f"{ratio['ttft_p50']:.3f}",
-            f"{ratio['ttft_p99']:.3f}",
-            f"{ratio['gap_p50']:.3f}",
-            f"{ratio['gap_p99']:.3f}",
-            f"{ratio['cpu_per_stream']:.3f}",
-            "",
-        ]
-    )
+    for key, label in (("ratio", "versioned/direct"), ("ratio_same_stack", "versioned/aiohttp")):
+        ratio = report[key]
+        rows.append(
+            [
+                label,
+                "",
+                f"{ratio['ttft_p50']:.3f}",
+                f"{ratio['ttft_p99']:.3f}",
+                f"{ratio['gap_p50']:.3f}",
+                f"{ratio['gap_p99']:.3f}",
+                f"{ratio['cpu_per_stream']:.3f}",
+                "",
+            ]
+        )
     print(f"\n{conc} concurrent Sessions")
-    if ratio["ttft_later_p50"] is not None:
-        later = [report[v]["ttft_later_us"]["p50"] for v in VARIANTS]
+    if report["ratio"]["ttft_later_p50"] is not None:
+        later = {v: report[v]["ttft_later_us"]["p50"] for v in VARIANTS}
         print(
-            f"later streams of a Session: TTFT p50 direct {later[0]:.0f} us, versioned "
-            f"{later[1]:.0f} us, ratio {ratio['ttft_later_p50']:.3f}"
+            "later streams of a Session: TTFT p50 "
+            + ", ".join(f"{v} {p50:.0f} us" for v, p50 in later.items())
+            + f"; versioned/direct {report['ratio']['ttft_later_p50']:.3f}, versioned/aiohttp "
+            f"{report['ratio_same_stack']['ttft_later_p50']:.3f}"
+        )
+    paired = [report[key]["ttft_p50_paired"] for key in ("ratio", "ratio_same_stack")]
+    if all(ratio == ratio for ratio in paired):  # NaN: no block of a variant had a stream
+        print(
+            f"TTFT p50 ratio paired block by block (median over rounds): versioned/direct "
+            f"{paired[0]:.3f}, versioned/aiohttp {paired[1]:.3f}"
         )
     print_table(
         [
