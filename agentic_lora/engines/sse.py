@@ -30,7 +30,9 @@ class StreamEventKind(enum.StrEnum):
     UNREADABLE = "unreadable"  # not a JSON object: the stream cannot be trusted past it
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per streamed chunk, and a frozen dataclass sets each field through
+# object.__setattr__ (several times the cost of a plain slotted one). Never changed in place.
+@dataclass(slots=True)
 class StreamEvent:
     """One parsed ``data:`` payload; ``data`` is the JSON object (None for DONE/UNREADABLE)."""
 

@@ -44,6 +44,7 @@ from tenacity.wait import wait_base
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLANG
+from agentic_lora.engines.sse import data_payload
 from agentic_lora.engines.stacks import StackAnswer
 from agentic_lora.engines.stacks import make_stack
 from agentic_lora.engines.wire import WIRE_ERRORS
@@ -159,10 +160,15 @@ async def _close_quietly(answer: StackAnswer, engine: str, path: str, rid: objec
         )
 
 
-async def _lines(answer: StackAnswer, where: Mapping[str, Any]) -> AsyncIterator[str]:
+async def _payloads(answer: StackAnswer, where: Mapping[str, Any]) -> AsyncIterator[str]:
+    # Only the ``data:`` payloads go up: every event the engines stream is one ``data:`` line,
+    # so the blank line after each and any comment carry nothing, and passing them through two
+    # more async iterators cost the reader a hop per line (half of all lines).
     try:
         async for line in answer.lines():
-            yield line
+            payload = data_payload(line)
+            if payload is not None:
+                yield payload
     except WIRE_ERRORS as exc:
         raise _failure(
             Outcome.INDETERMINATE,
@@ -339,10 +345,12 @@ class EngineTransport:
     async def open_stream(
         self, engine: str, path: str, body: Mapping[str, Any]
     ) -> AsyncIterator[AsyncIterator[str]]:
-        """POST one streamed generation to ``engine`` (one attempt); yields its body's lines.
+        """POST one streamed generation to ``engine`` (one attempt); yields an iterator of its
+        server-sent events' ``data:`` payloads (:mod:`agentic_lora.engines.sse`; blank lines and
+        comments are skipped).
 
         Until the answer's head is in, failures are classified as :meth:`send` classifies them,
-        and a non-2xx answer is read and raised the same way. A failure while the lines are read
+        and a non-2xx answer is read and raised the same way. A failure while the payloads are read
         is RequestIndeterminateError (the engine answered, so it had the request). On exit the
         answer is closed: one not read to its end closes its connection, which is how an engine
         without abort by id learns that nobody reads the request any more.
@@ -376,7 +384,7 @@ class EngineTransport:
                     body=error_body,
                     **where,
                 )
-            yield _lines(answer, where)
+            yield _payloads(answer, where)
         finally:
             await _close_quietly(answer, engine, path, rid)
 

@@ -42,7 +42,6 @@ from typing import Any
 
 from agentic_lora.engines.sse import StreamEvent
 from agentic_lora.engines.sse import StreamEventKind
-from agentic_lora.engines.sse import data_payload
 from agentic_lora.engines.sse import error_status
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.engines.transport import EngineTransport
@@ -70,12 +69,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamChunk:
     """One streamed chunk, as the engine sent it (``data``), and the version that produced it.
 
     ``provenance`` is the Session's binding (never read from the engine's output); None on a
-    pass-through Session.
+    pass-through Session. Read-only by contract: one is built per chunk, and a frozen dataclass
+    (which sets each field through ``object.__setattr__``) cost several times a plain one.
     """
 
     engine: str
@@ -94,7 +94,7 @@ class StreamChunk:
 class _Opened:
     """The engine's open answer, as the endpoint hands it to the reader."""
 
-    lines: AsyncIterator[str]
+    payloads: AsyncIterator[str]
     parse: Callable[[str], StreamEvent]
     where: Mapping[str, Any]
 
@@ -180,8 +180,8 @@ class StreamEndpoint:
         path = call.route.value
         rid = call.body.get("rid")
         where = {"engine": call.engine, "path": path, "rid": rid}
-        async with self._transport.open_stream(call.engine, path, call.body) as lines:
-            handoff.open(_Opened(lines, self._transport.dialect.parse_stream_event, where))
+        async with self._transport.open_stream(call.engine, path, call.body) as payloads:
+            handoff.open(_Opened(payloads, self._transport.dialect.parse_stream_event, where))
             # The answer stays open (and the middlewares' brackets held) until the reader is done.
             error = await handoff.verdict
         if error is not None:
@@ -189,11 +189,11 @@ class StreamEndpoint:
         return EngineReply(call.engine, path, 200, None, rid if isinstance(rid, str) else None)
 
 
-#: Lines read after ``[DONE]`` at most (the engines send a blank line, then end the body).
-_AFTER_DONE_LINES = 8
+#: Payloads read after ``[DONE]`` at most (the engines send none: the body ends after it).
+_AFTER_DONE_PAYLOADS = 8
 
 
-async def _read_to_end(lines: AsyncIterator[str]) -> None:
+async def _read_to_end(payloads: AsyncIterator[str]) -> None:
     """Read what follows ``[DONE]`` so the answer ends before it is closed.
 
     An answer closed before its end closes its connection instead of returning it to the pool,
@@ -202,8 +202,8 @@ async def _read_to_end(lines: AsyncIterator[str]) -> None:
     itself is complete: a failure or an engine that keeps talking only costs the connection.
     """
     with contextlib.suppress(RequestIndeterminateError):
-        for _ in range(_AFTER_DONE_LINES):
-            if await anext(lines, None) is None:
+        for _ in range(_AFTER_DONE_PAYLOADS):
+            if await anext(payloads, None) is None:
                 return
 
 
@@ -255,17 +255,14 @@ class UpstreamStream:
             # switch and no queue between the connection and the reader.
             parse = opened.parse
             try:
-                async for line in opened.lines:
-                    payload = data_payload(line)
-                    if payload is None:
-                        continue
+                async for payload in opened.payloads:
                     event = parse(payload)
                     if event.kind is StreamEventKind.CHUNK:
                         assert event.data is not None
                         handoff.delivered += 1
                         yield event.data
                     elif event.kind is StreamEventKind.DONE:
-                        await _read_to_end(opened.lines)
+                        await _read_to_end(opened.payloads)
                         break
                     else:
                         raise _event_failure(event, handoff.delivered, opened.where)

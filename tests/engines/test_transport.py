@@ -207,8 +207,8 @@ async def test_a_streamed_request_goes_out_as_the_one_shot_request_does() -> Non
             await t.send("e0", "/generate", body)
             one_shot = route.calls.last.request
             route.respond(200, text="data: [DONE]\n\n")
-            async with t.open_stream("e0", "/generate", {**body, "stream": True}) as lines:
-                assert [line async for line in lines] == ["data: [DONE]", ""]
+            async with t.open_stream("e0", "/generate", {**body, "stream": True}) as payloads:
+                assert [payload async for payload in payloads] == ["[DONE]"]
             streamed = route.calls.last.request
 
             def headers(request: httpx.Request) -> list[tuple[bytes, bytes]]:
