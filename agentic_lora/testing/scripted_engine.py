@@ -35,7 +35,7 @@ import httpx
 
 from agentic_lora.errors import ConfigurationError
 
-__all__ = ["EngineOp", "Fault", "FaultKind", "HeldAdapter", "ScriptedEngine"]
+__all__ = ["COMMON_OPS", "EngineOp", "Fault", "FaultKind", "HeldAdapter", "ScriptedEngine"]
 
 
 class EngineOp(enum.StrEnum):
@@ -50,6 +50,11 @@ class EngineOp(enum.StrEnum):
     COMPLETION = "completion"  # vLLM: POST /v1/completions
     CHAT = "chat"  # vLLM: POST /v1/chat/completions
     METRICS = "metrics"  # vLLM: GET /metrics
+
+
+COMMON_OPS: frozenset[EngineOp] = frozenset({EngineOp.LOAD, EngineOp.UNLOAD, EngineOp.MODELS})
+"""The operations every engine kind serves: what a backend's prepare and reclaim call, and
+``GET /v1/models`` (served by :class:`ScriptedEngine` itself)."""
 
 
 class FaultKind(enum.StrEnum):
@@ -106,9 +111,7 @@ class ScriptedEngine(abc.ABC, Generic[AdapterT]):
     calls: list[tuple[EngineOp, dict[str, Any]]] = field(default_factory=list)
     restarts: int = 0
 
-    #: The operations this engine kind serves. Every kind serves :attr:`EngineOp.LOAD` and
-    #: :attr:`EngineOp.UNLOAD` (what a backend's prepare and reclaim call) and
-    #: :attr:`EngineOp.MODELS`.
+    #: The operations this engine kind serves: :data:`COMMON_OPS` and its own.
     ops: ClassVar[frozenset[EngineOp]]
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from agentic_lora.testing.scripted_engine import COMMON_OPS
 from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
@@ -96,16 +97,7 @@ class ScriptedSGLangEngine(ScriptedEngine[LoadedAdapter]):
     #: Every streamed answer given, by request id (None: the request carried none).
     streamed: dict[str | None, ScriptedStream] = field(default_factory=dict)
 
-    ops = frozenset(
-        {
-            EngineOp.LOAD,
-            EngineOp.UNLOAD,
-            EngineOp.MODELS,
-            EngineOp.GENERATE,
-            EngineOp.SERVER_INFO,
-            EngineOp.ABORT,
-        }
-    )
+    ops = COMMON_OPS | {EngineOp.GENERATE, EngineOp.SERVER_INFO, EngineOp.ABORT}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from agentic_lora.testing.scripted_engine import COMMON_OPS
 from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
@@ -78,16 +79,7 @@ class ScriptedVllmEngine(ScriptedEngine[HeldAdapter]):
     #: Every streamed answer given, in order.
     streamed: list[ScriptedStream] = field(default_factory=list)
 
-    ops = frozenset(
-        {
-            EngineOp.LOAD,
-            EngineOp.UNLOAD,
-            EngineOp.MODELS,
-            EngineOp.COMPLETION,
-            EngineOp.CHAT,
-            EngineOp.METRICS,
-        }
-    )
+    ops = COMMON_OPS | {EngineOp.COMPLETION, EngineOp.CHAT, EngineOp.METRICS}
 
     def __post_init__(self) -> None:
         super().__post_init__()

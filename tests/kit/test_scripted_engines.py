@@ -9,6 +9,7 @@ import pytest
 import respx
 
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.testing.scripted_engine import COMMON_OPS
 from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
@@ -21,8 +22,8 @@ KINDS: list[type[ScriptedEngine[Any]]] = [ScriptedSGLangEngine, ScriptedVllmEngi
 
 def test_every_operation_is_served_by_some_engine_kind_and_the_backend_calls_by_all() -> None:
     assert set(ScriptedSGLangEngine.ops | ScriptedVllmEngine.ops) == set(EngineOp)
-    common = {EngineOp.LOAD, EngineOp.UNLOAD, EngineOp.MODELS}
-    assert ScriptedSGLangEngine.ops & ScriptedVllmEngine.ops == common
+    assert ScriptedSGLangEngine.ops & ScriptedVllmEngine.ops == COMMON_OPS
+    assert {EngineOp.LOAD, EngineOp.UNLOAD, EngineOp.MODELS} == COMMON_OPS
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
