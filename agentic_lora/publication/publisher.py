@@ -299,8 +299,7 @@ class Publisher(CleanupSteps):
         extra = attempt_extra(target, engine.name)
         try:
             await self._observe_or_raise(run, engine)
-            async with run.recorder.phase(engine.name, Phase.PREPARE):
-                receipt = await self.backend.prepare(engine, target, snapshot)
+            receipt = await self._prepare_on(run.recorder, engine, target, snapshot)
             await record_ready(self.registry, self.retry, run.recorder, receipt)
         except Exception as exc:
             # Collected, not propagated: the other engines' prepares run to their own end.

@@ -17,8 +17,10 @@ from typing import TypedDict
 from typing import TypeVar
 from typing import Unpack
 
+from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.fleet import fixed_fleet
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.phases import Phase
@@ -78,6 +80,18 @@ class FleetWorker:
     def _recorder(self, version_id: str) -> PhaseRecorder:
         """A fresh timing of ``version_id``'s phases, reported to ``on_progress``."""
         return PhaseRecorder(self._clock, self.on_progress, version_id)
+
+    async def _prepare_on(
+        self,
+        recorder: PhaseRecorder,
+        engine: EngineRef,
+        target: PublicationTarget,
+        snapshot: AdapterSnapshot,
+    ) -> ReadyReceipt:
+        """``snapshot`` prepared on ``engine`` as ``target``, timed as the engine's PREPARE phase
+        (a publication and a repair alike); the backend's errors propagate."""
+        async with recorder.phase(engine.name, Phase.PREPARE):
+            return await self.backend.prepare(engine, target, snapshot)
 
 
 async def registry_step(

@@ -1,4 +1,8 @@
-"""Requests in flight per adapter, with an event-driven wait for one adapter to drain.
+"""What is in flight: each dispatch while it runs, and the requests per adapter with an
+event-driven wait for one adapter to drain.
+
+:class:`InFlight` is a Session's record of one dispatch (its request id, then its engine), kept
+until the dispatch ended so that a close can abort it.
 
 :class:`~agentic_lora.session.middleware.DispatchGuardMiddleware` counts every request it lets
 through; a backend whose engine does not wait for in-flight requests on unload (vLLM) waits for
@@ -13,12 +17,22 @@ import contextlib
 import logging
 from collections.abc import Callable
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from agentic_lora.foundation.listeners import notify
 
-__all__ = ["AdapterInFlight", "DrainWaitListener"]
+__all__ = ["AdapterInFlight", "DrainWaitListener", "InFlight"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """One dispatch while it runs: its request id and, once routed, its engine (for abort)."""
+
+    rid: str | None
+    engine: str | None = None
+
 
 DrainWaitListener = Callable[[str, int], object]
 """``listener(lora_name, in_flight)``: a drain wait on ``lora_name`` started with ``in_flight``

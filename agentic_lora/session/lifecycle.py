@@ -29,9 +29,9 @@ from agentic_lora.registry.provenance import TurnProvenance
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.session.binder import SessionBinder
+from agentic_lora.session.in_flight import InFlight
 from agentic_lora.session.middleware import Dispatch
 from agentic_lora.session.middleware import EngineCall
-from agentic_lora.session.middleware import InFlight
 from agentic_lora.session.streaming import StreamChunk
 from agentic_lora.session.streaming import UpstreamStream
 

@@ -65,6 +65,7 @@ from agentic_lora.registry.types import DispatchView
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session.in_flight import AdapterInFlight
 from agentic_lora.session.in_flight import DrainWaitListener
+from agentic_lora.session.in_flight import InFlight
 
 __all__ = [
     "AdapterInFlight",
@@ -85,14 +86,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False, slots=True)
-class InFlight:
-    """One dispatch while it runs: its request id and, once routed, its engine (for abort)."""
-
-    rid: str | None
-    engine: str | None = None
 
 
 @dataclass(slots=True)

@@ -55,9 +55,9 @@ from agentic_lora.errors import RequestIndeterminateError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import error_code
 from agentic_lora.registry.provenance import TurnProvenance
+from agentic_lora.session.in_flight import InFlight
 from agentic_lora.session.middleware import Dispatch
 from agentic_lora.session.middleware import EngineCall
-from agentic_lora.session.middleware import InFlight
 
 __all__ = [
     "StreamChunk",

@@ -5,9 +5,12 @@ engine kind (:mod:`~agentic_lora.testing.sglang_engine`,
 :mod:`~agentic_lora.testing.vllm_engine`) subclasses :class:`ScriptedEngine` with its routes,
 its adapter rules and the bodies its failures carry.
 
-Faults are scripted per operation with :meth:`ScriptedEngine.script`, one per future call, so a
-test decides exactly which call fails and how (refuse, answer 200 with a failure body, act but
-lose the reply, be unreachable, wait on an :class:`asyncio.Event`, restart after acting).
+Faults are scripted per operation (:class:`EngineOp`) with :meth:`ScriptedEngine.script`, one
+per future call, so a test decides exactly which call fails and how (refuse, answer 200 with a
+failure body, act but lose the reply, be unreachable, wait on an :class:`asyncio.Event`, restart
+after acting). Each engine kind serves some of the operations (:attr:`ScriptedEngine.ops`);
+scripting or counting one it does not serve is a
+:class:`~agentic_lora.errors.ConfigurationError`, never a fault that silently never strikes.
 Everything is deterministic: no clocks, no randomness, no sleeps.
 """
 
@@ -30,7 +33,28 @@ from typing import TypeVar
 
 import httpx
 
-__all__ = ["Fault", "FaultKind", "HeldAdapter", "ScriptedEngine"]
+from agentic_lora.errors import ConfigurationError
+
+__all__ = ["COMMON_OPS", "EngineOp", "Fault", "FaultKind", "HeldAdapter", "ScriptedEngine"]
+
+
+class EngineOp(enum.StrEnum):
+    """Every engine call a fault can be scripted for, of every engine kind."""
+
+    LOAD = "load"  # load an adapter (every kind)
+    UNLOAD = "unload"  # unload an adapter (every kind)
+    MODELS = "models"  # GET /v1/models (every kind)
+    GENERATE = "generate"  # SGLang: POST /generate
+    SERVER_INFO = "server_info"  # SGLang: GET /server_info or /get_server_info
+    ABORT = "abort"  # SGLang: POST /abort_request
+    COMPLETION = "completion"  # vLLM: POST /v1/completions
+    CHAT = "chat"  # vLLM: POST /v1/chat/completions
+    METRICS = "metrics"  # vLLM: GET /metrics
+
+
+COMMON_OPS: frozenset[EngineOp] = frozenset({EngineOp.LOAD, EngineOp.UNLOAD, EngineOp.MODELS})
+"""The operations every engine kind serves: what a backend's prepare and reclaim call, and
+``GET /v1/models`` (served by :class:`ScriptedEngine` itself)."""
 
 
 class FaultKind(enum.StrEnum):
@@ -68,14 +92,13 @@ class HeldAdapter:
     digest: str | None
 
 
-OpT = TypeVar("OpT", bound=enum.Enum)
 AdapterT = TypeVar("AdapterT", bound=HeldAdapter)
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
 
 @dataclass
-class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
+class ScriptedEngine(abc.ABC, Generic[AdapterT]):
     """One fake engine at ``base_url``; subclasses give the routes and the failure bodies."""
 
     name: str
@@ -85,30 +108,26 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
     adapters: dict[str, AdapterT] = field(default_factory=dict)
     physical_loads: Counter[str] = field(default_factory=Counter)
     physical_unloads: Counter[str] = field(default_factory=Counter)
-    calls: list[tuple[OpT, dict[str, Any]]] = field(default_factory=list)
+    calls: list[tuple[EngineOp, dict[str, Any]]] = field(default_factory=list)
     restarts: int = 0
 
-    #: The operations a fault can be scripted for. Every engine kind has ``"load"`` and
-    #: ``"unload"`` (what a backend's prepare and reclaim call) and ``"models"`` (``GET
-    #: /v1/models``) among them.
-    ops: ClassVar[type[enum.Enum]]
+    #: The operations this engine kind serves: :data:`COMMON_OPS` and its own.
+    ops: ClassVar[frozenset[EngineOp]]
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
-        self._faults: dict[OpT, deque[Fault]] = {op: deque() for op in self.ops}  # type: ignore[misc]
+        self._faults: dict[EngineOp, deque[Fault]] = {op: deque() for op in self.ops}
 
-    @property
-    def load_op(self) -> OpT:
-        """The operation that loads an adapter."""
-        return self._op("load")
-
-    @property
-    def unload_op(self) -> OpT:
-        """The operation that unloads an adapter."""
-        return self._op("unload")
-
-    def _op(self, value: str) -> OpT:
-        op: OpT = self.ops(value)  # type: ignore[assignment]
+    def _served(self, op: EngineOp) -> EngineOp:
+        """``op``, refused unless this engine kind serves it: a fault scripted for a call the
+        engine does not have would never strike, and a count of it would always be zero."""
+        if op not in self.ops:
+            raise ConfigurationError(
+                f"a scripted {type(self).__name__} does not serve {op!r}",
+                engine=self.name,
+                op=str(op),
+                served=sorted(self.ops),
+            )
         return op
 
     # --- what a subclass provides -------------------------------------------------------------
@@ -119,7 +138,7 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         (served here, from :attr:`adapters`)."""
 
     @abc.abstractmethod
-    def fault_reply(self, op: OpT, kind: FaultKind, message: str) -> httpx.Response:
+    def fault_reply(self, op: EngineOp, kind: FaultKind, message: str) -> httpx.Response:
         """The answer of ``op`` to a REFUSE, OK_BUT_FAILED or SERVER_ERROR fault, in the
         engine's words."""
 
@@ -138,9 +157,13 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
                 side_effect=_answering(handler)
             )
 
-    def script(self, op: OpT, *faults: Fault) -> None:
-        """Queue faults for the next calls of ``op`` (one fault per call, in order)."""
-        self._faults[op].extend(faults)
+    def script(self, op: EngineOp, *faults: Fault) -> None:
+        """Queue faults for the next calls of ``op`` (one fault per call, in order).
+
+        Raises :class:`~agentic_lora.errors.ConfigurationError` if this engine kind does not
+        serve ``op``.
+        """
+        self._faults[self._served(op)].extend(faults)
 
     def clear_script(self) -> None:
         """Drop every scripted fault not consumed yet."""
@@ -161,17 +184,23 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         adapter = self.adapters.get(lora_name)
         return None if adapter is None else adapter.digest
 
-    def count(self, op: OpT) -> int:
-        """How many calls of ``op`` reached this engine (unreachable ones excluded)."""
+    def count(self, op: EngineOp) -> int:
+        """How many calls of ``op`` reached this engine (unreachable ones excluded); refused
+        like :meth:`script` for an operation this engine kind does not serve."""
+        self._served(op)
         return sum(1 for o, _ in self.calls if o is op)
 
-    def bodies(self, op: OpT) -> list[dict[str, Any]]:
-        """The JSON bodies of the calls of ``op`` that reached the engine, in order."""
+    def bodies(self, op: EngineOp) -> list[dict[str, Any]]:
+        """The JSON bodies of the calls of ``op`` that reached the engine, in order; refused
+        like :meth:`script` for an operation this engine kind does not serve."""
+        self._served(op)
         return [body for o, body in self.calls if o is op]
 
     # --- handler steps ------------------------------------------------------------------------
 
-    async def _enter(self, op: OpT, request: httpx.Request) -> tuple[dict[str, Any], Fault | None]:
+    async def _enter(
+        self, op: EngineOp, request: httpx.Request
+    ) -> tuple[dict[str, Any], Fault | None]:
         """Record the call and take its scripted fault; an unreachable engine records nothing.
 
         A fault that does nothing but answer ends the handler here (the route answers it); the
@@ -203,7 +232,7 @@ class ScriptedEngine(abc.ABC, Generic[OpT, AdapterT]):
         return response
 
     async def _models(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(self._op("models"), request)
+        _, fault = await self._enter(EngineOp.MODELS, request)
         cards: list[dict[str, Any]] = [
             {
                 "id": self.served_model_name,

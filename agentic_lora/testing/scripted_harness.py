@@ -29,6 +29,7 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.testing.backend_conformance import BackendHarness
 from agentic_lora.testing.backend_conformance import Failure
 from agentic_lora.testing.backend_conformance import Operation
+from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
 from agentic_lora.testing.scripted_engine import ScriptedEngine
@@ -63,12 +64,12 @@ class ScriptedDouble:
     Load and unload counts are kept since the last :meth:`restart`, as the suite reads them.
     """
 
-    def __init__(self, engine: ScriptedEngine[Any, Any]) -> None:
+    def __init__(self, engine: ScriptedEngine[Any]) -> None:
         self.engine = engine
         self._op = {
-            Operation.PREPARE: engine.load_op,
-            Operation.CLEANUP: engine.unload_op,
-            Operation.RECLAIM: engine.unload_op,
+            Operation.PREPARE: EngineOp.LOAD,
+            Operation.CLEANUP: EngineOp.UNLOAD,
+            Operation.RECLAIM: EngineOp.UNLOAD,
         }
         self._loads_at_boot: Counter[str] = Counter()
         self._unloads_at_boot: Counter[str] = Counter()
@@ -108,7 +109,7 @@ class ScriptedHarness(BackendHarness):
     def __init__(
         self,
         make_backend: Callable[[Path], Backend],
-        engines: Sequence[ScriptedEngine[Any, Any]],
+        engines: Sequence[ScriptedEngine[Any]],
     ) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="conformance-"))
         self._router = respx.mock(assert_all_called=False, assert_all_mocked=True)

@@ -25,7 +25,6 @@ randomness, no sleeps.
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import zlib
 from collections import Counter
@@ -37,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from agentic_lora.testing.scripted_engine import COMMON_OPS
+from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
 from agentic_lora.testing.scripted_engine import Handler
@@ -48,19 +49,8 @@ from agentic_lora.testing.streams import stream_reply
 
 __all__ = ["EngineOp", "Fault", "FaultKind", "LoadedAdapter", "ScriptedSGLangEngine"]
 
-# Fault and FaultKind live in scripted_engine (shared by every scripted engine); they are
-# re-exported here because most tests script SGLang faults.
-
-
-class EngineOp(enum.StrEnum):
-    """The engine calls a fault can be scripted for."""
-
-    LOAD = "load"
-    UNLOAD = "unload"
-    GENERATE = "generate"
-    SERVER_INFO = "server_info"
-    MODELS = "models"
-    ABORT = "abort"
+# EngineOp, Fault and FaultKind live in scripted_engine (shared by every scripted engine); they
+# are re-exported here because most tests script SGLang faults.
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +79,7 @@ def _digest_of_dir(path: str) -> str:
 
 
 @dataclass
-class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
+class ScriptedSGLangEngine(ScriptedEngine[LoadedAdapter]):
     """One fake SGLang engine at ``base_url`` (mount it on a respx router)."""
 
     max_loras_per_batch: int = 3
@@ -107,7 +97,7 @@ class ScriptedSGLangEngine(ScriptedEngine[EngineOp, LoadedAdapter]):
     #: Every streamed answer given, by request id (None: the request carried none).
     streamed: dict[str | None, ScriptedStream] = field(default_factory=dict)
 
-    ops = EngineOp
+    ops = COMMON_OPS | {EngineOp.GENERATE, EngineOp.SERVER_INFO, EngineOp.ABORT}
 
     def __post_init__(self) -> None:
         super().__post_init__()

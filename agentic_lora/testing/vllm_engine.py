@@ -25,7 +25,6 @@ clocks, no randomness, no sleeps.
 
 from __future__ import annotations
 
-import enum
 import os
 from collections import Counter
 from collections import deque
@@ -36,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from agentic_lora.testing.scripted_engine import COMMON_OPS
+from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
 from agentic_lora.testing.scripted_engine import Handler
@@ -45,18 +46,7 @@ from agentic_lora.testing.streams import ScriptedStream
 from agentic_lora.testing.streams import openai_chunks
 from agentic_lora.testing.streams import stream_reply
 
-__all__ = ["Fault", "FaultKind", "HeldAdapter", "ScriptedVllmEngine", "VllmOp"]
-
-
-class VllmOp(enum.StrEnum):
-    """The engine calls a fault can be scripted for."""
-
-    LOAD = "load"
-    UNLOAD = "unload"
-    COMPLETION = "completion"
-    CHAT = "chat"
-    MODELS = "models"
-    METRICS = "metrics"
+__all__ = ["EngineOp", "Fault", "FaultKind", "HeldAdapter", "ScriptedVllmEngine"]
 
 
 def _error(status: int, message: str, err_type: str) -> httpx.Response:
@@ -79,7 +69,7 @@ def _digest_of_dir(path: str) -> str | None:
 
 
 @dataclass
-class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
+class ScriptedVllmEngine(ScriptedEngine[HeldAdapter]):
     """One fake vLLM engine at ``base_url`` (mount it on a respx router)."""
 
     runtime_lora_updating: bool = True
@@ -89,7 +79,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
     #: Every streamed answer given, in order.
     streamed: list[ScriptedStream] = field(default_factory=list)
 
-    ops = VllmOp
+    ops = COMMON_OPS | {EngineOp.COMPLETION, EngineOp.CHAT, EngineOp.METRICS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,7 +102,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
             ("GET", "/metrics", self._metrics),
         ]
 
-    def fault_reply(self, op: VllmOp, kind: FaultKind, message: str) -> httpx.Response:
+    def fault_reply(self, op: EngineOp, kind: FaultKind, message: str) -> httpx.Response:
         if kind is FaultKind.OK_BUT_FAILED:
             return httpx.Response(
                 200, json={"error": {"message": message, "type": "InternalServerError"}}
@@ -161,7 +151,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
     # --- handlers -----------------------------------------------------------------------------
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
-        body, fault = await self._enter(VllmOp.LOAD, request)
+        body, fault = await self._enter(EngineOp.LOAD, request)
         name, path = str(body.get("lora_name") or ""), str(body.get("lora_path") or "")
         if not name or not path:
             return _error(
@@ -185,7 +175,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
         return self._finish(fault, request, reply)
 
     async def _unload(self, request: httpx.Request) -> httpx.Response:
-        body, fault = await self._enter(VllmOp.UNLOAD, request)
+        body, fault = await self._enter(EngineOp.UNLOAD, request)
         name = str(body.get("lora_name") or "")
         if name not in self.adapters:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
@@ -196,12 +186,12 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
         return self._finish(fault, request, reply)
 
     async def _completion(self, request: httpx.Request) -> httpx.Response:
-        return await self._generation(VllmOp.COMPLETION, request)
+        return await self._generation(EngineOp.COMPLETION, request)
 
     async def _chat(self, request: httpx.Request) -> httpx.Response:
-        return await self._generation(VllmOp.CHAT, request)
+        return await self._generation(EngineOp.CHAT, request)
 
-    async def _generation(self, op: VllmOp, request: httpx.Request) -> httpx.Response:
+    async def _generation(self, op: EngineOp, request: httpx.Request) -> httpx.Response:
         body, fault = await self._enter(op, request)
         model = str(body.get("model"))
         if model != self.served_model_name and model not in self.adapters:
@@ -217,14 +207,14 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
             self.streamed.append(stream)
             return self._finish(fault, request, stream_reply(stream))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        if op is VllmOp.CHAT:
+        if op is EngineOp.CHAT:
             choice["message"] = {"role": "assistant", "content": "x"}
         else:
             choice["text"] = "x"
         reply = httpx.Response(
             200,
             json={
-                "object": "chat.completion" if op is VllmOp.CHAT else "text_completion",
+                "object": "chat.completion" if op is EngineOp.CHAT else "text_completion",
                 "model": model,
                 "choices": [choice],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
@@ -233,7 +223,7 @@ class ScriptedVllmEngine(ScriptedEngine[VllmOp, HeldAdapter]):
         return self._finish(fault, request, reply)
 
     async def _metrics(self, request: httpx.Request) -> httpx.Response:
-        _, fault = await self._enter(VllmOp.METRICS, request)
+        _, fault = await self._enter(EngineOp.METRICS, request)
         lines = [
             "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
             "# TYPE process_start_time_seconds gauge",

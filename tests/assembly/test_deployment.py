@@ -37,7 +37,6 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
 from agentic_lora.testing.sglang_engine import Fault
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
-from agentic_lora.testing.vllm_engine import VllmOp
 from tests.session_support import Calls
 
 pytestmark = pytest.mark.asyncio
@@ -211,7 +210,7 @@ async def test_on_vllm_old_sessions_keep_a_new_ones_get_b_by_model_name(tmp_path
     for engine in engines.values():
         assert engine.physical_unloads[a_name] == 1
         assert engine.held_digest(b_name) == B.digest
-        assert all("lora_path" not in body for body in engine.bodies(VllmOp.COMPLETION))
+        assert all("lora_path" not in body for body in engine.bodies(EngineOp.COMPLETION))
     assert routes == ["/v1/completions", "/v1/chat/completions", "/v1/completions"]
     # The Deployment's Session drain ran first, then the hook given in backend_options.
     assert extra_drained == [a_name, a_name]
@@ -233,7 +232,7 @@ async def test_on_vllm_a_reclaim_waits_for_a_request_still_in_flight_on_the_vers
 
             gate, reached = asyncio.Event(), asyncio.Event()
             busy = engines[first.engine]
-            busy.script(VllmOp.COMPLETION, Fault.waiting_for(gate, reached))
+            busy.script(EngineOp.COMPLETION, Fault.waiting_for(gate, reached))
             busy.start_request(a_name)  # the engine reports it running, as vLLM does
             turn = asyncio.create_task(s_old.completions({"prompt": "old: long turn"}))
             try:
@@ -253,7 +252,7 @@ async def test_on_vllm_a_reclaim_waits_for_a_request_still_in_flight_on_the_vers
                 assert w.calls == [(a_name, 1), (a_name, 1)]
                 assert d.registry.peek_version("A").state is VersionState.RECLAIMING  # type: ignore[attr-defined]
                 for engine in engines.values():
-                    assert engine.count(VllmOp.UNLOAD) == 0
+                    assert engine.count(EngineOp.UNLOAD) == 0
                     assert (store / engine.name / a_name).is_dir()
             finally:
                 busy.finish_request(a_name)
@@ -266,10 +265,10 @@ async def test_on_vllm_a_reclaim_waits_for_a_request_still_in_flight_on_the_vers
                 assert engine.physical_unloads[a_name] == 1
                 assert not (store / engine.name / a_name).exists()
             # A version being reclaimed is never dispatched again, so nothing can reload it.
-            sent = busy.count(VllmOp.COMPLETION)
+            sent = busy.count(EngineOp.COMPLETION)
             with pytest.raises(VersionNotDispatchableError):
                 await s_old.completions({"prompt": "old: too late"})
-            assert busy.count(VllmOp.COMPLETION) == sent
+            assert busy.count(EngineOp.COMPLETION) == sent
 
 
 async def test_a_vllm_backend_that_cannot_be_built_opens_nothing_else(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ backend. HTTP push talks to SGLang, the vLLM backend to vLLM; what only one of t
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,13 +25,12 @@ from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.testing.adapters import tiny_snapshot
+from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
 from agentic_lora.testing.scripted_engine import FaultKind
 from agentic_lora.testing.scripted_engine import ScriptedEngine
 from agentic_lora.testing.scripted_harness import sglang_engines
 from agentic_lora.testing.scripted_harness import vllm_engines
-from agentic_lora.testing.sglang_engine import EngineOp
-from agentic_lora.testing.vllm_engine import VllmOp
 
 A = tiny_snapshot(1)
 B = tiny_snapshot(2)
@@ -50,10 +48,10 @@ class Kind:
 
     name: str
     make_backend: Callable[[Path], Backend]
-    make_engine: Callable[[], ScriptedEngine[Any, Any]]
+    make_engine: Callable[[], ScriptedEngine[Any]]
     #: The engine calls of a probe generation and of the read that yields the incarnation.
-    probe: enum.Enum
-    incarnation_read: enum.Enum
+    probe: EngineOp
+    incarnation_read: EngineOp
     #: A generation request for a LoRA name in the engine's own API (route, body), and the status
     #: the engine answers for a name it does not serve.
     generation: Callable[[str], tuple[str, dict[str, Any]]]
@@ -74,15 +72,15 @@ KINDS = [
         "vllm",
         lambda store: VllmBackend(store, wait_drained=drained_at_once),
         lambda: vllm_engines(("e0",))[0],
-        VllmOp.COMPLETION,
-        VllmOp.METRICS,
+        EngineOp.COMPLETION,
+        EngineOp.METRICS,
         lambda name: ("/v1/completions", {"model": name, "prompt": [0]}),
         404,
     ),
 ]
 
 
-def assert_unloaded_once(engine: ScriptedEngine[Any, Any], store: Path, lora_name: str) -> None:
+def assert_unloaded_once(engine: ScriptedEngine[Any], store: Path, lora_name: str) -> None:
     """``engine`` physically unloaded ``lora_name`` exactly once and its stored copy is gone."""
     assert engine.physical_unloads[lora_name] == 1
     assert not (store / engine.name / lora_name).exists()
@@ -92,7 +90,7 @@ def assert_unloaded_once(engine: ScriptedEngine[Any, Any], store: Path, lora_nam
 class Push:
     kind: Kind
     backend: Backend
-    e0: ScriptedEngine[Any, Any]
+    e0: ScriptedEngine[Any]
     ref0: EngineRef
     store: Path
 
@@ -126,7 +124,7 @@ async def test_prepare_reports_ready_for_exactly_the_target_and_the_engine_read_
     push: Push,
 ) -> None:
     receipt = await push.backend.prepare(push.ref0, TARGET_A, A)
-    assert push.e0.bodies(push.e0.load_op)[0]["lora_path"] == str(push.stored())
+    assert push.e0.bodies(EngineOp.LOAD)[0]["lora_path"] == str(push.stored())
     assert push.e0.held_digest(NAME_A) == A.digest
     assert push.e0.count(push.kind.probe) == 1  # probed once, after the load
     assert (receipt.engine, receipt.version_id, receipt.digest, receipt.lora_name) == (
@@ -145,12 +143,12 @@ async def test_a_repeated_prepare_never_loads_twice(push: Push) -> None:
     second = await push.backend.prepare(push.ref0, TARGET_A, A)
     assert first == second
     assert push.e0.physical_loads[NAME_A] == 1
-    assert push.e0.count(push.e0.load_op) == 1
+    assert push.e0.count(EngineOp.LOAD) == 1
 
 
 @pytest.mark.asyncio
 async def test_http_200_with_a_failure_body_is_refused_and_nothing_is_held(push: Push) -> None:
-    push.e0.script(push.e0.load_op, Fault(FaultKind.OK_BUT_FAILED, "cannot add it"))
+    push.e0.script(EngineOp.LOAD, Fault(FaultKind.OK_BUT_FAILED, "cannot add it"))
     with pytest.raises(BackendRefusedError, match="cannot add it"):
         await push.backend.prepare(push.ref0, TARGET_A, A)
     assert not push.e0.holds(NAME_A)
@@ -159,7 +157,7 @@ async def test_http_200_with_a_failure_body_is_refused_and_nothing_is_held(push:
 
 @pytest.mark.asyncio
 async def test_a_lost_load_reply_is_ambiguous_and_cleanup_resolves_it(push: Push) -> None:
-    push.e0.script(push.e0.load_op, Fault(FaultKind.LOSE_REPLY))
+    push.e0.script(EngineOp.LOAD, Fault(FaultKind.LOSE_REPLY))
     with pytest.raises(BackendAmbiguousError):
         await push.backend.prepare(push.ref0, TARGET_A, A)
     assert push.e0.held_digest(NAME_A) == A.digest  # it did load: the reply was lost
@@ -181,7 +179,7 @@ async def test_an_unreachable_engine_refuses_before_anything_is_loaded(push: Pus
     push.e0.script(push.kind.incarnation_read, Fault(FaultKind.UNREACHABLE))
     with pytest.raises(BackendRefusedError, match="unreadable"):
         await push.backend.prepare(push.ref0, TARGET_A, A)
-    assert push.e0.count(push.e0.load_op) == 0
+    assert push.e0.count(EngineOp.LOAD) == 0
 
 
 @pytest.mark.asyncio
@@ -212,7 +210,7 @@ async def test_engine_names_must_be_directory_names(push: Push) -> None:
 @pytest.mark.asyncio
 async def test_cleanup_of_an_absent_adapter_is_confirmed(push: Push) -> None:
     await push.backend.cleanup(push.ref0, TARGET_A)
-    assert push.e0.count(push.e0.unload_op) == 1
+    assert push.e0.count(EngineOp.UNLOAD) == 1
     assert push.e0.physical_unloads[NAME_A] == 0
 
 
@@ -221,7 +219,7 @@ async def test_a_cleanup_that_overtook_its_prepare_fences_it(push: Push) -> None
     await push.backend.cleanup(push.ref0, TARGET_A)
     with pytest.raises(BackendRefusedError, match="fenced"):
         await push.backend.prepare(push.ref0, TARGET_A, A)
-    assert push.e0.count(push.e0.load_op) == 0
+    assert push.e0.count(EngineOp.LOAD) == 0
     assert not push.stored().exists()
     # The next attempt is a new publication and goes through.
     retry = PublicationTarget("v1", A.digest, NAME_A, 2)
@@ -233,7 +231,7 @@ async def test_a_late_cleanup_of_a_superseded_attempt_touches_nothing(push: Push
     await push.backend.prepare(push.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
     await push.backend.cleanup(push.ref0, TARGET_A)  # attempt 1, arriving late
     assert push.e0.holds(NAME_A)
-    assert push.e0.count(push.e0.unload_op) == 0
+    assert push.e0.count(EngineOp.UNLOAD) == 0
     assert push.stored().is_dir()
 
 
@@ -243,7 +241,7 @@ async def test_an_unload_that_fails_leaves_cleanup_unconfirmed(
     push: Push, failure: FaultKind
 ) -> None:
     await push.backend.prepare(push.ref0, TARGET_A, A)
-    push.e0.script(push.e0.unload_op, Fault(failure, "rank 1 failed"))
+    push.e0.script(EngineOp.UNLOAD, Fault(failure, "rank 1 failed"))
     with pytest.raises(BackendAmbiguousError, match="not confirmed"):
         await push.backend.cleanup(push.ref0, TARGET_A)
     assert push.e0.held_digest(NAME_A) == A.digest
@@ -263,14 +261,14 @@ async def test_unloading_ourselves_is_not_a_restart(push: Push) -> None:
 @pytest.mark.asyncio
 async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(push: Push) -> None:
     await push.backend.prepare(push.ref0, TARGET_A, A)
-    push.e0.script(push.e0.unload_op, Fault(FaultKind.LOSE_REPLY))
+    push.e0.script(EngineOp.UNLOAD, Fault(FaultKind.LOSE_REPLY))
     with pytest.raises(BackendAmbiguousError):
         await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
     await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
     await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
     assert push.e0.physical_unloads[NAME_A] == 1
     # Lost one, retried once (found absent); the third call was answered from memory.
-    assert push.e0.count(push.e0.unload_op) == 2
+    assert push.e0.count(EngineOp.UNLOAD) == 2
     assert not push.stored().exists()
 
 

@@ -22,10 +22,10 @@ from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendError
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.testing.vllm_engine import EngineOp
 from agentic_lora.testing.vllm_engine import Fault
 from agentic_lora.testing.vllm_engine import FaultKind
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
-from agentic_lora.testing.vllm_engine import VllmOp
 from tests.engines.test_push_backends import NAME_A
 from tests.engines.test_push_backends import TARGET_A
 from tests.engines.test_push_backends import A
@@ -99,8 +99,8 @@ async def test_prepare_registers_and_probes_the_exact_name(fleet: Fleet) -> None
     await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
     stored = fleet.store / "e0" / NAME_A
     # Exactly name and path: never load_inplace, and vLLM has no pinned flag.
-    assert fleet.e0.bodies(VllmOp.LOAD) == [{"lora_name": NAME_A, "lora_path": str(stored)}]
-    probes = fleet.e0.bodies(VllmOp.COMPLETION)
+    assert fleet.e0.bodies(EngineOp.LOAD) == [{"lora_name": NAME_A, "lora_path": str(stored)}]
+    probes = fleet.e0.bodies(EngineOp.COMPLETION)
     assert [(p["model"], p["max_tokens"], p["temperature"]) for p in probes] == [(NAME_A, 1, 0.0)]
 
 
@@ -121,17 +121,17 @@ async def test_prepare_registers_and_probes_the_exact_name(fleet: Fleet) -> None
 async def test_a_failed_load_is_classified_by_its_answer_and_never_probed(
     fleet: Fleet, kind: FaultKind, error: type[BackendError], status: int
 ) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(kind, "rank too large"))
+    fleet.e0.script(EngineOp.LOAD, Fault(kind, "rank too large"))
     with pytest.raises(error, match="rank too large") as info:
         await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
     assert info.value.details["status"] == status
     assert fleet.e0.held_digest(NAME_A) is None
-    assert fleet.e0.count(VllmOp.COMPLETION) == 0  # never probed, never reported READY
+    assert fleet.e0.count(EngineOp.COMPLETION) == 0  # never probed, never reported READY
 
 
 @pytest.mark.asyncio
 async def test_a_load_that_never_connected_is_refused(fleet: Fleet) -> None:
-    fleet.e0.script(VllmOp.LOAD, Fault(FaultKind.UNREACHABLE))
+    fleet.e0.script(EngineOp.LOAD, Fault(FaultKind.UNREACHABLE))
     with pytest.raises(BackendRefusedError, match="ConnectError"):
         await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
     assert fleet.e0.held_digest(NAME_A) is None
@@ -153,7 +153,7 @@ async def test_runtime_lora_updating_off_is_a_refusal_naming_the_route(
 @pytest.mark.asyncio
 async def test_a_refusal_while_the_engine_lists_the_name_is_ambiguous(fleet: Fleet) -> None:
     gate, reached = asyncio.Event(), asyncio.Event()
-    fleet.e0.script(VllmOp.LOAD, Fault.waiting_for(gate, reached))
+    fleet.e0.script(EngineOp.LOAD, Fault.waiting_for(gate, reached))
     prepare = asyncio.create_task(fleet.backend.prepare(fleet.ref0, TARGET_A, A))
     await reached.wait()
     # Another client registers the same name at the same path while our load is in transit:
@@ -201,7 +201,7 @@ async def test_a_name_held_at_another_path_is_ambiguous_and_not_reloaded(fleet: 
     fleet.e0.register(NAME_A, str(elsewhere))
     with pytest.raises(BackendAmbiguousError, match="already holds"):
         await fleet.backend.prepare(fleet.ref0, TARGET_A, A)
-    assert fleet.e0.count(VllmOp.LOAD) == 0
+    assert fleet.e0.count(EngineOp.LOAD) == 0
 
 
 # --- cleanup --------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ async def test_reclaim_waits_for_the_drain_hook_before_unloading(fleet: Fleet) -
     # Requests may still be running on A: vLLM would forget the name at once and a later reload
     # of an evicted adapter would need the directory, so nothing is touched yet.
     assert fleet.drain.asked == [NAME_A]
-    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert fleet.e0.count(EngineOp.UNLOAD) == 0
     assert fleet.e0.held_digest(NAME_A) == A.digest
     assert (fleet.store / "e0" / NAME_A).is_dir()
     fleet.drain.release.set()
@@ -257,7 +257,7 @@ async def test_reclaim_is_not_confirmed_while_the_engine_reports_requests(fleet:
     with pytest.raises(BackendAmbiguousError, match="still reports requests") as info:
         await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
     assert info.value.details["reason"] == "engine_busy"
-    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert fleet.e0.count(EngineOp.UNLOAD) == 0
     assert (fleet.store / "e0" / NAME_A).is_dir()
     fleet.e0.finish_request(NAME_A)
     await fleet.backend.reclaim(fleet.ref0, lora_name=NAME_A, reclaim_id="r1")
@@ -277,7 +277,7 @@ async def test_a_failing_drain_hook_leaves_reclaim_unconfirmed(fleet: Fleet) -> 
     finally:
         await backend.aclose()
     assert info.value.details["reason"] == "drain_failed"
-    assert fleet.e0.count(VllmOp.UNLOAD) == 0
+    assert fleet.e0.count(EngineOp.UNLOAD) == 0
     assert fleet.e0.held_digest(NAME_A) == A.digest
 
 

@@ -32,7 +32,6 @@ from agentic_lora.testing.streams import ScriptedStream
 from agentic_lora.testing.streams import StreamEnding
 from agentic_lora.testing.streams import generate_chunks
 from agentic_lora.testing.vllm_engine import ScriptedVllmEngine
-from agentic_lora.testing.vllm_engine import VllmOp
 from tests.streaming_support import BASE_MODEL
 from tests.streaming_support import URL
 from tests.streaming_support import read_all
@@ -84,7 +83,7 @@ async def test_vllm_streams_name_the_adapter_as_model_and_carry_the_version(rout
         assert chunks[0].provenance is not None
         assert chunks[0].provenance.lora_name == a.lora_name
         (body,) = h.vllm.bodies(
-            VllmOp.CHAT if route is Route.CHAT_COMPLETIONS else VllmOp.COMPLETION
+            EngineOp.CHAT if route is Route.CHAT_COMPLETIONS else EngineOp.COMPLETION
         )
         assert body["model"] == a.lora_name
         assert body["stream"] is True  # Session.stream always streams

@@ -356,8 +356,7 @@ class Repairer(FleetWorker, BackgroundLoop):
     ) -> RepairResult:
         extra = attempt_extra(target, engine.name)
         try:
-            async with recorder.phase(engine.name, Phase.PREPARE):
-                receipt = await self.backend.prepare(engine, target, snapshot)
+            receipt = await self._prepare_on(recorder, engine, target, snapshot)
         except Exception as exc:
             # Ambiguous or refused, the engine is not routed to for it (no READY): the next round
             # prepares again, and HTTP push adopts a copy that did get loaded without reloading.
