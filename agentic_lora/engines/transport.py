@@ -256,6 +256,32 @@ class EngineTransport:
             )
         return ref
 
+    async def _open(
+        self,
+        engine: str,
+        method: str,
+        path: str,
+        content: bytes | None,
+        rid: object,
+        label: str,
+    ) -> StackAnswer:
+        """Send once and return the answer whose head is in; a failure before the head is
+        classified (RequestRefusedError: not sent; RequestIndeterminateError: may have run)."""
+        base_url = self._ref(engine).base_url
+        try:
+            # Inside the try: a URL that cannot be requested fails here, before sending.
+            return await self._stack.open(method, base_url, path, content)
+        except WIRE_ERRORS as exc:
+            outcome = classify_exception(exc)
+            sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
+            raise _failure(
+                outcome,
+                f"{label} to {engine}: {type(exc).__name__} ({exc}); the request {sent} "
+                "and is not resent",
+                error=type(exc).__name__,
+                **_where(engine, path, rid),
+            ) from exc
+
     async def _exchange(
         self,
         engine: str,
@@ -268,20 +294,7 @@ class EngineTransport:
     ) -> EngineReply:
         """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
         (``check_status=False``: only for what happened on the wire; any answer is returned)."""
-        base_url = self._ref(engine).base_url
-        try:
-            # Inside the try: a URL that cannot be requested fails here, before sending.
-            answer = await self._stack.open(method, base_url, path, content)
-        except WIRE_ERRORS as exc:
-            outcome = classify_exception(exc)
-            sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
-            raise _failure(
-                outcome,
-                f"{method} {path} to {engine}: {type(exc).__name__} ({exc}); the request {sent} "
-                "and is not resent",
-                error=type(exc).__name__,
-                **_where(engine, path, rid),
-            ) from exc
+        answer = await self._open(engine, method, path, content, rid, f"{method} {path}")
         status = answer.status
         try:
             try:
@@ -357,19 +370,11 @@ class EngineTransport:
         """
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
-        content = _encode(body)
-        base_url = self._ref(engine).base_url
         rid = body.get("rid")
+        answer = await self._open(
+            engine, "POST", path, _encode(body), rid, f"POST {path} (streamed)"
+        )
         where = _where(engine, path, rid)
-        try:
-            answer = await self._stack.open("POST", base_url, path, content)
-        except WIRE_ERRORS as exc:
-            raise _failure(
-                classify_exception(exc),
-                f"POST {path} (streamed) to {engine}: {type(exc).__name__} ({exc}); not resent",
-                error=type(exc).__name__,
-                **where,
-            ) from exc
         try:
             status = answer.status
             outcome = classify_status(status)
