@@ -196,9 +196,7 @@ class Session:
         binder = self._binder
         body = self._body(route, request)
         turn = await binder.before_send(route, body, self._require_dispatchable)
-        rid = body.get("rid")
-        flight = InFlight(rid=rid if isinstance(rid, str) else None)
-        self._in_flight.add(flight)
+        flight = self._flight_started(body)
         try:
             reply = await self._rt.chain(
                 EngineCall(
@@ -232,9 +230,7 @@ class Session:
         body.pop("stream", None)  # this call always streams; the dialect asks for it below
         turn = await binder.before_send(route, body, self._require_dispatchable)
         body = self._rt.dialect.stream_body(route, body)
-        rid = body.get("rid")
-        flight = InFlight(rid=rid if isinstance(rid, str) else None)
-        self._in_flight.add(flight)
+        flight = self._flight_started(body)
         binding = turn.binding if turn is not None else None
         upstream = UpstreamStream(
             chain,
@@ -258,6 +254,13 @@ class Session:
                 yield StreamChunk(engine, path, data, flight.rid, provenance)
         finally:
             await upstream.aclose(lambda: self._flight_ended(flight))
+
+    def _flight_started(self, body: Mapping[str, Any]) -> InFlight:
+        """The in-flight record of the request ``body`` is about to be sent (its ``rid``, for abort)."""
+        rid = body.get("rid")
+        flight = InFlight(rid=rid if isinstance(rid, str) else None)
+        self._in_flight.add(flight)
+        return flight
 
     def _flight_ended(self, flight: InFlight) -> None:
         in_flight = self._in_flight
