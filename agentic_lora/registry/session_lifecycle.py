@@ -118,8 +118,7 @@ def release(state: RegistryState, session_key: str) -> ReleaseResult:
     s.state = SessionState.CLOSED
     if version_id is not None:
         state._versions[version_id].session_refs -= 1
-    if s.lease is not None:  # a lease-free Session has nothing to detach (every close asks)
-        detach(state, session_key, s)
+    detach(state, session_key, s)
     return ReleaseResult(session_key, version_id, released_now=True)
 
 
