@@ -36,8 +36,9 @@ adapter the dialect's way (vLLM: ``model=<lora_name>``). On an engine that canno
 by id (vLLM), :meth:`Session.abort` raises, and close waits for in-flight requests to end instead
 of aborting them.
 
-The package is split by job: :mod:`~agentic_lora.session.lifecycle` (the Session, its phases,
-dispatch and close), :mod:`~agentic_lora.session.binder` (the registry side of a Session:
+The package is split by job: :mod:`~agentic_lora.session.transitions` (the phases and their one
+table, pure), :mod:`~agentic_lora.session.lifecycle` (the Session: its dispatch and close, moving
+only through that table), :mod:`~agentic_lora.session.binder` (the registry side of a Session:
 :class:`~agentic_lora.session.binder.RegistryBinder`, or the null binder when passing through) and
 :mod:`~agentic_lora.session.versioning` (the manager).
 
@@ -72,10 +73,10 @@ does not wait for requests still running on it.
 from agentic_lora.session.binder import PASS_THROUGH
 from agentic_lora.session.binder import RegistryBinder
 from agentic_lora.session.binder import SessionBinder
-from agentic_lora.session.lifecycle import TRANSITIONS
 from agentic_lora.session.lifecycle import Session
-from agentic_lora.session.lifecycle import SessionPhase
-from agentic_lora.session.lifecycle import next_phase
+from agentic_lora.session.transitions import TRANSITIONS
+from agentic_lora.session.transitions import SessionPhase
+from agentic_lora.session.transitions import next_phase
 from agentic_lora.session.versioning import Versioning
 
 __all__ = [

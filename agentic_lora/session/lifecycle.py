@@ -1,9 +1,11 @@
-"""One agent Session: its phases, its dispatches and its close (see :mod:`agentic_lora.session`)."""
+"""One agent Session: its dispatches and its close (see :mod:`agentic_lora.session`).
+
+Its phases and the moves between them are the pure table in :mod:`~agentic_lora.session.transitions`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import AsyncGenerator
 from collections.abc import Awaitable
@@ -34,40 +36,12 @@ from agentic_lora.session.middleware import Dispatch
 from agentic_lora.session.middleware import EngineCall
 from agentic_lora.session.streaming import StreamChunk
 from agentic_lora.session.streaming import UpstreamStream
+from agentic_lora.session.transitions import SessionPhase
+from agentic_lora.session.transitions import next_phase
 
-__all__ = ["TRANSITIONS", "Session", "SessionPhase", "SessionRuntime", "next_phase"]
+__all__ = ["Session", "SessionRuntime"]
 
 logger = logging.getLogger(__name__)
-
-
-class SessionPhase(enum.StrEnum):
-    """Where a Session is in its life (finer than the registry's view of it)."""
-
-    OPEN = "OPEN"  # created; bound to nothing
-    BOUND = "BOUND"  # bound to one version for the rest of its life
-    FINALIZING = "FINALIZING"  # closing: no new dispatch; release not yet confirmed
-    CLOSED = "CLOSED"  # released exactly once; the record is gone
-
-
-#: The only legal moves. FINALIZING is left only by a confirmed release.
-TRANSITIONS: Mapping[SessionPhase, frozenset[SessionPhase]] = {
-    SessionPhase.OPEN: frozenset({SessionPhase.BOUND, SessionPhase.FINALIZING}),
-    SessionPhase.BOUND: frozenset({SessionPhase.FINALIZING}),
-    SessionPhase.FINALIZING: frozenset({SessionPhase.CLOSED}),
-    SessionPhase.CLOSED: frozenset(),
-}
-
-
-def next_phase(current: SessionPhase, target: SessionPhase, *, session: str = "") -> SessionPhase:
-    """``target`` if the table allows ``current -> target``; otherwise SessionStateError."""
-    if target not in TRANSITIONS[current]:
-        raise SessionStateError(
-            f"session {session!r} cannot go from {current.value} to {target.value}",
-            session=session,
-            phase=current.value,
-            target=target.value,
-        )
-    return target
 
 
 @dataclass(frozen=True, slots=True)
