@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
@@ -66,12 +65,12 @@ class CleanupSteps(FleetWorker):
     async def _abort_and_clean(
         self,
         run: PublicationRun,
-        target: PublicationTarget,
         *,
         reason: str,
         skip: set[str] | None = None,
         observe_first: bool = False,
     ) -> PublicationResult:
+        target = run.attempt
         extra = attempt_extra(target)
 
         async def abort(rid: str) -> VersionStatus:
@@ -87,9 +86,7 @@ class CleanupSteps(FleetWorker):
             )
         skipped = skip or set()
         todo = [e for e in self.engines if e.name not in skipped]
-        cleaned = await self._each_engine(
-            lambda e: self._clean_one(run, e, target, observe_first), todo
-        )
+        cleaned = await self._each_engine(lambda e: self._clean_one(run, e, observe_first), todo)
         for report in cleaned:
             previous = run.reports.get(report.engine)
             run.reports[report.engine] = EngineReport(
@@ -118,14 +115,11 @@ class CleanupSteps(FleetWorker):
         )
 
     async def _clean_one(
-        self,
-        run: PublicationRun,
-        engine: EngineRef,
-        target: PublicationTarget,
-        observe_first: bool = False,
+        self, run: PublicationRun, engine: EngineRef, observe_first: bool = False
     ) -> EngineReport:
+        target = run.attempt
         extra = attempt_extra(target, engine.name)
-        if observe_first and await self._cleaned_by_restart(run, engine, target):
+        if observe_first and await self._cleaned_by_restart(run, engine):
             logger.info(
                 "%s holds nothing of %s (new incarnation): no cleanup call",
                 engine.name,
@@ -154,10 +148,9 @@ class CleanupSteps(FleetWorker):
         logger.info("cleanup confirmed on %s (%s)", engine.name, status.state.value, extra=extra)
         return EngineReport(engine.name, cleaned=True)
 
-    async def _cleaned_by_restart(
-        self, run: PublicationRun, engine: EngineRef, target: PublicationTarget
-    ) -> bool:
+    async def _cleaned_by_restart(self, run: PublicationRun, engine: EngineRef) -> bool:
         """Whether the registry counts ``engine`` cleaned once its incarnation is observed."""
+        target = run.attempt
         try:
             await self._observe_or_raise(run, engine)
             status = await self.registry.version(target.version_id)

@@ -44,7 +44,6 @@ from typing import Unpack
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
@@ -167,11 +166,8 @@ class Publisher(CleanupSteps):
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
                 # Same id, same content, committed before: nothing to load, nothing to switch.
                 return run.result(PublicationOutcome.ALREADY_PUBLISHED)
-            target = reservation.ref
             try:
-                result = await self._prepare_and_commit(
-                    run, target, snapshot, status.default_revision
-                )
+                result = await self._prepare_and_commit(run, snapshot, status.default_revision)
             except BaseException:
                 # Cancelled or crashed with the version reserved: it may stay LOADING, holding
                 # its slot and blocking every later publication, unless it is resolved.
@@ -210,7 +206,7 @@ class Publisher(CleanupSteps):
                     reason=f"nothing to resolve: {status.state.value}",
                 )
             result = await self._abort_and_clean(
-                run, status.ref, reason=reason, skip=set(status.cleaned_engines), observe_first=True
+                run, reason=reason, skip=set(status.cleaned_engines), observe_first=True
             )
             if result.outcome is not PublicationOutcome.BLOCKED:
                 self.abandoned.discard(version_id)
@@ -267,16 +263,15 @@ class Publisher(CleanupSteps):
     async def _prepare_and_commit(
         self,
         run: PublicationRun,
-        target: PublicationTarget,
         snapshot: AdapterSnapshot,
         revision: int,
     ) -> PublicationResult:
-        reports = await self._each_engine(lambda e: self._prepare_one(run, e, target, snapshot))
+        reports = await self._each_engine(lambda e: self._prepare_one(run, e, snapshot))
         run.reports.update({r.engine: r for r in reports})
         failed = [r for r in reports if not r.ready]
         if failed:
             reason = "; ".join(f"{r.engine}: {r.error_code}" for r in failed)
-            return await self._abort_and_clean(run, target, reason=f"prepare failed ({reason})")
+            return await self._abort_and_clean(run, reason=f"prepare failed ({reason})")
         # Right before commit: an engine that restarted since its READY must not count.
         restarted = await self._each_engine(lambda e: self._observe(run, e))
         unreadable = [r for r in restarted if r.error_code is not None]
@@ -285,17 +280,14 @@ class Publisher(CleanupSteps):
                 run.reports[r.engine] = r
             names = ", ".join(r.engine for r in unreadable)
             return await self._abort_and_clean(
-                run, target, reason=f"incarnation unknown before commit ({names})"
+                run, reason=f"incarnation unknown before commit ({names})"
             )
-        return await self._commit(run, target, revision)
+        return await self._commit(run, revision)
 
     async def _prepare_one(
-        self,
-        run: PublicationRun,
-        engine: EngineRef,
-        target: PublicationTarget,
-        snapshot: AdapterSnapshot,
+        self, run: PublicationRun, engine: EngineRef, snapshot: AdapterSnapshot
     ) -> EngineReport:
+        target = run.attempt
         extra = attempt_extra(target, engine.name)
         try:
             await self._observe_or_raise(run, engine)
@@ -317,9 +309,8 @@ class Publisher(CleanupSteps):
             return EngineReport(engine.name, ready=True, error_code=code, error=str(exc))
         return EngineReport(engine.name, ready=True)
 
-    async def _commit(
-        self, run: PublicationRun, target: PublicationTarget, revision: int
-    ) -> PublicationResult:
+    async def _commit(self, run: PublicationRun, revision: int) -> PublicationResult:
+        target = run.attempt
         extra = attempt_extra(target)
 
         async def commit(rid: str) -> CommitReceipt:
@@ -331,7 +322,7 @@ class Publisher(CleanupSteps):
             receipt = await registry_step(run.recorder, None, Phase.COMMIT, self.retry, commit)
         except RegistryError as exc:
             # A definite refusal (an engine restarted, the default moved): nothing was switched.
-            return await self._abort_and_clean(run, target, reason=f"commit refused: {exc.code}")
+            return await self._abort_and_clean(run, reason=f"commit refused: {exc.code}")
         except Exception as exc:
             # Unknown: the commit may have happened. Cleaning B now could unload the default.
             logger.error("commit of %s unconfirmed: %r", target.version_id, exc, extra=extra)

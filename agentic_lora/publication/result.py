@@ -83,6 +83,17 @@ class PublicationRun:
     target: VersionRef | None = None
     reports: dict[str, EngineReport] = field(default_factory=dict)
 
+    @property
+    def attempt(self) -> VersionRef:
+        """The attempt every step after the reservation works on.
+
+        The steps read it here rather than taking it beside the run, so the attempt a step
+        prepares, commits or cleans is always the one the result names.
+        """
+        if self.target is None:
+            raise RuntimeError(f"publication of {self.version_id!r} has no attempt reserved yet")
+        return self.target
+
     def result(
         self,
         outcome: PublicationOutcome,

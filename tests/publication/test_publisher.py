@@ -25,6 +25,7 @@ from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import PublicationBlockedError
 from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.identity import make_lora_name
+from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.publication.publisher import Phase
 from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PhaseStatus
@@ -32,6 +33,7 @@ from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.publication.publisher import Publisher
 from agentic_lora.publication.reclaimer import Reclaimer
+from agentic_lora.publication.result import PublicationRun
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import new_request_id
@@ -509,3 +511,15 @@ async def test_a_failing_progress_callback_does_not_fail_the_publication(world: 
 
     publisher = Publisher(world.registry, world.backend, world.fleet.refs, on_progress=broken)
     assert (await publisher.publish("v1", A)).outcome is PublicationOutcome.PUBLISHED
+
+
+async def test_a_run_has_no_attempt_before_its_reservation(world: World) -> None:
+    # Every step after the reservation reads the attempt from the run: one reached before it
+    # is a bug in the publisher, named as such rather than an AttributeError on None.
+    run = PublicationRun("v1", A.digest, bootstrap=True, recorder=PhaseRecorder(lambda: 0.0, None))
+    with pytest.raises(RuntimeError, match="no attempt reserved yet"):
+        _ = run.attempt
+    assert await publish(world, "v1", A) is PublicationOutcome.PUBLISHED
+    ref = (await world.registry.version("v1")).ref
+    run.target = ref
+    assert run.attempt is ref
