@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+import pkgutil
 import subprocess
 import sys
 
 import agentic_lora
 import agentic_lora.errors
+import agentic_lora.session.in_flight
+import agentic_lora.session.middleware
 
 
 def test_all_lists_exactly_the_public_names() -> None:
@@ -34,6 +40,22 @@ def test_every_error_class_is_exported_and_has_a_unique_stable_code() -> None:
         if not e.__subclasses__():  # every concrete error is named in the tree drawn at the top
             assert f"{e.__name__} " in agentic_lora.errors.__doc__, e
             assert f" {e.code} " in agentic_lora.errors.__doc__, e
+
+
+def test_the_middleware_package_exports_what_its_modules_declare() -> None:
+    package = agentic_lora.session.middleware
+    declared: dict[str, object] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        declared |= {name: getattr(module, name) for name in module.__all__}
+        # A module importing a sibling through the package, while the package's __init__ is
+        # still running, gets a partly built package: every sibling is imported by its own path.
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != package.__name__, (module.__name__, node.lineno)
+    in_flight = agentic_lora.session.in_flight
+    declared |= {name: getattr(in_flight, name) for name in in_flight.__all__}
+    assert {name: getattr(package, name) for name in package.__all__} == declared
 
 
 def test_importing_the_core_pulls_neither_torch_nor_ray() -> None:
