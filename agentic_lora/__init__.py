@@ -19,6 +19,7 @@ from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.routing import Router
 from agentic_lora.errors import *  # noqa: F403  (every error is public: errors.__all__)
 from agentic_lora.foundation.identity import VersionRef
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.publisher import PublicationResult
@@ -56,6 +57,7 @@ __all__ = [
     "ReclaimOutcome",
     "Reclaimer",
     "RegistryAPI",
+    "RegistryRetry",
     "Repairer",
     "Resolver",
     "Router",

@@ -32,6 +32,7 @@ from tenacity import wait_none
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.leases import LeaseKeeper
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Reservation
@@ -243,6 +244,7 @@ class RecordingRegistry:
             "reserve", "record_ready", "observe_incarnation", "commit", "abort",
             "confirm_cleanup", "bind_first", "begin_close", "release", "forget_sessions",
             "claim_reclaim", "confirm_reclaim", "open_lease", "renew_lease", "close_lease",
+            "open_named",
         }:  # fmt: skip
 
             async def verb(**kwargs: Any) -> Any:
@@ -332,7 +334,7 @@ async def harness(
     if keeper is not None:
         versioning_options["lease"] = keeper
     transport = make_transport()
-    versioning_options.setdefault("registry_wait", wait_none())
+    versioning_options.setdefault("registry_retry", RegistryRetry(attempts=4, wait=wait_none()))
     with respx.mock(using="httpx", assert_all_called=False) as mock:
         engines = FakeEngines(mock, clock)
         versioning = Versioning(

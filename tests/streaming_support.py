@@ -20,6 +20,7 @@ from tenacity import wait_none
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Reservation
 from agentic_lora.session import Session
@@ -75,7 +76,7 @@ async def stream_harness(kind: str = "sglang") -> AsyncIterator[StreamHarness]:
             registry=registry,
             base_model=BASE_MODEL,
             engine_kind=kind,
-            registry_wait=wait_none(),
+            registry_retry=RegistryRetry(attempts=4, wait=wait_none()),
         )
         try:
             yield StreamHarness(versioning, registry, engine, transport)

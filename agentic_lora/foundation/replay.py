@@ -7,7 +7,9 @@ get an answer may send the same call again, and that is the only retry the proje
 :func:`is_lost_reply` is the one rule for "may a replay help?": a typed error
 (:class:`~agentic_lora.errors.AgenticLoRAError`) *is* the registry's answer and is final; any
 other exception (a dead Ray actor, a timeout, a dropped connection) may have hidden an answer.
-:class:`RegistryRetry` is the replay loop the publisher, reclaimer, repairer and Sessions share, and
+:class:`RegistryRetry` is the one replay policy (how many tries, how far apart) every registry caller
+takes as one value (``registry_retry=``): the publisher, reclaimer, repairer, Sessions, the lease
+keeper and the gateway's Session table. It is also the replay loop most of them run, and
 :func:`after_failure` is how every retried call here runs: one plain call, and the retry policy
 only once that call failed (the policy's machinery costs more CPU than a fast call itself).
 """
@@ -29,6 +31,7 @@ from tenacity import wait_exponential
 from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import ConfigurationError
 
 __all__ = ["RegistryRetry", "after_failure", "is_lost_reply"]
 
@@ -68,10 +71,24 @@ async def after_failure(fn: Callable[[], Awaitable[T]], policy: Callable[[], Asy
 
 @dataclass(frozen=True)
 class RegistryRetry:
-    """Replays a registry call (same request id) when its reply may have been lost."""
+    """Replays a registry call (same request id) when its reply may have been lost.
+
+    ``attempts`` counts every try, the first one included (1: never replayed); ``wait`` is the
+    tenacity wait between tries. Anything else than an integer of at least 1 is refused at
+    construction with :class:`~agentic_lora.errors.ConfigurationError` (``check="registry_retry"``),
+    so a component given a policy never sees a bad one.
+    """
 
     attempts: int = 5
     wait: wait_base = field(default_factory=lambda: wait_exponential(multiplier=0.05, max=2.0))
+
+    def __post_init__(self) -> None:
+        attempts: object = self.attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ConfigurationError(
+                f"registry retry attempts must be an integer of at least 1, not {attempts!r}",
+                check="registry_retry",
+            )
 
     async def call(self, verb: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` until it answers (or raises a typed error); re-raise the last lost reply.

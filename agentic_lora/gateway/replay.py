@@ -18,10 +18,10 @@ from typing import TypeVar
 from tenacity import AsyncRetrying
 from tenacity import retry_if_exception
 from tenacity import stop_after_attempt
-from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import RequestRefusedError
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.replay import is_lost_reply
 
 __all__ = ["SessionReplay", "replayed"]
@@ -35,23 +35,22 @@ async def replayed(
     verb: str,
     tag: str,
     call: Callable[[], Awaitable[_T]],
-    *,
-    attempts: int,
-    wait: wait_base,
+    retry: RegistryRetry,
 ) -> _T:
-    """``call()``, replayed up to ``attempts`` times in all on a transient failure.
+    """``call()``, replayed up to ``retry.attempts`` times in all (``retry.wait`` apart) on a
+    transient failure.
 
     ``tag`` names the Session in logs and errors (a keyed hash, never the Session id).
     """
     try:
         return await call()  # the common case, without the retry machinery's cost
     except Exception as exc:
-        if not is_lost_reply(exc) or attempts == 1:
+        if not is_lost_reply(exc) or retry.attempts == 1:
             _refused(verb, tag, exc)
     try:
         async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(attempts - 1),
-            wait=wait,
+            stop=stop_after_attempt(retry.attempts - 1),
+            wait=retry.wait,
             retry=retry_if_exception(is_lost_reply),
             reraise=True,
         ):
@@ -73,16 +72,15 @@ async def replayed(
 @dataclass(frozen=True, slots=True)
 class SessionReplay:
     """How one gateway replays its Sessions' registry calls: the same ``tag`` names a Session in
-    logs and errors, and every call gets ``attempts`` tries ``wait`` apart (see :func:`replayed`).
+    logs and errors, and every call is replayed by ``retry`` (see :func:`replayed`).
     """
 
     tag: Callable[[str], str]
-    attempts: int
-    wait: wait_base
+    retry: RegistryRetry
 
     async def __call__(self, verb: str, name: str, call: Callable[[], Awaitable[_T]]) -> _T:
         """``call()`` replayed as :func:`replayed` does, the Session named by ``tag(name)``."""
-        return await replayed(verb, self.tag(name), call, attempts=self.attempts, wait=self.wait)
+        return await replayed(verb, self.tag(name), call, self.retry)
 
 
 def _refused(verb: str, tag: str, exc: Exception) -> NoReturn:

@@ -49,9 +49,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from tenacity import wait_exponential
-from tenacity.wait import wait_base
 
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import LeaseExpiredError
@@ -61,6 +61,7 @@ from agentic_lora.errors import SessionExpiredError
 from agentic_lora.errors import SessionReleaseError
 from agentic_lora.errors import SessionStateError
 from agentic_lora.errors import TooManySessionsError
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.gateway.adoption import AdoptedSessions
 from agentic_lora.gateway.closed_elsewhere import closed_elsewhere
 from agentic_lora.gateway.replay import SessionReplay
@@ -109,8 +110,9 @@ class GatewaySessions:
     * ``reuse_closed_ids``: a closed id opens a new lifecycle instead of being refused (see the
       module docstring for what survives a restart then).
     * ``deployment_epoch`` goes into the keys minted here, as Versioning mints them.
-    * ``registry_attempts``: tries of one ``open_named`` (replayed with the same request id)
-      before the request is refused with ``REQUEST_REFUSED`` (nothing was sent).
+    * ``registry_retry``: how one ``open_named`` (and an adopted Session's close) is replayed with
+      the same request id before the request is refused with ``REQUEST_REFUSED`` (nothing was
+      sent); default: 4 attempts, an exponential wait from 0.05 s up to 1 s.
     """
 
     def __init__(
@@ -121,8 +123,7 @@ class GatewaySessions:
         clock: Callable[[], float] = time.monotonic,
         reuse_closed_ids: bool = False,
         deployment_epoch: int = 0,
-        registry_attempts: int = 4,
-        registry_wait: wait_base | None = None,
+        registry_retry: RegistryRetry | None = None,
         tagger: SessionTagger | None = None,
         max_sessions: int | None = None,
         retry_after: float = 60.0,
@@ -142,13 +143,12 @@ class GatewaySessions:
         self._tag = (tagger if tagger is not None else SessionTagger()).tag
         self._max_sessions = max_sessions
         self._retry_after = retry_after
-        self._replay = SessionReplay(
-            self._tag,
-            max(1, registry_attempts),
-            registry_wait
-            if registry_wait is not None
-            else wait_exponential(multiplier=0.05, max=1),
+        self.registry_retry: Final = (
+            registry_retry
+            if registry_retry is not None
+            else RegistryRetry(attempts=4, wait=wait_exponential(multiplier=0.05, max=1))
         )
+        self._replay = SessionReplay(self._tag, self.registry_retry)
         # A synchronous read of the names, where the registry lives in this process.
         self._core: RegistryCore | None = in_process_core(registry)
         self._cached: dict[str, _Cached] = {}

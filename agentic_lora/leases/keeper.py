@@ -21,11 +21,11 @@ from tenacity import RetryCallState
 from tenacity import stop_after_attempt
 from tenacity import wait_exponential
 from tenacity.stop import stop_base
-from tenacity.wait import wait_base
 
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import LeaseExpiredError
 from agentic_lora.foundation.listeners import notify
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.leases.call_replay import StopWhen
 from agentic_lora.leases.call_replay import log_replay
 from agentic_lora.leases.call_replay import replaying
@@ -58,13 +58,16 @@ class LeaseKeeper:
     ``registry`` is any :class:`~agentic_lora.registry.api.RegistryAPI` (in-process or the Ray
     actor client). ``owner`` defaults to :func:`default_owner`. ``ttl`` (seconds, default 60) is
     what the registry waits after the last renewal before it expires the lease; ``renew_interval``
-    defaults to ``ttl / 3``. ``open_attempts`` bounds the replays of one ``open_lease`` (a bind
-    that cannot get a lease is refused with nothing sent, and the next one tries again) and of
-    ``close_lease``; renewals are replayed until the local deadline. ``clock`` (monotonic seconds)
-    and ``sleep`` are injectable so tests step time deterministically.
+    defaults to ``ttl / 3``. ``registry_retry`` (a
+    :class:`~agentic_lora.foundation.replay.RegistryRetry`) bounds the replays of one
+    ``open_lease`` (a bind that cannot get a lease is refused with nothing sent, and the next one
+    tries again) and of ``close_lease``, and its wait spaces every replay, renewals included
+    (those are replayed until the local deadline); default: 4 attempts, an exponential wait from
+    0.05 s up to ``min(2, renew_interval / 2)`` s. ``clock`` (monotonic seconds) and ``sleep``
+    are injectable so tests step time deterministically.
 
-    ``owner``, ``owner_configured``, ``ttl``, ``renew_interval`` and ``on_restart`` are fixed for
-    the keeper's life; the incarnation, lease id and state are those of :attr:`current`, the term
+    ``owner``, ``owner_configured``, ``ttl``, ``renew_interval``, ``on_restart`` and
+    ``registry_retry`` are fixed for the keeper's life; the incarnation, lease id and state are those of :attr:`current`, the term
     new Sessions bind under (``keeper.current.lease_id``).
     """
 
@@ -76,8 +79,7 @@ class LeaseKeeper:
         ttl: float = DEFAULT_LEASE_TTL,
         renew_interval: float | None = None,
         on_restart: OnRestart = "release",
-        open_attempts: int = 4,
-        retry_wait: wait_base | None = None,
+        registry_retry: RegistryRetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -87,8 +89,6 @@ class LeaseKeeper:
                 f"on_restart {on_restart!r} is not one of {list(get_args(OnRestart))}",
                 check="on_restart",
             )
-        if open_attempts < 1:
-            raise ConfigurationError("open_attempts must be at least 1", check="open_attempts")
         self._registry = registry
         self.owner: Final = check_owner(owner if owner is not None else default_owner())
         #: False when the owner is the default ``hostname-pid`` (then only the TTL frees a dead
@@ -99,11 +99,15 @@ class LeaseKeeper:
             float(renew_interval) if renew_interval is not None else ttl / 3
         )
         self.on_restart: Final[OnRestart] = on_restart
-        self._open_attempts = open_attempts
-        self._retry_wait = (
-            retry_wait
-            if retry_wait is not None
-            else wait_exponential(multiplier=0.05, max=min(2.0, self.renew_interval / 2))
+        # The default wait is bounded by half a renew interval, so the replays of a lost renewal
+        # stay well inside one interval.
+        self.registry_retry: Final = (
+            registry_retry
+            if registry_retry is not None
+            else RegistryRetry(
+                attempts=4,
+                wait=wait_exponential(multiplier=0.05, max=min(2.0, self.renew_interval / 2)),
+            )
         )
         self.clock = clock
         self._sleep = sleep
@@ -169,8 +173,8 @@ class LeaseKeeper:
         a loss) if needed. Concurrent callers share one ``open_lease``.
 
         Raises LeaseExpiredError once closed or superseded; a typed registry error as is; and the
-        last transport error when ``open_lease`` was not confirmed in ``open_attempts`` tries
-        (nothing is bound then; the next call tries again).
+        last transport error when ``open_lease`` was not confirmed in ``registry_retry.attempts``
+        tries (nothing is bound then; the next call tries again).
         """
         successors = 0
         while True:
@@ -250,13 +254,17 @@ class LeaseKeeper:
             )
 
     def _retrying(self, stop: stop_base) -> AsyncRetrying:
-        return replaying(stop, wait=self._retry_wait, sleep=self._sleep)
+        return replaying(stop, wait=self.registry_retry.wait, sleep=self._sleep)
+
+    def _bounded(self) -> AsyncRetrying:
+        """The replays of an ``open_lease`` or ``close_lease``: ``registry_retry.attempts``."""
+        return self._retrying(stop_after_attempt(self.registry_retry.attempts))
 
     async def _open(self, term: LeaseTerm) -> None:
         request_id = new_request_id()  # every replay below reuses it
         sent_at: float | None = None
         try:
-            async for attempt in self._retrying(stop_after_attempt(self._open_attempts)):
+            async for attempt in self._bounded():
                 with attempt:
                     if sent_at is None:
                         sent_at = self.clock()
@@ -418,7 +426,7 @@ class LeaseKeeper:
         if term._sent and term._state is not LeaseState.CLOSED and not self._superseded:
             request_id = new_request_id()
             try:
-                async for attempt in self._retrying(stop_after_attempt(self._open_attempts)):
+                async for attempt in self._bounded():
                     with attempt:
                         log_replay("close_lease", term.lease_id, attempt.retry_state)
                         released = await self._registry.close_lease(

@@ -10,9 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Final
 
-from tenacity import wait_exponential
-from tenacity.wait import wait_base
-
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.dialect import load_dialect
@@ -102,6 +99,10 @@ class Versioning:
     itself if it is a :class:`~agentic_lora.registry.provenance.DefaultRevisionReader` (the Ray client),
     or the core of a ``LocalRegistry``. Without one, lags are unknown (None) and a bound is a
     configuration error.
+
+    ``registry_retry`` replays a Session's close calls whose reply may have been lost (default:
+    4 attempts, exponential wait from 0.05 s up to 2 s; see
+    :class:`~agentic_lora.foundation.replay.RegistryRetry`).
     """
 
     def __init__(
@@ -117,18 +118,13 @@ class Versioning:
         dialect: EngineDialect | None = None,
         deployment_epoch: int = 0,
         middleware: Sequence[Middleware] = (),
-        registry_attempts: int = 4,
-        registry_wait: wait_base | None = None,
+        registry_retry: RegistryRetry | None = None,
         owns_transport: bool = False,
         owns_registry: bool = False,
         lease: LeaseKeeper | None = None,
         max_version_lag: int | None = None,
         revision_reader: DefaultRevisionReader | None = None,
     ) -> None:
-        if registry_attempts < 1:
-            raise ConfigurationError(
-                "registry_attempts must be at least 1", check="registry_attempts"
-            )
         resolved: EngineDialect = dialect or load_dialect(engine_kind)
         # Read-only after construction (Final: mypy refuses a later assignment).
         self.enabled: Final = enabled
@@ -142,6 +138,11 @@ class Versioning:
         self.on_drain_wait: list[DrainWaitListener] = self._adapter_requests.on_wait
         self.registry: Final = registry
         """The registry Sessions bind through (None in pass-through mode)."""
+        self.registry_retry: Final = (
+            registry_retry if registry_retry is not None else RegistryRetry(attempts=4)
+        )
+        """How a Session's close calls (``begin_close``, ``release``) are replayed when their reply
+        may have been lost (a bind is replayed by the next generation instead)."""
         self.transport: Final = transport
         """The engine transport (e.g. for :func:`agentic_lora.config.verify_fleet` at start-up)."""
         self._owns_transport = owns_transport
@@ -196,16 +197,10 @@ class Versioning:
                 Middleware(AdapterPinMiddleware, base_model=base_model, dialect=resolved),
                 Middleware(DispatchGuardMiddleware, guard=guard, in_flight=self._adapter_requests),
             ]
-            retry = RegistryRetry(
-                attempts=registry_attempts,
-                wait=registry_wait
-                if registry_wait is not None
-                else wait_exponential(multiplier=0.05, max=2.0),
-            )
             self._binder_config = BinderConfig(
                 registry,
                 resolved,
-                retry,
+                self.registry_retry,
                 lease=lease,
                 max_version_lag=max_version_lag,
                 revision=revision_reader,

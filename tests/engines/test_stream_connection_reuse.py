@@ -20,6 +20,7 @@ from tenacity import wait_none
 
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
@@ -71,7 +72,10 @@ async def test_consecutive_streams_of_a_session_reuse_one_engine_connection(
     registry = LocalRegistry(engines=("e0",), capacity=2)
     transport = EngineTransport([EngineRef("e0", url)], control_wait=wait_none())
     versioning = Versioning(
-        transport=transport, registry=registry, base_model="base", registry_wait=wait_none()
+        transport=transport,
+        registry=registry,
+        base_model="base",
+        registry_retry=RegistryRetry(attempts=4, wait=wait_none()),
     )
     try:
         await verbs.publish_by_verbs(registry, "A", ("e0",), incarnation="inc-1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from tenacity import AsyncRetrying
@@ -10,6 +11,8 @@ from tenacity import RetryCallState
 from tenacity import stop_after_attempt
 from tenacity import wait_none
 
+import agentic_lora
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import SessionStateError
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.foundation.replay import after_failure
@@ -92,3 +95,26 @@ async def test_a_cancelled_first_attempt_is_not_handed_to_the_policy() -> None:
     with pytest.raises(asyncio.CancelledError):
         await after_failure(call, policy)
     assert call.calls == 1
+
+
+@pytest.mark.parametrize("attempts", [0, -1, True, 2.5, "3"])
+def test_a_policy_without_a_whole_positive_number_of_attempts_is_refused(attempts: object) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        RegistryRetry(attempts=attempts, wait=wait_none())  # type: ignore[arg-type]
+    assert err.value.details["check"] == "registry_retry"
+
+
+def test_a_policy_is_immutable_and_one_attempt_is_enough() -> None:
+    once = RegistryRetry(attempts=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        once.attempts = 0  # type: ignore[misc]
+    assert once.attempts == 1
+    assert agentic_lora.RegistryRetry is RegistryRetry
+
+
+@pytest.mark.asyncio
+async def test_one_attempt_never_replays() -> None:
+    lost = Script(LostReply("dead actor"), "never")
+    with pytest.raises(LostReply):
+        await RegistryRetry(attempts=1, wait=wait_none()).call("release", lost)
+    assert lost.calls == 1

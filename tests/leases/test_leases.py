@@ -188,7 +188,7 @@ async def leased(
         "ttl": TTL,
         "clock": t,
         "sleep": t.sleep,
-        "retry_wait": wait_fixed(5),
+        "registry_retry": RegistryRetry(attempts=4, wait=wait_fixed(5)),
     }
     options.update(lease)
     wall = RegistryClock(t)
@@ -476,7 +476,7 @@ async def test_a_dispatch_wakes_an_overdue_renewal_and_does_not_wait_for_it(t: F
 async def test_lost_open_and_renew_replies_are_replayed_with_the_same_request_id(
     t: FakeTime,
 ) -> None:
-    async with leased(t, retry_wait=wait_none()) as h:
+    async with leased(t, registry_retry=RegistryRetry(attempts=4, wait=wait_none())) as h:
         reg, v = h.registry, h.versioning
         reg.lose_reply["open_lease"] = 1
         reg.lose_reply["renew_lease"] = 2
@@ -587,7 +587,9 @@ async def test_an_open_granted_after_its_own_deadline_does_not_count(
 
 
 async def test_an_open_whose_lease_died_meanwhile_moves_to_a_new_incarnation(t: FakeTime) -> None:
-    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
+    async with leased(
+        t, registry_retry=RegistryRetry(attempts=2, wait=wait_none()), published="A"
+    ) as h:
         reg, v = h.registry, h.versioning
         first = h.lease.current
         reg.lose_reply["open_lease"] = 2  # applied twice over, answered never
@@ -632,7 +634,9 @@ async def test_the_lease_opens_lazily_once_for_concurrent_first_binds(t: FakeTim
 async def test_an_unconfirmed_open_refuses_the_bind_with_nothing_sent_and_the_next_one_works(
     t: FakeTime,
 ) -> None:
-    async with leased(t, open_attempts=2, retry_wait=wait_none(), published="A") as h:
+    async with leased(
+        t, registry_retry=RegistryRetry(attempts=2, wait=wait_none()), published="A"
+    ) as h:
         reg, v = h.registry, h.versioning
         reg.fail_before["open_lease"] = 2
         s = v.open_session("s")
@@ -694,7 +698,7 @@ async def test_an_unconfirmed_close_lease_is_logged_and_left_to_the_ttl(
     caplog: pytest.LogCaptureFixture,
     t: FakeTime,
 ) -> None:
-    async with leased(t, open_attempts=2, retry_wait=wait_none()) as h:
+    async with leased(t, registry_retry=RegistryRetry(attempts=2, wait=wait_none())) as h:
         reg = h.registry
         await publish(reg, "A")
         await h.lease.acquire()
@@ -742,7 +746,6 @@ async def test_a_failing_listener_is_logged_and_does_not_break_the_keeper(
         ({"owner": ""}, "owner_id"),
         ({"owner": "w" * 201}, "owner_id"),
         ({"on_restart": "forget"}, "on_restart"),
-        ({"open_attempts": 0}, "open_attempts"),
     ],
 )
 async def test_bad_keeper_options_fail_fast_with_their_check(

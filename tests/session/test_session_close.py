@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from tenacity import wait_none
 
 from agentic_lora.errors import SessionClosedError
 from agentic_lora.errors import SessionReleaseError
 from agentic_lora.errors import SessionStateError
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.session import TRANSITIONS
 from agentic_lora.session import Session
 from agentic_lora.session import SessionPhase
@@ -127,7 +129,9 @@ async def test_release_failure_is_retried_with_the_same_request_id(h: Harness, s
 
 @pytest.mark.asyncio
 async def test_failed_release_keeps_the_record_and_close_can_be_retried() -> None:
-    async with harness(registry_attempts=2, published="A") as h:
+    async with harness(
+        registry_retry=RegistryRetry(attempts=2, wait=wait_none()), published="A"
+    ) as h:
         s = h.versioning.open_session("S")
         await s.generate({"text": "x"})
         h.registry.fail_before["release"] = 5

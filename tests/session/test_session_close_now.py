@@ -17,6 +17,7 @@ import pytest
 from tenacity import wait_none
 
 from agentic_lora.errors import SessionClosedError
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.registry.api import session_closer
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import Binding
@@ -60,7 +61,7 @@ async def direct(
         transport=h.transport,
         registry=registry if registry is not None else h.inner,
         base_model=BASE_MODEL,
-        registry_wait=wait_none(),
+        registry_retry=RegistryRetry(attempts=4, wait=wait_none()),
         **options,
     )
     try:

@@ -9,12 +9,14 @@ import contextlib
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
+from tenacity import wait_none
 
 from agentic_lora.errors import NoPublishedVersionError
 from agentic_lora.errors import RequestIndeterminateError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import SessionClosedError
 from agentic_lora.errors import SessionReleaseError
+from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.session import SessionPhase
 from tests.session_support import Harness
 from tests.session_support import harness
@@ -37,7 +39,7 @@ STEPS = st.sampled_from(
 
 
 async def scenario(steps: list[str]) -> None:
-    async with harness(registry_attempts=2) as h:
+    async with harness(registry_retry=RegistryRetry(attempts=2, wait=wait_none())) as h:
         await run(h, steps)
 
 
