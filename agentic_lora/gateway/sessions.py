@@ -387,6 +387,13 @@ class GatewaySessions:
 
     # --- closing --------------------------------------------------------------------------------
 
+    async def retired(self) -> None:
+        """Wait until every local copy of a Session closed elsewhere has finished its background
+        close (started when a turn found the name closed, see :meth:`open`), including copies
+        retired while waiting. A close that failed was logged; nothing is raised here."""
+        while self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
     async def close(self, session_id: str, *, why: str = "closed") -> ReleaseResult | None:
         """Close the Session ``session_id`` wherever it was opened; None when there is none.
 

@@ -814,10 +814,7 @@ async def test_a_local_copy_whose_close_fails_keeps_refusing_and_is_logged(
             with caplog.at_level(logging.WARNING, logger="agentic_lora.gateway.sessions"):
                 with pytest.raises(SessionClosedError):
                     await two.open("x")
-                for _ in range(100):  # a bounded number of loop turns, not a wall-clock wait
-                    if caplog.records:
-                        break
-                    await asyncio.sleep(0)
+                await two.retired()
             (record,) = caplog.records
             assert record.getMessage() == "local copy of a Session closed elsewhere not confirmed"
             copy = versioning.get("x")
