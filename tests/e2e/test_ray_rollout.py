@@ -39,6 +39,7 @@ from agentic_lora_harness.engines import EngineFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.ray_actor import RayRegistryClient
@@ -59,11 +60,13 @@ ray = pytest.importorskip("ray")
 
 from agentic_lora_rollout import REGISTRY_NAMESPACE  # noqa: E402
 from agentic_lora_rollout import WorkerConfig  # noqa: E402
+from agentic_lora_rollout import fleet_settings  # noqa: E402
 from agentic_lora_rollout import reclaim_until_settled  # noqa: E402
 from agentic_lora_rollout import registry_actor  # noqa: E402
 from agentic_lora_rollout import rollout  # noqa: E402
 from agentic_lora_rollout import spawn_worker  # noqa: E402
 from agentic_lora_rollout import trainer_deployment  # noqa: E402
+from agentic_lora_rollout import worker_settings  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow]
 
@@ -127,24 +130,27 @@ class Topology:
     fleet: EngineFleet
     traffic: TrafficLog
     taps: dict[str, EngineTap]
+    #: The example's fleet settings (on the taps), which the registry and trainer were built from.
+    settings: AgenticLoRASettings
     registry: RayRegistryClient
     registry_name: str
     deployment: Deployment
     tag: str
     handles: list[Any]
 
-    @property
-    def engines(self) -> dict[str, str]:
-        return {n: t.base_url for n, t in self.taps.items()}
-
-    def worker(self, owner: str, **options: Any) -> tuple[Any, WorkerConfig]:
+    def worker(
+        self, owner: str, *, agents: int, lease_ttl: float, max_version_lag: int | None = None
+    ) -> tuple[Any, WorkerConfig]:
         config = WorkerConfig(
-            owner=f"{owner}-{self.tag}",
-            engines=self.engines,
-            base_model=self.fleet.served_model_name,
+            settings=worker_settings(
+                self.settings,
+                owner=f"{owner}-{self.tag}",
+                lease_ttl=lease_ttl,
+                max_version_lag=max_version_lag,
+            ),
             registry_name=self.registry_name,
             namespace=REGISTRY_NAMESPACE,
-            **options,
+            agents=agents,
         )
         return self.spawn(config), config
 
@@ -173,15 +179,12 @@ async def topology(
     tag = uuid.uuid4().hex[:6]
     name = f"rollout-registry-{tag}"
     async with taps_on(fleet, traffic) as taps:
-        engines = {n: t.base_url for n, t in taps.items()}
-        registry = registry_actor(engines, name=name, journal=tmp_path / "registry.sqlite")
-        deployment = trainer_deployment(
-            registry,
-            engines,
-            base_model=fleet.served_model_name,
-            store_root=tmp_path / "adapter-store",
+        settings = fleet_settings(
+            {n: t.base_url for n, t in taps.items()}, base_model=fleet.served_model_name
         )
-        topo = Topology(fleet, traffic, taps, registry, name, deployment, tag, [])
+        registry = registry_actor(settings, name=name, journal=tmp_path / "registry.sqlite")
+        deployment = trainer_deployment(registry, settings, store_root=tmp_path / "adapter-store")
+        topo = Topology(fleet, traffic, taps, settings, registry, name, deployment, tag, [])
         try:
             async with deployment:
                 yield topo

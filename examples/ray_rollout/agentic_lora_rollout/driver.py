@@ -5,6 +5,13 @@ The driver (the trainer's process) owns the named registry actor
 (a :class:`~agentic_lora.assembly.deployment.Deployment` on the actor's client). Rollout workers are Ray
 actors in their own processes (:func:`spawn_worker`); they find the registry by name.
 
+The fleet is described once, here: :func:`fleet_settings` validates it in the driver, the registry
+actor and the trainer's Deployment are built from it, and :func:`worker_settings` derives each
+worker's settings from it (adding the worker slot's owner id, lease TTL and staleness bound). The
+workers receive those settings already validated, so a bad value fails in the driver, before any
+actor starts, and no worker can disagree with the trainer about the fleet, its capacity or the
+adapter name prefix.
+
 A reclaim can only start in the driver, but the releases that make a retired version reclaimable
 happen in the workers' processes, which cannot poke the driver's reclaimer:
 :func:`reclaim_until_settled` runs rounds until nothing is left to reclaim (a trainer would run
@@ -23,6 +30,7 @@ from typing import Any
 import agentic_lora_agent
 
 from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.config import load_settings
 from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.registry.ray_actor import connect
@@ -34,12 +42,14 @@ from .worker import WorkerConfig
 
 __all__ = [
     "REGISTRY_NAMESPACE",
+    "fleet_settings",
     "reclaim_until_settled",
     "registry_actor",
     "settled",
     "spawn_worker",
     "trainer_deployment",
     "worker_runtime_env",
+    "worker_settings",
 ]
 
 #: The Ray namespace the example's registry actor lives in.
@@ -63,34 +73,17 @@ def worker_runtime_env() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
 
 
-def registry_actor(
-    engines: Mapping[str, str], *, name: str, journal: Path, prefix: str = "policy_lora"
-) -> RayRegistryClient:
-    """The named, detached, journaled registry actor (created here; workers look it up)."""
-    return connect(
-        engines=list(engines),
-        capacity=2,
-        prefix=prefix,
-        journal_path=journal,
-        name=name,
-        namespace=REGISTRY_NAMESPACE,
-    )
+def fleet_settings(
+    engines: Mapping[str, str], *, base_model: str, prefix: str = "policy_lora"
+) -> AgenticLoRASettings:
+    """The fleet's validated settings (``engines``: name -> base URL), for the trainer and, via
+    :func:`worker_settings`, every rollout worker.
 
-
-def trainer_deployment(
-    registry: RayRegistryClient,
-    engines: Mapping[str, str],
-    *,
-    base_model: str,
-    store_root: Path,
-    prefix: str = "policy_lora",
-) -> Deployment:
-    """The trainer's publisher and reclaimer on the shared registry (the ``http-push`` backend,
-    writing adapter directories under ``store_root``, which the engines must read at that path).
-
-    It opens no Sessions, so its own owner lease (opened at a first bind) never opens.
+    Raises :class:`~agentic_lora.errors.ConfigurationError` (its ``check`` names the rule) on a
+    bad value. The engines must run with ``--max-loaded-loras 3 --max-loras-per-batch 3`` (as the
+    harness starts them): room for the ``capacity`` of 2 versions plus one.
     """
-    settings = load_settings(
+    return load_settings(
         enable_versioned_lora_publication=True,
         engines=[f"{name}={url}" for name, url in engines.items()],
         capacity=2,
@@ -100,6 +93,53 @@ def trainer_deployment(
         lora_name_prefix=prefix,
         request_timeout=120.0,
     )
+
+
+def worker_settings(
+    fleet: AgenticLoRASettings,
+    *,
+    owner: str,
+    lease_ttl: float = 60.0,
+    max_version_lag: int | None = None,
+) -> AgenticLoRASettings:
+    """One rollout worker's settings: the fleet's, plus the worker slot's stable ``owner`` id,
+    its lease TTL and its staleness bound (``max_version_lag``; None sets no bound).
+
+    Validated again as a whole, so a bad owner id or TTL raises
+    :class:`~agentic_lora.errors.ConfigurationError` here, in the driver.
+    """
+    return load_settings(
+        **{
+            **dict(fleet),
+            "owner_id": owner,
+            "lease_ttl": lease_ttl,
+            "max_version_lag": max_version_lag,
+        }
+    )
+
+
+def registry_actor(settings: AgenticLoRASettings, *, name: str, journal: Path) -> RayRegistryClient:
+    """The named, detached, journaled registry actor (created here; workers look it up), whose
+    identity is the fleet's: the servers that hold adapters, capacity, epoch and name prefix."""
+    return connect(
+        engines=[e.name for e in settings.publication_engines],
+        capacity=settings.capacity,
+        deployment_epoch=settings.deployment_epoch,
+        prefix=settings.lora_name_prefix,
+        journal_path=journal,
+        name=name,
+        namespace=REGISTRY_NAMESPACE,
+    )
+
+
+def trainer_deployment(
+    registry: RayRegistryClient, settings: AgenticLoRASettings, *, store_root: Path
+) -> Deployment:
+    """The trainer's publisher and reclaimer on the shared registry (the ``http-push`` backend,
+    writing adapter directories under ``store_root``, which the engines must read at that path).
+
+    It opens no Sessions, so its own owner lease (opened at a first bind) never opens.
+    """
     # Built from backend_options, the backend is the Deployment's: its aclose closes it.
     return Deployment.from_settings(
         settings, backend_options={"store_root": store_root}, registry=registry

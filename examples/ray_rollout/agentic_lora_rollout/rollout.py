@@ -33,10 +33,12 @@ from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import VersionState
 
 from .driver import REGISTRY_NAMESPACE
+from .driver import fleet_settings
 from .driver import reclaim_until_settled
 from .driver import registry_actor
 from .driver import spawn_worker
 from .driver import trainer_deployment
+from .driver import worker_settings
 from .worker import WorkerConfig
 
 __all__ = ["RolloutReport", "publish_when_free", "rollout"]
@@ -158,12 +160,25 @@ async def rollout(
     tag = uuid.uuid4().hex[:6]
     report = RolloutReport(max_version_lag=max_version_lag)
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
-    registry = registry_actor(
-        engines, name=f"rollout-registry-{tag}", journal=workdir / "registry.sqlite"
-    )
-    deployment = trainer_deployment(
-        registry, engines, base_model=base_model, store_root=workdir / "adapter-store"
-    )
+    registry_name = f"rollout-registry-{tag}"
+    fleet = fleet_settings(engines, base_model=base_model)
+    # Every worker's settings are validated here, before any actor starts.
+    configs = [
+        WorkerConfig(
+            settings=worker_settings(
+                fleet,
+                owner=f"rollout-worker-{i}-{tag}",
+                lease_ttl=lease_ttl,
+                max_version_lag=max_version_lag,
+            ),
+            registry_name=registry_name,
+            namespace=REGISTRY_NAMESPACE,
+            agents=agents,
+        )
+        for i in range(workers)
+    ]
+    registry = registry_actor(fleet, name=registry_name, journal=workdir / "registry.sqlite")
+    deployment = trainer_deployment(registry, fleet, store_root=workdir / "adapter-store")
     handles: list[Any] = []
     try:
         async with deployment:
@@ -173,19 +188,6 @@ async def rollout(
             on_event(f"published step-0-{tag}: {first.outcome.value}")
             if not first.ok:
                 raise RuntimeError(f"the first publication failed: {first}")
-            configs = [
-                WorkerConfig(
-                    owner=f"rollout-worker-{i}-{tag}",
-                    engines=dict(engines),
-                    base_model=base_model,
-                    registry_name=f"rollout-registry-{tag}",
-                    namespace=REGISTRY_NAMESPACE,
-                    agents=agents,
-                    lease_ttl=lease_ttl,
-                    max_version_lag=max_version_lag,
-                )
-                for i in range(workers)
-            ]
             handles = [spawn_worker(c) for c in configs]
             started = await asyncio.gather(*(h.start.remote() for h in handles))
             on_event(

@@ -1,10 +1,11 @@
 """The rollout worker: a Ray actor that runs example-agent episodes on Sessions of the shared registry.
 
 One worker is one OS process (a Ray actor). It holds one :class:`~agentic_lora.session.Versioning`
-on the registry actor the driver created (looked up by name, never created here), with an owner
-lease under the worker's stable ``owner`` id: if the process dies, its Sessions' refs come back
-when the lease expires (``lease_ttl``) or at once when a worker with the same ``owner`` starts
-again (``on_restart="release"``). No publisher and no reclaimer live here: the driver publishes.
+on the registry actor the driver created (looked up by name, never created here), built from the
+settings the driver validated for it (:class:`WorkerConfig`), with an owner lease under the
+worker's stable owner id (``owner_id``): if the process dies, its Sessions' refs come back when
+the lease expires (``lease_ttl``) or at once when a worker with the same owner id starts again
+(``on_restart="release"``). No publisher and no reclaimer live here: the driver publishes.
 
 Each of ``agents`` loops runs episodes of the example agent (``agentic_lora_agent``), one Session
 per episode, closed however the episode ended. The Session binds the default version at the
@@ -34,7 +35,8 @@ from agentic_lora_agent import default_toolbox
 from agentic_lora_agent import episode_json
 from agentic_lora_agent import task_for
 
-from agentic_lora.config import load_settings
+from agentic_lora.config import AgenticLoRASettings
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import SessionReleaseError
 from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.session import Session
@@ -48,21 +50,20 @@ _CLOSE_ATTEMPTS = 20
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What one rollout worker needs (plain data: it travels to the actor's process)."""
+    """What one rollout worker needs (pickled to the actor's process, settings included).
 
-    #: The worker slot's stable id: its owner lease, kept across restarts of the same slot.
-    owner: str
-    #: Engine name -> base URL, the same fleet the registry was created with.
-    engines: Mapping[str, str]
-    base_model: str
+    ``settings`` come validated from the driver
+    (:func:`agentic_lora_rollout.driver.worker_settings`): the fleet the registry was created
+    with, and this worker slot's ``owner_id``, ``lease_ttl`` and ``max_version_lag``. The worker
+    builds its Versioning from them as they are; the other fields are the worker's own knobs.
+    """
+
+    #: The fleet's settings plus this slot's stable owner id (its owner lease, kept across
+    #: restarts of the same slot), lease TTL and staleness bound.
+    settings: AgenticLoRASettings
     registry_name: str
     namespace: str
-    prefix: str = "policy_lora"
-    capacity: int = 2
     agents: int = 2
-    lease_ttl: float = 60.0
-    #: ``--versioned-lora-max-version-lag``: None (the default) sets no bound.
-    max_version_lag: int | None = None
     #: Seconds between reads of the registry's status (the default revision behind each lag,
     #: and the dispatch guard's version cache).
     refresh_interval: float = 0.5
@@ -70,7 +71,21 @@ class WorkerConfig:
     max_tokens: int = 8
     #: Sent with every request (SGLang's ``ignore_eos`` keeps turns at ``max_tokens``).
     extra_body: Mapping[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
-    request_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        # Without a stable owner id a restarted slot could not release its predecessor's
+        # Sessions; refuse here, in the driver, rather than in the actor's process.
+        if self.settings.owner_id is None:
+            raise ConfigurationError(
+                "a rollout worker needs its slot's stable owner id (settings.owner_id)",
+                check="owner_id",
+            )
+
+    @property
+    def owner(self) -> str:
+        """The worker slot's stable id (``settings.owner_id``)."""
+        assert self.settings.owner_id is not None  # checked at construction
+        return self.settings.owner_id
 
 
 class _Observer(AgentObserver):
@@ -219,18 +234,7 @@ class RolloutWorker:
         self._registry = registry = RayRegistryClient(
             ray.get_actor(cfg.registry_name, namespace=cfg.namespace)
         )
-        settings = load_settings(
-            enable_versioned_lora_publication=True,
-            engines=[f"{name}={url}" for name, url in cfg.engines.items()],
-            capacity=cfg.capacity,
-            base_model_name=cfg.base_model,
-            lora_name_prefix=cfg.prefix,
-            owner_id=cfg.owner,
-            lease_ttl=cfg.lease_ttl,
-            max_version_lag=cfg.max_version_lag,
-            request_timeout=cfg.request_timeout,
-        )
-        self._versioning = versioning = Versioning.from_settings(settings, registry=registry)
+        self._versioning = versioning = Versioning.from_settings(cfg.settings, registry=registry)
         await registry.refresh()
         registry.start_refresh(cfg.refresh_interval)
         released: list[str] = []
