@@ -34,6 +34,7 @@ from agentic_lora.foundation.discovery import plugin_names
 from agentic_lora.foundation.identity import is_plain_token
 from agentic_lora.leases import check_lease_timing
 from agentic_lora.leases import check_owner
+from agentic_lora.registry.journal import RegistryIdentity
 
 __all__ = ["BUILTIN_BACKEND_ENGINE_KINDS", "AgenticLoRASettings", "load_settings"]
 
@@ -194,6 +195,18 @@ class AgenticLoRASettings(BaseSettings):
     def publication_engines(self) -> tuple[EngineRef, ...]:
         """Every server that holds adapters: plain engines and every PD role server."""
         return self.fleet.publication_engines
+
+    @property
+    def registry_identity(self) -> RegistryIdentity:
+        """The identity of the registry these settings describe (its fleet of publication
+        engines, capacity, deployment epoch and name prefix), as ``LocalRegistry`` and the Ray
+        actor's ``connect`` take it: a journal opened under any other is refused."""
+        return RegistryIdentity(
+            engines=[e.name for e in self.publication_engines],
+            capacity=self.capacity,
+            deployment_epoch=self.deployment_epoch,
+            prefix=self.lora_name_prefix,
+        )
 
     @property
     def dispatch_engines(self) -> tuple[EngineRef, ...]:

@@ -264,10 +264,7 @@ class Versioning:
             from agentic_lora.registry.local import LocalRegistry
 
             registry = LocalRegistry(
-                engines=[e.name for e in settings.publication_engines],
-                capacity=settings.capacity,
-                deployment_epoch=settings.deployment_epoch,
-                prefix=settings.lora_name_prefix,
+                **settings.registry_identity,
                 journal_path=settings.journal_path,
                 name_ttl=settings.session_name_ttl,
             )

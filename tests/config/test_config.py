@@ -17,6 +17,7 @@ from agentic_lora.config import load_settings
 from agentic_lora.config import verify_fleet
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import JournalForeignError
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
 from tests.session_support import ENGINES
@@ -275,6 +276,31 @@ async def test_versioning_from_settings_with_the_flag_on_and_off(tmp_path: Path)
     vllm = Versioning.from_settings(AgenticLoRASettings(**on(engine_kind="vllm", backend="vllm")))
     assert vllm.dialect.name == "vllm"
     await vllm.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_registry_identity_of_settings_is_the_one_their_journal_keeps(
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "registry.db"
+    s = AgenticLoRASettings(
+        **on(journal_path=journal, deployment_epoch=3, lora_name_prefix="team_lora")
+    )
+    assert s.registry_identity == {
+        "engines": ["e0", "e1"],
+        "capacity": 2,
+        "deployment_epoch": 3,
+        "prefix": "team_lora",
+    }
+    v = Versioning.from_settings(s)
+    await v.aclose()
+    # Another process given the same settings opens the same journal (the Ray example's registry
+    # actor takes the same identity); a registry of other settings is refused it.
+    same = LocalRegistry(**s.registry_identity, journal_path=journal)
+    await same.aclose()
+    other = AgenticLoRASettings(**on(journal_path=journal, deployment_epoch=4))
+    with pytest.raises(JournalForeignError):
+        LocalRegistry(**other.registry_identity, journal_path=journal)
 
 
 def test_lease_settings_defaults_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:

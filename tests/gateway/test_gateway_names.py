@@ -77,8 +77,7 @@ R = TypeVar("R", bound=LocalRegistry)
 
 def shared_registry(fleet: ScriptedFleet, kind: type[R] = LocalRegistry, **options: Any) -> R:
     """A registry on ``fleet``'s engines and capacity, for gateways given it to share."""
-    settings = settings_for(fleet)
-    return kind(engines=[e.name for e in settings.engines], capacity=settings.capacity, **options)
+    return kind(**settings_for(fleet).registry_identity, **options)
 
 
 async def start_gateway(

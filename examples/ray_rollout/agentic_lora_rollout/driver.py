@@ -122,10 +122,7 @@ def registry_actor(settings: AgenticLoRASettings, *, name: str, journal: Path) -
     """The named, detached, journaled registry actor (created here; workers look it up), whose
     identity is the fleet's: the servers that hold adapters, capacity, epoch and name prefix."""
     return connect(
-        engines=[e.name for e in settings.publication_engines],
-        capacity=settings.capacity,
-        deployment_epoch=settings.deployment_epoch,
-        prefix=settings.lora_name_prefix,
+        **settings.registry_identity,
         journal_path=journal,
         name=name,
         namespace=REGISTRY_NAMESPACE,
