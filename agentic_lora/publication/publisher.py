@@ -48,7 +48,6 @@ from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import CapacityError
-from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import RegistryError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
@@ -118,6 +117,8 @@ class Publisher(CleanupSteps):
     only feeds the timings.
     """
 
+    role = "publisher"
+
     def __init__(
         self,
         registry: RegistryAPI,
@@ -155,14 +156,14 @@ class Publisher(CleanupSteps):
                 version_id,
                 snapshot.digest,
                 bootstrap=status.default_version is None,
-                recorder=self._recorder(version_id),
+                recorder=self.recorder(version_id),
             )
             reservation = await self._reserve(run)
             if reservation is None:
                 return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
             run.target = reservation.ref
             # A fleet mismatch is for a human: the resolver could not clean that fleet either.
-            self._check_fleet(reservation.engines)
+            self.check_fleet(reservation.engines)
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
                 # Same id, same content, committed before: nothing to load, nothing to switch.
                 return run.result(PublicationOutcome.ALREADY_PUBLISHED)
@@ -194,7 +195,7 @@ class Publisher(CleanupSteps):
                 version_id,
                 status.digest,
                 bootstrap=False,
-                recorder=self._recorder(version_id),
+                recorder=self.recorder(version_id),
                 target=status.ref,
             )
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
@@ -250,15 +251,6 @@ class Publisher(CleanupSteps):
             run.version_id,
             extra={"version": run.version_id},
         )
-
-    def _check_fleet(self, engines: Sequence[str]) -> None:
-        mine = sorted(e.name for e in self.engines)
-        if sorted(engines) != mine:
-            raise ConfigurationError(
-                f"publisher fleet {mine} is not the registry's {sorted(engines)}",
-                publisher=mine,
-                registry=sorted(engines),
-            )
 
     async def _prepare_and_commit(
         self,

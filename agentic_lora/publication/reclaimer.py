@@ -49,7 +49,6 @@ from tenacity.wait import wait_base
 
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
-from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.background import Rounds
@@ -111,6 +110,8 @@ class ReclaimReport:
 
 class Reclaimer(FleetWorker, BackgroundLoop):
     """Reclaims retired versions through ``backend`` on the fixed fleet ``engines``."""
+
+    role = "reclaimer"
 
     _loop_name = "agentic-lora reclaimer"
 
@@ -218,7 +219,7 @@ class Reclaimer(FleetWorker, BackgroundLoop):
     # --- one version --------------------------------------------------------------------------
 
     async def _reclaim(self, version_id: str) -> ReclaimResult:
-        recorder = self._recorder(version_id)
+        recorder = self.recorder(version_id)
         request_id = new_request_id()
         try:
             async with (
@@ -247,13 +248,8 @@ class Reclaimer(FleetWorker, BackgroundLoop):
                 timings=tuple(recorder.timings),
             )
         extra = {"version": version_id}
+        self.check_fleet(claim.engines)
         by_name = {e.name: e for e in self.engines}
-        if sorted(claim.engines) != sorted(by_name):
-            raise ConfigurationError(
-                f"reclaimer fleet {sorted(by_name)} is not the registry's {sorted(claim.engines)}",
-                reclaimer=sorted(by_name),
-                registry=sorted(claim.engines),
-            )
         todo = [by_name[name] for name in claim.engines if name not in claim.confirmed]
         outcomes = await asyncio.gather(*(self._reclaim_on(recorder, e, claim) for e in todo))
         confirmed = set(claim.confirmed)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Sequence
+from typing import ClassVar
 from typing import TypedDict
 from typing import TypeVar
 from typing import Unpack
@@ -22,6 +24,7 @@ from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.engines.fleet import fixed_fleet
+from agentic_lora.errors import ConfigurationError
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseEvent
@@ -61,7 +64,10 @@ class FleetOptions(TypedDict, total=False):
 
 class FleetWorker:
     """Acts on one registry through ``backend`` on the fixed fleet ``engines``: the publisher,
-    the reclaimer and the repairer."""
+    the reclaimer and the repairer (and the repairer's engine probe, through it)."""
+
+    #: How a fleet mismatch names this worker (``"publisher fleet [...] is not the registry's"``).
+    role: ClassVar[str] = "worker"
 
     def __init__(
         self,
@@ -77,9 +83,27 @@ class FleetWorker:
         self.on_progress = options.get("on_progress")
         self._clock = options.get("clock", time.perf_counter)
 
-    def _recorder(self, version_id: str) -> PhaseRecorder:
-        """A fresh timing of ``version_id``'s phases, reported to ``on_progress``."""
+    def recorder(self, version_id: str | None = None) -> PhaseRecorder:
+        """A fresh timing of ``version_id``'s phases (None: of no one version, such as an engine
+        probe's), reported to ``on_progress``."""
         return PhaseRecorder(self._clock, self.on_progress, version_id)
+
+    def check_fleet(self, registry_engines: Iterable[str]) -> None:
+        """Refuse to act for a registry whose fleet is not this worker's: a deployment mistake
+        for a human, since no worker can load on or clean an engine it does not know.
+
+        Raises :class:`~agentic_lora.errors.ConfigurationError` (``check="fleet"``, details
+        ``role``, ``engines``: this worker's, ``registry``: the registry's)."""
+        mine = sorted(e.name for e in self.engines)
+        theirs = sorted(registry_engines)
+        if mine != theirs:
+            raise ConfigurationError(
+                f"{self.role} fleet {mine} is not the registry's {theirs}",
+                check="fleet",
+                role=self.role,
+                engines=mine,
+                registry=theirs,
+            )
 
     async def _prepare_on(
         self,

@@ -13,18 +13,13 @@ from dataclasses import KW_ONLY
 from dataclasses import dataclass
 from dataclasses import field
 
-from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.routing import EngineHealth
-from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
-from agentic_lora.foundation.phases import PhaseEvent
-from agentic_lora.foundation.phases import PhaseRecorder
-from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.repair.snapshots import SnapshotCache
+from agentic_lora.publication.steps import FleetWorker
 from agentic_lora.publication.steps import registry_step
-from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import RegistryStatus
 
 __all__ = ["EngineProbe", "ProbeResult", "Readiness"]
@@ -66,19 +61,15 @@ class EngineProbe:
     ``health``: the Sessions' :class:`~agentic_lora.engines.routing.EngineHealth`; an engine whose probe
     fails is marked unhealthy there until a probe succeeds again (only engines this probe marked
     are marked healthy again, so an operator's mark stands). ``probe_timeout`` bounds one
-    engine's incarnation read. ``clock`` feeds phase timings; ``monotonic`` readiness ages.
+    engine's incarnation read. Phase timings are the worker's; ``monotonic`` ages readiness.
     """
 
-    registry: RegistryAPI
-    backend: Backend
-    engines: tuple[EngineRef, ...]
+    #: The repairer it probes for: its registry, backend, fleet, registry retry and progress.
+    worker: FleetWorker
     _: KW_ONLY
     probe_interval: float
     probe_timeout: float
     health: EngineHealth | None
-    retry: RegistryRetry
-    on_progress: Callable[[PhaseEvent], None] | None
-    clock: Callable[[], float] = time.perf_counter
     monotonic: Callable[[], float] = time.monotonic
     _engine_ok: dict[str, bool] = field(init=False, default_factory=dict)
     _marked_down: set[str] = field(init=False, default_factory=set)
@@ -90,19 +81,19 @@ class EngineProbe:
     @property
     def ready_engines(self) -> tuple[str, ...]:
         """Engines whose last probe succeeded, in fleet order."""
-        return tuple(e.name for e in self.engines if self._engine_ok.get(e.name))
+        return tuple(e.name for e in self.worker.engines if self._engine_ok.get(e.name))
 
     def readiness(self, *, stale_after: float | None = None) -> Readiness:
         """Ready: the registry has not fail-stopped, answered a status read within
         ``stale_after`` seconds (default: three probe intervals), and some engine answered the
         last probe."""
         reasons: list[str] = []
-        failed = getattr(self.registry, "failed", None)
+        failed = getattr(self.worker.registry, "failed", None)
         error: str | None = None
         if failed is not None:
             reasons.append("registry_failed")
             error = repr(failed)
-        if getattr(self.registry, "closed", False) is True:
+        if getattr(self.worker.registry, "closed", False) is True:
             reasons.append("registry_closed")
         limit = stale_after if stale_after is not None else 3 * self.probe_interval
         if self._status_at is None or self.monotonic() - self._status_at > limit:
@@ -112,20 +103,20 @@ class EngineProbe:
             reasons.append("not_probed")
         elif not any(self._engine_ok.values()):
             reasons.append("no_engine_ready")
-        engines = {e.name: bool(self._engine_ok.get(e.name)) for e in self.engines}
+        engines = {e.name: bool(self._engine_ok.get(e.name)) for e in self.worker.engines}
         return Readiness(not reasons, tuple(reasons), engines, error)
 
     async def probe_once(self, cache: SnapshotCache | None = None) -> ProbeResult:
         """Read every engine's incarnation and tell the registry about the ones that changed.
 
         ``cache`` is pruned with the status read (its mark is taken before the read)."""
-        reads = await asyncio.gather(*(self._read_incarnation(e) for e in self.engines))
-        incarnations = {e.name: inc for e, inc in zip(self.engines, reads, strict=True)}
+        reads = await asyncio.gather(*(self._read_incarnation(e) for e in self.worker.engines))
+        incarnations = {e.name: inc for e, inc in zip(self.worker.engines, reads, strict=True)}
         mark = cache.mark() if cache is not None else 0
         status = await self._status()
         if status is None:
             return ProbeResult(incarnations, None, frozenset(), ())
-        self._check_fleet(status)
+        self.worker.check_fleet(e.engine for e in status.engines)
         known = {e.engine: e.incarnation for e in status.engines}
         observed = {e for e, inc in incarnations.items() if inc is not None and known[e] == inc}
         changed = [
@@ -151,7 +142,7 @@ class EngineProbe:
     async def _read_incarnation(self, engine: EngineRef) -> str | None:
         try:
             async with asyncio.timeout(self.probe_timeout):
-                incarnation = await self.backend.incarnation(engine)
+                incarnation = await self.worker.backend.incarnation(engine)
         except Exception as exc:
             self._engine_down(engine.name, exc)
             return None
@@ -186,7 +177,7 @@ class EngineProbe:
 
     async def _status(self) -> RegistryStatus | None:
         try:
-            status = await self.registry.status()
+            status = await self.worker.registry.status()
         except Exception as exc:
             self._status_error = error_code(exc)
             logger.warning("registry status read failed", extra={"error_code": self._status_error})
@@ -195,26 +186,16 @@ class EngineProbe:
         self._status_error = None
         return status
 
-    def _check_fleet(self, status: RegistryStatus) -> None:
-        mine = sorted(e.name for e in self.engines)
-        theirs = sorted(e.engine for e in status.engines)
-        if mine != theirs:
-            raise ConfigurationError(
-                f"repairer fleet {mine} is not the registry's {theirs}",
-                repairer=mine,
-                registry=theirs,
-            )
-
     async def _observe(self, engine: str, incarnation: str, *, first: bool) -> bool:
-        recorder = PhaseRecorder(self.clock, self.on_progress)
+        recorder = self.worker.recorder()
 
         async def observe(rid: str) -> bool:
-            return await self.registry.observe_incarnation(
+            return await self.worker.registry.observe_incarnation(
                 request_id=rid, engine=engine, incarnation=incarnation
             )
 
         try:
-            await registry_step(recorder, engine, Phase.OBSERVE, self.retry, observe)
+            await registry_step(recorder, engine, Phase.OBSERVE, self.worker.retry, observe)
         except Exception as exc:
             code = error_code(exc)
             logger.warning(

@@ -124,6 +124,8 @@ class Repairer(FleetWorker, BackgroundLoop):
     probe and readiness are its :class:`~agentic_lora.publication.repair.probe.EngineProbe`'s.
     """
 
+    role = "repairer"
+
     _loop_name = "lora-repairer"
 
     def __init__(
@@ -150,15 +152,10 @@ class Repairer(FleetWorker, BackgroundLoop):
         #: Every repair's outcome so far, counted (for metrics and tests).
         self.outcomes: Counter[RepairOutcome] = Counter()
         self._probe = EngineProbe(
-            registry,
-            backend,
-            self.engines,
+            self,
             probe_interval=probe_interval,
             probe_timeout=probe_timeout,
             health=health,
-            retry=self.retry,
-            on_progress=self.on_progress,
-            clock=self._clock,
             monotonic=monotonic,
         )
         self._poked_by: set[str] = set()
@@ -283,7 +280,7 @@ class Repairer(FleetWorker, BackgroundLoop):
     async def _repair_version(
         self, version_id: str, engines: list[EngineRef]
     ) -> list[RepairResult]:
-        recorder = self._recorder(version_id)
+        recorder = self.recorder(version_id)
         async with self.version_locks.hold(version_id):
             # Re-read under the lock: a reclaim claimed meanwhile (RECLAIMING), a last Session gone
             # (RETIRED without refs), or another repair done, and there is nothing to do.
