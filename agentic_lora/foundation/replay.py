@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
 from typing import TypeVar
@@ -90,10 +91,18 @@ class RegistryRetry:
                 check="registry_retry",
             )
 
-    async def call(self, verb: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def call(
+        self,
+        verb: str,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        log_extra: Mapping[str, object] | None = None,
+    ) -> T:
         """Run ``fn`` until it answers (or raises a typed error); re-raise the last lost reply.
 
         ``fn`` must reuse one request id on every call: that is what makes a replay safe.
+        ``log_extra`` goes into each replay's log record beside ``attempt`` and ``verb`` (e.g. the
+        Session's tag).
         """
 
         def _log(state: RetryCallState) -> None:
@@ -102,7 +111,7 @@ class RegistryRetry:
                 "registry %s reply lost (%r); replaying with the same request id",
                 verb,
                 exc,
-                extra={"attempt": state.attempt_number, "verb": verb},
+                extra={**(log_extra or {}), "attempt": state.attempt_number, "verb": verb},
             )
 
         def policy() -> AsyncRetrying:

@@ -8,25 +8,17 @@ request is refused with ``REQUEST_REFUSED``: no generation was sent.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 from typing import TypeVar
 
-from tenacity import AsyncRetrying
-from tenacity import retry_if_exception
-from tenacity import stop_after_attempt
-
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.replay import RegistryRetry
-from agentic_lora.foundation.replay import is_lost_reply
 
 __all__ = ["SessionReplay", "replayed"]
-
-logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -37,36 +29,15 @@ async def replayed(
     call: Callable[[], Awaitable[_T]],
     retry: RegistryRetry,
 ) -> _T:
-    """``call()``, replayed up to ``retry.attempts`` times in all (``retry.wait`` apart) on a
-    transient failure.
+    """``call()``, replayed by ``retry`` (same request id) while its reply may have been lost; a
+    call never confirmed is refused with ``REQUEST_REFUSED`` (a typed error is raised as it is).
 
     ``tag`` names the Session in logs and errors (a keyed hash, never the Session id).
     """
     try:
-        return await call()  # the common case, without the retry machinery's cost
-    except Exception as exc:
-        if not is_lost_reply(exc) or retry.attempts == 1:
-            _refused(verb, tag, exc)
-    try:
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(retry.attempts - 1),
-            wait=retry.wait,
-            retry=retry_if_exception(is_lost_reply),
-            reraise=True,
-        ):
-            with attempt:
-                logger.warning(
-                    "replaying registry call with the same request id",
-                    extra={
-                        "session": tag,
-                        "verb": verb,
-                        "attempt": attempt.retry_state.attempt_number + 1,
-                    },
-                )
-                return await call()
+        return await retry.call(verb, call, log_extra={"session": tag})
     except Exception as exc:
         _refused(verb, tag, exc)
-    raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
 
 @dataclass(frozen=True, slots=True)

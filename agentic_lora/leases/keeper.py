@@ -67,8 +67,8 @@ class LeaseKeeper:
     are injectable so tests step time deterministically.
 
     ``owner``, ``owner_configured``, ``ttl``, ``renew_interval``, ``on_restart`` and
-    ``registry_retry`` are fixed for the keeper's life; the incarnation, lease id and state are those of :attr:`current`, the term
-    new Sessions bind under (``keeper.current.lease_id``).
+    ``registry_retry`` are fixed for the keeper's life; the incarnation, lease id and state are
+    those of :attr:`current`, the term new Sessions bind under (``keeper.current.lease_id``).
     """
 
     def __init__(

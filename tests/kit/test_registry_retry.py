@@ -9,6 +9,7 @@ everywhere, and a passed one is the one used.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 from typing import get_type_hints
@@ -111,16 +112,23 @@ async def test_the_lease_keeper_replays_an_open_as_often_as_its_policy_says(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("attempts", [1, 3])
 async def test_the_gateway_replays_an_open_named_as_often_as_its_policy_says(
-    attempts: int,
+    attempts: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     policy = RegistryRetry(attempts=attempts, wait=wait_none())
     async with harness() as h:
         sessions = GatewaySessions(h.versioning, registry_retry=policy)
         assert sessions.registry_retry is policy
         h.registry.fail_before["open_named"] = attempts
-        with pytest.raises(RequestRefusedError) as err:
+        with (
+            caplog.at_level(logging.WARNING, logger="agentic_lora.foundation.replay"),
+            pytest.raises(RequestRefusedError) as err,
+        ):
             await sessions.open("agent-1")
         assert err.value.details["stage"] == "open_named"
+        # Every replay is logged under the Session's tag (never its id), one record per replay.
+        assert [(r.session, r.verb) for r in caplog.records] == [  # type: ignore[attr-defined]
+            (sessions.tag("agent-1"), "open_named")
+        ] * (attempts - 1)
         assert h.registry.calls["open_named"] == attempts
         assert len(set(h.registry.request_ids("open_named"))) == 1
         assert (await sessions.open("agent-1")).phase is SessionPhase.OPEN
