@@ -81,6 +81,7 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.requests import Route
 from agentic_lora.publication.publisher import Phase
 from agentic_lora.publication.publisher import PhaseEvent
@@ -423,6 +424,7 @@ async def scenario(fleet: EngineFleet, fixture: Fixture, opts: Options, store: P
     limits = AdminTimeouts()
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(limits.read, connect=limits.connect),
+        limits=engine_limits(),
         event_hooks={"request": [wire.on_request], "response": [wire.on_response]},
     )
     snapshots = {name: AdapterSnapshot.from_peft_dir(fixture.adapter(name)) for name in "ABC"}

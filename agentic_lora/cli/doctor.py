@@ -37,6 +37,7 @@ from agentic_lora.engines.admin import EngineAdminClient
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendError
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.foundation.http_limits import engine_limits
 
 __all__ = ["COMMAND", "CheckStatus", "DoctorCheck", "run", "run_doctor"]
 
@@ -222,7 +223,7 @@ async def run_doctor(args: argparse.Namespace, config: ConfigFile) -> list[Docto
     adapter = None
     if args.adapter is not None:
         adapter = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, args.adapter)
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, limits=engine_limits()) as client:
         per_engine = await asyncio.gather(
             *(
                 _probe_engine(ref, settings, client, adapter)

@@ -1,12 +1,12 @@
-"""Connection pooling for every HTTP client that talks to engines (or to their sidecars).
+"""Connection pooling for every HTTP client that talks to engines, their sidecars or the gateway.
 
-SGLang, vLLM and the DCS sidecar serve HTTP with uvicorn, which closes a keep-alive connection
-after 5 s idle. A client that keeps idle connections just as long writes a burst that starts ~5 s
-after the last one onto connections the server is closing at that moment: the requests fail after
-they may have been sent (indeterminate), and nothing below the caller may resend them. Measured by
-``bench/keepalive_race.py``: up to 168 of 256 generations failed at equal timeouts, none with idle
-connections dropped at 2 s. Every engine client therefore drops idle connections well before the
-server does.
+SGLang, vLLM, the DCS sidecar and the gateway (``agentic-lora serve``) serve HTTP with uvicorn,
+which closes a keep-alive connection after 5 s idle. A client that keeps idle connections just as
+long writes a burst that starts ~5 s after the last one onto connections the server is closing at
+that moment: the requests fail after they may have been sent (indeterminate), and nothing below
+the caller may resend them. Measured by ``bench/keepalive_race.py``: up to 168 of 256 generations
+failed at equal timeouts, none with idle connections dropped at 2 s. Every such client therefore
+drops idle connections well before the server does (the tests' and the demo's own clients too).
 """
 
 from __future__ import annotations

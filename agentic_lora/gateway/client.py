@@ -28,6 +28,7 @@ from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import RequestIndeterminateError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import error_from_code
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.gateway.wire import NDJSON
 
 __all__ = ["AdminClient"]
@@ -63,6 +64,7 @@ class AdminClient:
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(timeout),
+            limits=engine_limits(),  # the gateway is uvicorn too: idle connections expire first
             transport=transport,
             trust_env=False,  # an environment proxy would be one more hop that may retry
             follow_redirects=False,

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.identity import make_lora_name
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS
 from tests.vllm.engine_gate import EngineGate
@@ -44,7 +45,9 @@ HELD_TOKENS = 64
 
 @pytest_asyncio.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(120.0, connect=5.0), limits=engine_limits()
+    ) as http:
         yield http
 
 

@@ -27,6 +27,7 @@ from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionNotDispatchableError
+from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState
@@ -68,7 +69,9 @@ class ReplyLog:
 
 @pytest_asyncio.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(120.0, connect=5.0), limits=engine_limits()
+    ) as http:
         yield http
 
 
