@@ -1,5 +1,7 @@
-"""A loopback HTTP stand-in behind an environment proxy that goes nowhere.
+"""Straight to a server, never through an environment proxy: the tests' own engine client, and a
+loopback stand-in behind a proxy that goes nowhere.
 
+:func:`engine_client` is how a test reads real engines itself (baselines, listings, clean-up).
 Control-plane clients must never take ``HTTP(S)_PROXY`` from the environment. :func:`direct_only`
 starts a real loopback server that answers every request with one JSON body, and points every
 proxy variable at a port where nothing listens: a client that honoured the environment fails to
@@ -14,9 +16,22 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
-__all__ = ["direct_only"]
+from agentic_lora.foundation.http_limits import engine_limits
+
+__all__ = ["direct_only", "engine_client"]
+
+
+def engine_client() -> httpx.AsyncClient:
+    """A client straight to real engines: no environment proxy, generous timeouts (the engines
+    share a small CPU with the test), and idle connections dropped before the engines' uvicorn
+    closes them (a request written onto a connection being closed fails as "disconnected")."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(300.0, connect=10.0), limits=engine_limits(), trust_env=False
+    )
+
 
 _PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 

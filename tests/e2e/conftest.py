@@ -26,11 +26,11 @@ from agentic_lora_http import HttpPushBackend
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session import Session
+from tests.direct_http import engine_client
 from tests.e2e.recording_proxy import RecordingProxy
 from tests.e2e.recording_proxy import TrafficLog
 from tests.e2e.recording_proxy import forbidden_exchanges
@@ -67,9 +67,7 @@ async def _adapter_names(client: httpx.AsyncClient, base_url: str) -> set[str]:
 @pytest_asyncio.fixture
 async def raw_client() -> AsyncIterator[httpx.AsyncClient]:
     """A client straight to the engines (baselines, controls, clean-up): not via the proxies."""
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(300.0, connect=10.0), limits=engine_limits()
-    ) as client:
+    async with engine_client() as client:
         yield client
 
 

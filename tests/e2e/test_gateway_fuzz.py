@@ -28,9 +28,9 @@ from schemathesis.specs.openapi.checks import status_code_conformance
 from agentic_lora.config import load_settings
 from agentic_lora.config import verify_fleet
 from agentic_lora.engines.admin import EngineAdminClient
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
+from tests.direct_http import engine_client
 
 FUZZED = ("/v1/chat/completions", "/generate")
 
@@ -54,7 +54,7 @@ async def test_a_short_fuzz_run_against_one_real_engine(engine_fleet: Any, tmp_p
     )
     published: list[str] = []
     ids = itertools.count()
-    async with httpx.AsyncClient(timeout=300, trust_env=False, limits=engine_limits()) as raw:
+    async with engine_client() as raw:
         try:
             async with gateway:
                 await verify_fleet(settings_, gateway.versioning.transport)

@@ -19,9 +19,9 @@ import pytest
 
 from agentic_lora.config import load_settings
 from agentic_lora.engines.admin import EngineAdminClient
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
+from tests.direct_http import engine_client
 from tests.e2e.support import EngineLog
 from tests.e2e.support import fresh_id
 from tests.streaming_support import served
@@ -109,7 +109,7 @@ async def test_openai_streams_across_a_publication_and_a_disconnect_aborts(
                 await client.close()
             await admin.aclose()
     finally:
-        async with httpx.AsyncClient(timeout=300, trust_env=False, limits=engine_limits()) as raw:
+        async with engine_client() as raw:
             for _, engine_url in engine_fleet.engines:
                 async with EngineAdminClient(engine_url, client=raw) as engine_admin:
                     for lora in published:

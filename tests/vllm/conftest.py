@@ -14,23 +14,34 @@ exactly as long as it needs, without any timing.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import pytest_asyncio
 from agentic_lora_harness.fixture import Fixture
 from agentic_lora_harness.pytest_fixtures import write_fleet_report
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_harness.vllm_env import VllmEnv
 from agentic_lora_harness.vllm_env import ensure_vllm_env
 
+from tests.direct_http import engine_client
 from tests.vllm.engine_gate import ENGINE_SITE
 from tests.vllm.engine_gate import HOLD_GATE_PROCESSOR
 from tests.vllm.engine_gate import EngineGate
 
-__all__ = ["engine_gate", "vllm_env", "vllm_fleet"]
+__all__ = ["client", "engine_gate", "vllm_env", "vllm_fleet"]
 
 logger = logging.getLogger(__name__)
+
+
+@pytest_asyncio.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """A client straight to the fleet's engines (see :func:`tests.direct_http.engine_client`)."""
+    async with engine_client() as http:
+        yield http
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 from agentic_lora_harness.vllm_engines import VllmFleet
 from agentic_lora_vllm import VllmBackend
 from agentic_lora_vllm.metrics import parse_metrics
@@ -30,7 +28,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.foundation.identity import make_lora_name
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS
 from tests.vllm.engine_gate import EngineGate
@@ -41,14 +38,6 @@ PROMPT = "def add"
 #: Tokens of a gated request: any number above 2 would do, the gate holds it at its second. Enough
 #: that the adapter's answer is told apart from the base model's.
 HELD_TOKENS = 64
-
-
-@pytest_asyncio.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(120.0, connect=5.0), limits=engine_limits()
-    ) as http:
-        yield http
 
 
 async def load(http: httpx.AsyncClient, base: str, name: str, path: Path) -> httpx.Response:

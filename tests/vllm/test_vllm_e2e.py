@@ -15,19 +15,16 @@ depends on which of the two finished first by wall clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 from agentic_lora_harness.vllm_engines import VllmFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.engines.transport import EngineReply
 from agentic_lora.errors import VersionNotDispatchableError
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.publication.publisher import PublicationOutcome
 from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import VersionState
@@ -65,14 +62,6 @@ class ReplyLog:
         if call.body.get("vllm_xargs") == self._xargs:
             self._log.append(self._label)
         return reply
-
-
-@pytest_asyncio.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(120.0, connect=5.0), limits=engine_limits()
-    ) as http:
-        yield http
 
 
 async def listed(http: httpx.AsyncClient, base: str) -> set[str]:

@@ -20,11 +20,11 @@ import pytest
 from agentic_lora_harness.vllm_engines import VllmFleet
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.gateway.app import Gateway
 from agentic_lora.gateway.client import AdminClient
 from agentic_lora.publication.reclaimer import ReclaimOutcome
 from agentic_lora.registry.types import new_request_id
+from tests.direct_http import engine_client
 from tests.session_support import Calls
 from tests.streaming_support import served
 from tests.vllm.engine_gate import WAIT_GUARD_SECONDS
@@ -86,9 +86,7 @@ async def test_vllm_streams_across_a_publication_hold_a_for_reclaim_and_end_on_d
     names: list[str] = []
     clients: list[openai.AsyncOpenAI] = []
     leaver_gate = EngineGate(tmp_path, "leaver", stepwise=True)
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(120.0, connect=5.0), limits=engine_limits()
-    ) as http:
+    async with engine_client() as http:
         try:
             async with gateway, served(gateway.app) as url:
                 admin = AdminClient(url, token="t", timeout=300.0)
