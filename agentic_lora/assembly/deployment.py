@@ -68,6 +68,7 @@ from agentic_lora.publication.resolver import backoff
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.api import refusal_feed
+from agentic_lora.registry.api import registry_host
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import LeaseGrant
 from agentic_lora.registry.types import RegistryStatus
@@ -260,8 +261,14 @@ class Deployment:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background reclaimer, resolver and repairer (idempotent)."""
+        """Start the registry host's lease sweeper (where the registry offers one: it expires
+        every lease the registry holds, a dead process's replayed from the journal included,
+        whether or not this process opens a lease), then the background reclaimer, resolver and
+        repairer (idempotent)."""
         if not self._started:
+            host = registry_host(self.registry)
+            if host is not None:
+                await host.start()
             self.reclaimer.start()
             self.resolver.start()
             self.repairer.start()

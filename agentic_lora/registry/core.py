@@ -430,6 +430,11 @@ class RegistryCore(RegistryState):
         """Whether :meth:`sweep` at ``now`` would change anything (a read: nothing journaled)."""
         return owner_leases.sweep_due(self, now, name_ttl)
 
+    def holds_deadlines(self) -> bool:
+        """Whether the registry holds a lease or a durable name: something a sweep may one day
+        expire or forget, so the registry host must keep sweeping (a read: nothing journaled)."""
+        return bool(self._leases) or bool(self._names)
+
     def named(self, name: str) -> NamedSession | None:
         """The live Session behind ``name`` (None if unknown or tombstoned)."""
         return durable_names.named(self, name)

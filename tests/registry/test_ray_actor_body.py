@@ -47,6 +47,7 @@ class _Handle:
         self.call = _Method(actor.call, lose)
         self.call_batch = _Method(actor.call_batch, lose)
         self.read = _Method(actor.read, [])
+        self.start = _Method(actor.start, [])
 
 
 @pytest.mark.parametrize("coalesce", [True, False])
@@ -128,3 +129,24 @@ async def test_a_lost_batch_reply_fails_every_caller_and_a_replay_gets_the_first
     )
     assert {b.version_id for b in replayed} == {"A"}
     assert (await reg.version("A")).session_refs == 5  # the lost batch ran once, not twice
+
+
+async def test_a_restarted_actor_sweeps_what_it_replayed_once_started_or_read(
+    tmp_path: Path,
+) -> None:
+    config = {"engines": [E0], "capacity": 2, "journal_path": str(tmp_path / "j.sqlite")}
+    first = RegistryActor(config)
+    await first.call(
+        "open_lease", new_request_id(), {"owner": "w", "incarnation": "i1", "ttl": 30.0}
+    )
+    await first.flush()
+    # What Ray's max_restarts does: a new actor body replays the journal in its constructor.
+    restarted = RegistryActor(config)
+    assert not restarted._registry.sweeping
+    await RayRegistryClient(_Handle(restarted, [])).start()  # what Deployment.start does
+    assert restarted._registry.sweeping
+    await restarted.flush()
+    read_only = RegistryActor(config)
+    await RayRegistryClient(_Handle(read_only, [])).status()
+    assert read_only._registry.sweeping  # the actor is the host: any use starts its duties
+    await read_only.flush()

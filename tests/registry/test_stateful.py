@@ -4,8 +4,10 @@ Rules cover publication (reserve/ready/commit/abort/cleanup), Sessions (bind wit
 owner lease, close/release/forget), durable Session names, owner leases (open, renew, owner
 restart with release or adopt, close, time passing, the expiry sweep), reclaim (claim/confirm),
 engine restarts and repairs, registry restarts (journal replay, then the lease grace before the
-first call), lost replies (apply, drop the answer, replay later with the same request id) and
-duplicate delivery. Time is a fake clock the machine moves. After every step the invariants of
+first call, or at once when the host is started), the registry host's own background sweeper
+(gated: it sweeps when a rule lets it, whatever this process opened), lost replies (apply, drop
+the answer, replay later with the same request id) and duplicate delivery. Time is a fake clock
+the machine moves. After every step the invariants of
 the design are checked against the real registry, most of them without the model's help.
 """
 
@@ -42,6 +44,7 @@ from agentic_lora.registry.types import from_wire
 from agentic_lora.registry.types import new_request_id
 
 from .util import FakeClock
+from .util import SweepGate
 from .util import digest_of
 
 ENGINES = ("e0", "e1")
@@ -196,6 +199,26 @@ class Model:
             for rec in self.names.values()
         )
 
+    def sweep(self, t: float) -> SweepResult:
+        self.tick(t)
+        expired = sorted(lid for lid, lease in self.leases.items() if lease.expires_at <= t)
+        sessions: list[str] = []
+        for lid in expired:
+            sessions.extend(self.end_lease(lid, "expired"))
+        stale = [
+            n
+            for n, rec in self.names.items()
+            if rec.closed_at is not None and rec.closed_at + NAME_TTL <= t
+        ]
+        for name in stale:
+            rec = self.names.pop(name)
+            if self.name_of.get(rec.key) == name:
+                del self.name_of[rec.key]
+        return SweepResult(tuple(expired), tuple(sessions), len(stale))
+
+    def holds_deadlines(self) -> bool:
+        return bool(self.leases) or bool(self.names)
+
 
 class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
@@ -208,6 +231,10 @@ class RegistryMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="lora-registry-", dir=where))
         self.loop = asyncio.new_event_loop()
         self.clock = FakeClock(0.0)
+        self.gate = SweepGate()
+        #: Whether this registry's host was started or called since it was opened (the sweeper
+        #: may run only then: nothing runs in a registry nobody uses).
+        self.active = False
         self.reg = self._open()
         self.model = Model()
         #: Every version a Binding ever named per Session key (reset only when it is forgotten).
@@ -216,13 +243,16 @@ class RegistryMachine(RuleBasedStateMachine):
         self.tombstoned: dict[str, str] = {}
 
     def _open(self) -> LocalRegistry:
+        self.gate = SweepGate()  # a fresh gate: the old sweeper was cancelled with its registry
+        self.active = False
         return LocalRegistry(
             engines=ENGINES,
             capacity=CAPACITY,
             journal_path=self.dir / "j.sqlite",
             compact_every=11,
             clock=self.clock,
-            sweep_interval=None,
+            sweep_interval=1.0,  # real seconds never pass here: the gate alone wakes it
+            sleep=self.gate.sleep,
             name_ttl=NAME_TTL,
         )
 
@@ -272,6 +302,7 @@ class RegistryMachine(RuleBasedStateMachine):
         return first
 
     def _attempt(self, verb: str, rid: str, args: dict[str, Any]) -> Any:
+        self.active = True
         try:
             return self.loop.run_until_complete(getattr(self.reg, verb)(request_id=rid, **args))
         except AgenticLoRAError as exc:
@@ -845,24 +876,32 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(delivery=DELIVERY)
     def sweep(self, delivery: str) -> None:
         t = self._begin()
-        m = self.model
         result = self._do(delivery, "sweep", name_ttl=NAME_TTL)
         self._expect(result, None)
-        m.tick(t)
-        expired = sorted(lid for lid, lease in m.leases.items() if lease.expires_at <= t)
-        sessions: list[str] = []
-        for lid in expired:
-            sessions.extend(m.end_lease(lid, "expired"))
-        stale = [
-            n
-            for n, rec in m.names.items()
-            if rec.closed_at is not None and rec.closed_at + NAME_TTL <= t
-        ]
-        for name in stale:
-            rec = m.names.pop(name)
-            if m.name_of.get(rec.key) == name:
-                del m.name_of[rec.key]
-        assert result == SweepResult(tuple(expired), tuple(sessions), len(stale))
+        assert result == self.model.sweep(t)
+
+    @precondition(lambda self: self.reg.sweeping and self.model.leases)
+    @rule()
+    def the_host_sweeps_at_the_next_deadline(self) -> None:
+        """Time moves to the next deadline and the host's sweeper runs right then (whether the
+        lease was opened before the last restart or after it)."""
+        self.time_passes(None)
+        self.the_host_sweeps()
+
+    @precondition(lambda self: self.reg.sweeping)
+    @rule()
+    def the_host_sweeps(self) -> None:
+        """One round of the registry host's own background sweeper at the current time: it
+        expires every lease the registry holds, whoever opened it and whether or not anything
+        was opened since the last restart."""
+        t = self._begin()
+        m = self.model
+        due = m.sweep_due(t)
+        seq = self.reg.core.seq
+        self.loop.run_until_complete(self.gate.round())
+        if due:
+            m.sweep(t)
+        assert self.reg.core.seq == seq + (1 if due else 0)  # a sweep is journaled only when due
 
     # --- reclaim -------------------------------------------------------------------------------
 
@@ -924,15 +963,24 @@ class RegistryMachine(RuleBasedStateMachine):
 
     # --- the registry itself restarts ----------------------------------------------------------
 
-    @rule(downtime=st.sampled_from([0.0, 30.0]))
-    def registry_restart(self, downtime: float) -> None:
+    @rule(downtime=st.sampled_from([0.0, 30.0]), start=st.booleans())
+    def registry_restart(self, downtime: float, start: bool) -> None:
+        """The registry host restarts on its journal. With ``start`` its process takes up the
+        host's duties at once (a Deployment starts it); else only at its first call. Either way
+        it never opens a lease of its own: the leases it sweeps are the ones it replayed."""
         before = self.reg.core.to_state()
         self.loop.run_until_complete(self.reg.aclose())
         self.clock.t += downtime  # owners could not renew meanwhile
         self.reg = self._open()
         # The journal rebuilds everything exactly, clock included; nothing has run yet.
         assert self.reg.core.to_state() == before
+        assert not self.reg.sweeping
         self.model.resume_pending = bool(self.model.leases)
+        if start:
+            self._begin()  # the lease grace runs now, not at the first call
+            self.loop.run_until_complete(self.reg.start())
+            self.active = True
+            assert self.reg.sweeping
 
     # --- invariants ----------------------------------------------------------------------------
 
@@ -1070,6 +1118,16 @@ class RegistryMachine(RuleBasedStateMachine):
         for name, (key, closed_at) in names.items():
             if closed_at is not None:
                 self.tombstoned.setdefault(name, key)
+
+    @invariant()
+    def the_host_sweeps_whatever_it_holds(self) -> None:
+        """Once the registry is in use, it sweeps as soon as it holds anything that expires
+        (whoever opened it); before that, nothing runs."""
+        assert self.reg.core.holds_deadlines() == self.model.holds_deadlines()
+        if self.active and self.model.holds_deadlines():
+            assert self.reg.sweeping
+        if not self.active:
+            assert not self.reg.sweeping
 
     @invariant()
     def sweep_due_agrees_with_the_model(self) -> None:
