@@ -146,6 +146,26 @@ class RegistryAPI(abc.ABC):
         args = {"version_id": version_id, "attempt": attempt, "engine": engine}
         return await self._ask(VersionStatus, "confirm_cleanup", request_id, args)
 
+    # --- rollback ------------------------------------------------------------------------------
+
+    async def reserve_rollback(self, *, request_id: str, version_id: str) -> Reservation:
+        """A rollback to a RECLAIMED version: admit its slot and start a new attempt of the same
+        content (RECLAIMED -> LOADING); prepare, record READY and ``commit`` it as any attempt."""
+        return await self._ask(
+            Reservation, "reserve_rollback", request_id, {"version_id": version_id}
+        )
+
+    async def rollback(
+        self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
+    ) -> CommitReceipt:
+        """A rollback to a RETIRED version: the default again once every engine holds it."""
+        args = {
+            "version_id": version_id,
+            "attempt": attempt,
+            "expected_default_revision": expected_default_revision,
+        }
+        return await self._ask(CommitReceipt, "rollback", request_id, args)
+
     # --- Sessions ------------------------------------------------------------------------------
 
     async def bind_first(
