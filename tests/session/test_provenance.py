@@ -53,6 +53,7 @@ async def test_every_reply_carries_its_turn_and_the_session_keeps_each_lag(
                 "digest": None,
                 "lora_name": None,
                 "default_revision_at_bind": None,
+                "rolled_back_from": None,
                 "lags": [],
                 "turns": 0,
                 "too_stale_lag": None,
@@ -91,6 +92,7 @@ async def test_every_reply_carries_its_turn_and_the_session_keeps_each_lag(
                 "digest": binding.digest,
                 "lora_name": binding.lora_name,
                 "default_revision_at_bind": 1,
+                "rolled_back_from": None,
                 "lags": [0, 1, 1],
                 "turns": 3,
                 "too_stale_lag": None,
@@ -128,6 +130,7 @@ async def test_turn_provenance_is_json_for_the_wire() -> None:
         "lora_name": "policy_lora@0-v7-" + "ab" * 8,
         "default_revision_at_bind": 4,
         "lag": 2,
+        "rolled_back_from": None,
     }
 
 
@@ -161,6 +164,7 @@ async def test_gateway_replies_carry_provenance_headers_and_an_extension_field(
             "lora_name": a_name,
             "default_revision_at_bind": 1,
             "lag": 0,
+            "rolled_back_from": None,
         }
         # The OpenAI SDK still parses the reply (the extension field is an extra key).
         completion = raw.parse()
