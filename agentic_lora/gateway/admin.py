@@ -9,11 +9,13 @@ Bodies are bounded like every other body of the gateway (:mod:`agentic_lora.gate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,18 +144,9 @@ class AdminRoutes:
         async with self.publish_lock:
             unsubscribe = gateway.progress.subscribe(listener) if listener is not None else None
             try:
-                snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
-                result = await gateway.deployment.publish(version_id, snapshot)
-            except BaseException as exc:
-                if gateway.metrics is not None and isinstance(exc, Exception):
-                    gateway.metrics.observe_publication_error(exc)
-                logger.warning(
-                    "publication of %s failed: %s",
-                    version_id,
-                    exc,
-                    extra={"version": version_id},
-                )
-                raise
+                with self._observed("publication of", version_id):
+                    snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
+                    result = await gateway.deployment.publish(version_id, snapshot)
             finally:
                 if unsubscribe is not None:
                     unsubscribe()
@@ -166,6 +159,18 @@ class AdminRoutes:
             extra={"version": version_id, "attempt": result.attempt},
         )
         return result
+
+    @contextlib.contextmanager
+    def _observed(self, what: str, version_id: str) -> Iterator[None]:
+        """A publication or rollback that raises is counted (metrics) and logged as it goes."""
+        try:
+            yield
+        except BaseException as exc:
+            metrics = self._gateway.metrics
+            if metrics is not None and isinstance(exc, Exception):
+                metrics.observe_publication_error(exc)
+            logger.warning("%s %s failed: %s", what, version_id, exc, extra={"version": version_id})
+            raise
 
     async def _stream(self, adapter_dir: str, version_id: str) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[PhaseEvent | None] = asyncio.Queue()
@@ -203,18 +208,11 @@ class AdminRoutes:
     async def _rollback_now(self, version_id: str, adapter_dir: str | None) -> PublicationResult:
         gateway = self._gateway
         async with self.publish_lock:  # a streamed publication carries only its own events
-            try:
+            with self._observed("rollback to", version_id):
                 snapshot = None
                 if adapter_dir is not None:
                     snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
                 result = await gateway.deployment.rollback(version_id, snapshot)
-            except BaseException as exc:
-                if gateway.metrics is not None and isinstance(exc, Exception):
-                    gateway.metrics.observe_publication_error(exc)
-                logger.warning(
-                    "rollback to %s failed: %s", version_id, exc, extra={"version": version_id}
-                )
-                raise
         if gateway.metrics is not None:
             gateway.metrics.observe_publication(result)
         commit = result.commit

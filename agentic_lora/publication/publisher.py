@@ -191,13 +191,7 @@ class Publisher(CleanupSteps):
         """
         async with self._lock:
             status = await self.registry.version(version_id)
-            run = PublicationRun(
-                version_id,
-                status.digest,
-                bootstrap=False,
-                recorder=self.recorder(version_id),
-                target=status.ref,
-            )
+            run = PublicationRun.of(status, self.recorder(version_id))
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
                 self.abandoned.discard(version_id)
                 return run.result(

@@ -86,13 +86,7 @@ class RollbackPublisher(Publisher):
             for round_ in range(_ROUNDS):
                 v = await self.registry.version(version_id)
                 revision = (await self.registry.status()).default_revision
-                run = PublicationRun(
-                    version_id,
-                    v.digest,
-                    bootstrap=False,
-                    recorder=self.recorder(version_id),
-                    target=v.ref,
-                )
+                run = PublicationRun.of(v, self.recorder(version_id))
                 last = round_ == _ROUNDS - 1
                 if not last and v.state is VersionState.RETIRED:
                     async with version_locks.hold(version_id):

@@ -125,11 +125,7 @@ class RegistryAPI(abc.ABC):
         self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
     ) -> CommitReceipt:
         """The only place the default changes. Needs READY from every engine."""
-        args = {
-            "version_id": version_id,
-            "attempt": attempt,
-            "expected_default_revision": expected_default_revision,
-        }
+        args = _default_move(version_id, attempt, expected_default_revision)
         return await self._ask(CommitReceipt, "commit", request_id, args)
 
     async def abort(
@@ -159,11 +155,7 @@ class RegistryAPI(abc.ABC):
         self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
     ) -> CommitReceipt:
         """A rollback to a RETIRED version: the default again once every engine holds it."""
-        args = {
-            "version_id": version_id,
-            "attempt": attempt,
-            "expected_default_revision": expected_default_revision,
-        }
+        args = _default_move(version_id, attempt, expected_default_revision)
         return await self._ask(CommitReceipt, "rollback", request_id, args)
 
     # --- Sessions ------------------------------------------------------------------------------
@@ -256,6 +248,15 @@ class RegistryAPI(abc.ABC):
         """One engine unloaded the version; all engines -> RECLAIMED, slot freed."""
         args = {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine}
         return await self._ask(VersionStatus, "confirm_reclaim", request_id, args)
+
+
+def _default_move(version_id: str, attempt: int, expected_default_revision: int) -> dict[str, Any]:
+    """The arguments of a verb that moves the default (``commit``, ``rollback``)."""
+    return {
+        "version_id": version_id,
+        "attempt": attempt,
+        "expected_default_revision": expected_default_revision,
+    }
 
 
 # --- optional capabilities ---------------------------------------------------------------------

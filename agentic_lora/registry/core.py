@@ -35,7 +35,6 @@ from typing import Any
 from agentic_lora.errors import InvalidStateError
 from agentic_lora.errors import PublicationBlockedError
 from agentic_lora.errors import ReadyMismatchError
-from agentic_lora.errors import RevisionConflictError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import StaleAttemptError
 from agentic_lora.errors import VersionConflictError
@@ -249,15 +248,7 @@ class RegistryCore(RegistryState):
             return v.commit_receipt  # retried commit: same receipt, default untouched
         if v.state is not VersionState.LOADING:
             advance(version_id, v.state, VersionEvent.COMMIT)  # raises InvalidStateError
-        self._attempt(v, attempt)
-        if expected_default_revision != self.default_revision:
-            raise RevisionConflictError(
-                f"default revision is {self.default_revision}, not {expected_default_revision}",
-                version=version_id,
-                default_revision=self.default_revision,
-            )
-        self._require_ready(v, attempt)
-        return self._make_default(v, VersionEvent.COMMIT)
+        return self._move_default(v, attempt, expected_default_revision, VersionEvent.COMMIT)
 
     def abort(self, version_id: str, attempt: int, reason: str) -> VersionStatus:
         v = self._version(version_id)

@@ -3,8 +3,8 @@
 A rollback is a publication of an old version's exact content and identity (same version id,
 digest and lora name: the same ``(epoch, version_id)`` always means the same bytes), two-phase
 like any other: the default moves only in one atomic step that finds every engine READY for the
-version's current attempt and incarnation (the commit's own readiness rule,
-:meth:`~agentic_lora.registry.state.RegistryState._require_ready`). Two ways, by the version's
+version's current attempt and incarnation (the commit's own rule,
+:meth:`~agentic_lora.registry.state.RegistryState._move_default`). Two ways, by the version's
 state (see :mod:`~agentic_lora.registry.transitions`):
 
 * **RETIRED**: still loaded (a repair puts it back on a restarted engine). :func:`rollback` moves
@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 
 from agentic_lora.errors import PublicationBlockedError
-from agentic_lora.errors import RevisionConflictError
 from agentic_lora.errors import RollbackRefusedError
 from agentic_lora.registry.state import RegistryState
 from agentic_lora.registry.state import VersionRecord
@@ -88,15 +87,7 @@ def rollback(
     _refuse_unless_rollable(state, v)
     if v.state is not VersionState.RETIRED:
         advance(version_id, v.state, VersionEvent.ROLLBACK)  # raises InvalidStateError
-    state._attempt(v, attempt)
-    if expected_default_revision != state.default_revision:
-        raise RevisionConflictError(
-            f"default revision is {state.default_revision}, not {expected_default_revision}",
-            version=version_id,
-            default_revision=state.default_revision,
-        )
-    state._require_ready(v, attempt)
-    return state._make_default(v, VersionEvent.ROLLBACK)
+    return state._move_default(v, attempt, expected_default_revision, VersionEvent.ROLLBACK)
 
 
 def _refuse_unless_rollable(state: RegistryState, v: VersionRecord) -> None:

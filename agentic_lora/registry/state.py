@@ -24,6 +24,7 @@ from agentic_lora.errors import InvalidStateError
 from agentic_lora.errors import LeaseExpiredError
 from agentic_lora.errors import NotReadyError
 from agentic_lora.errors import PublicationBlockedError
+from agentic_lora.errors import RevisionConflictError
 from agentic_lora.errors import StaleAttemptError
 from agentic_lora.errors import UnknownEngineError
 from agentic_lora.errors import UnknownVersionError
@@ -275,6 +276,22 @@ class RegistryState:
                 attempt=attempt,
                 missing=missing,
             )
+
+    def _move_default(
+        self, v: VersionRecord, attempt: int, expected_default_revision: int, event: VersionEvent
+    ) -> CommitReceipt:
+        """The one move of the default (``event``: a commit, or a rollback of a RETIRED version):
+        refused unless ``attempt`` is ``v``'s current one, the default revision is the expected
+        one and every engine holds ``v``; then ``v`` becomes the default (see _make_default)."""
+        self._attempt(v, attempt)
+        if expected_default_revision != self.default_revision:
+            raise RevisionConflictError(
+                f"default revision is {self.default_revision}, not {expected_default_revision}",
+                version=v.version_id,
+                default_revision=self.default_revision,
+            )
+        self._require_ready(v, attempt)
+        return self._make_default(v, event)
 
     def _make_default(self, v: VersionRecord, event: VersionEvent) -> CommitReceipt:
         """``v`` becomes the default (by ``event``: a commit, or a rollback of a RETIRED

@@ -4,6 +4,7 @@ backend. HTTP push talks to SGLang, the vLLM backend to vLLM; what only one of t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -314,13 +315,24 @@ async def test_a_reclaimed_version_stays_readable_for_a_rollback_and_reloads_as_
     assert (push.store / RECLAIMED_DIR / NAME_A).is_dir()
 
 
-@pytest.mark.asyncio
-async def test_the_reclaimed_store_keeps_the_newest_versions_only(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def http_push(
+    store: Path, **options: Any
+) -> AsyncIterator[tuple[HttpPushBackend, EngineRef]]:
+    """An HTTP push backend with ``options`` on one scripted SGLang engine."""
     engine = sglang_engines(("e0",))[0]
     with respx.mock(assert_all_called=False) as router:
         engine.mount(router)
-        backend = HttpPushBackend(tmp_path / "store", keep_reclaimed=2)
-        ref = EngineRef("e0", engine.base_url)
+        backend = HttpPushBackend(store, **options)
+        try:
+            yield backend, EngineRef("e0", engine.base_url)
+        finally:
+            await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_reclaimed_store_keeps_the_newest_versions_only(tmp_path: Path) -> None:
+    async with http_push(tmp_path / "store", keep_reclaimed=2) as (backend, ref):
         names = []
         for i in range(1, 5):
             snapshot = tiny_snapshot(i)
@@ -330,7 +342,6 @@ async def test_the_reclaimed_store_keeps_the_newest_versions_only(tmp_path: Path
             )
             await backend.reclaim(ref, lora_name=name, reclaim_id=f"r{i}")
             names.append(name)
-        await backend.aclose()
     assert sorted(p.name for p in (tmp_path / "store" / RECLAIMED_DIR).iterdir()) == sorted(
         names[2:]
     )
@@ -341,15 +352,10 @@ async def test_the_reclaimed_store_keeps_the_newest_versions_only(tmp_path: Path
 
 @pytest.mark.asyncio
 async def test_without_a_reclaimed_store_a_reclaim_removes_the_copy(tmp_path: Path) -> None:
-    engine = sglang_engines(("e0",))[0]
-    with respx.mock(assert_all_called=False) as router:
-        engine.mount(router)
-        backend = HttpPushBackend(tmp_path / "store", keep_reclaimed=0)
-        ref = EngineRef("e0", engine.base_url)
+    async with http_push(tmp_path / "store", keep_reclaimed=0) as (backend, ref):
         await backend.prepare(ref, TARGET_A, A)
         await backend.reclaim(ref, lora_name=NAME_A, reclaim_id="r1")
         assert await backend.stored_snapshot(NAME_A, A.digest) is None
-        await backend.aclose()
     assert not (tmp_path / "store" / RECLAIMED_DIR).exists()
 
 

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 
 from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RollbackRefusedError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import UnknownVersionError
 from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.registry.ray_actor import RegistryActor
 from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import new_request_id
 
@@ -84,6 +86,37 @@ async def test_every_verb_round_trips_through_the_wire_form(tmp_path: Path, coal
     assert (await reg.release(request_id=new_request_id(), session_key="s")).released_now
     assert await reg.forget_sessions(request_id=new_request_id(), session_keys=["s"]) == 1
     claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    for e in (E0, E1):
+        await reg.confirm_reclaim(
+            request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e
+        )
+    # Rollbacks: to A (RECLAIMED) by a reload, then to B (RETIRED) in one step; the receipts, bindings and refusals cross the wire typed.
+    with pytest.raises(RollbackRefusedError) as refused:
+        await reg.rollback(
+            request_id=new_request_id(), version_id="B", attempt=1, expected_default_revision=2
+        )
+    assert refused.value.details["reason"] == "current_default"
+    reload = await reg.reserve_rollback(request_id=new_request_id(), version_id="A")
+    assert (reload.outcome, reload.attempt) == (ReserveOutcome.RELOAD_STARTED, 2)
+    for e in (E0, E1):
+        await reg.record_ready(
+            request_id=new_request_id(), receipt=ReadyReceipt(e, reload.ref, "i")
+        )
+    back = await reg.commit(
+        request_id=new_request_id(), version_id="A", attempt=2, expected_default_revision=2
+    )
+    assert (back.rollback, back.previous_default, back.default_revision) == (True, "B", 3)
+    bound = await reg.bind_first(request_id=new_request_id(), session_key="after")
+    assert (bound.version_id, bound.rolled_back_from) == ("A", "B")
+    again = await reg.rollback(
+        request_id=new_request_id(), version_id="B", attempt=1, expected_default_revision=3
+    )
+    assert (again.rollback, again.previous_default) == (True, "A")
+    assert (await reg.status()).rolled_back_from == "A"
+    await reg.begin_close(request_id=new_request_id(), session_key="after")
+    await reg.release(request_id=new_request_id(), session_key="after")
+    claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    assert claim.reclaim_id.endswith(".1")  # a reloaded version's reclaim gets its own id
     for e in (E0, E1):
         await reg.confirm_reclaim(
             request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e

@@ -703,17 +703,7 @@ class RegistryMachine(RuleBasedStateMachine):
                 v.ready[engine] = inc
                 m.known[engine] = True
         self._begin()
-        previous = m.default
-        result = self._do(
-            delivery,
-            "rollback",
-            version_id=vid,
-            attempt=v.attempt,
-            expected_default_revision=m.revision,
-        )
-        self._expect(result, None)
-        m.make_default(vid)
-        assert (result.rollback, result.previous_default) == (True, previous)
+        self._rolled_back(vid, "rollback", delivery)
 
     @precondition(lambda self: self.model.in_state("RETIRED"))
     @rule(delivery=DELIVERY)
@@ -771,12 +761,17 @@ class RegistryMachine(RuleBasedStateMachine):
             self._expect(self._do(delivery, "record_ready", receipt=receipt), None)
             v.ready[engine] = inc
             m.known[engine] = True
+        self._rolled_back(vid, "commit", delivery)
+
+    def _rolled_back(self, vid: str, verb: str, delivery: str) -> None:
+        """``verb`` (``rollback``, or ``commit`` of a reload) makes ``vid`` the default again."""
+        m = self.model
         previous = m.default
         result = self._do(
             delivery,
-            "commit",
+            verb,
             version_id=vid,
-            attempt=v.attempt,
+            attempt=m.versions[vid].attempt,
             expected_default_revision=m.revision,
         )
         self._expect(result, None)
