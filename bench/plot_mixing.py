@@ -39,20 +39,20 @@ def _gantt(ax: Any, tl: dict[str, Any]) -> None:
         if t["ok"]:
             by_traj.setdefault(t["trajectory"], set()).add(t["version"])
         end = ends.get(t["trajectory"], (-1.0, t["agent"]))
-        ends[t["trajectory"]] = (max(end[0], t["end"]), t["agent"])
+        ends[t["trajectory"]] = (max(end[0], t["finished"]), t["agent"])
         colour = (
             "black"
             if not t["ok"]
             else ("#bbbbbb" if t["version"] is None else cmap(t["version"] % 10))
         )
         ax.plot(
-            [t["start"], t["end"]],
+            [t["dispatched"], t["finished"]],
             [t["agent"], t["agent"]],
             color=colour,
             linewidth=5,
             solid_capstyle="butt",
         )
-    starts = [(t["start"], t["agent"]) for t in turns if t["index"] == 0]
+    starts = [(t["dispatched"], t["agent"]) for t in turns if t["index"] == 0]
     ax.scatter(
         [x for x, _ in starts],
         [y for _, y in starts],
