@@ -732,7 +732,8 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
     )
     order = interleaved_order(list(a.strategies), a.repeats)
     print(
-        f"seed {a.seed}; capacity {capacity} (p99 trajectory {p99:.1f} s at {a.turn_seconds} s/turn, cadence {a.cadence} s); order {' '.join(order)}"
+        f"seed {a.seed}; capacity {capacity} (p99 trajectory {p99:.1f} s at {a.turn_seconds} s/turn, cadence {a.cadence} s); order {' '.join(order)}",
+        flush=True,
     )
     rows, timelines = [], []
     async with EngineFleet(env, fixture, count=2, flags=flags, log_dir=engine_log_dir()) as fleet:
@@ -754,7 +755,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                 ) as deployment,
             ):
                 refs, ref_check = await take_references(client, fleet.engines, dirs)
-                print(f"references: {ref_check}")
+                print(f"references: {ref_check}", flush=True)
                 ctx = Context(
                     params,
                     client,
@@ -770,11 +771,10 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                     seg = await run_segment(ctx, strategy, repeat)
                     row = analyse(seg, refs, a.warmup, a.warmup + a.window)
                     rows.append(row)
-                    timelines.append(
-                        {"strategy": strategy, "repeat": repeat, **timeline(seg, refs)}
-                    )
+                    timelines.append(timeline(seg, refs))
                     print(
-                        f"[{i + 1}/{len(order)}] {strategy} r{repeat}: {row['trajectories']} trajectories, {row['mixed']} mixed, {row['turns']} turns, {row['publications_ok']}/{row['publications']} publications, {row['throughput_turns_s']:.2f} turns/s"
+                        f"[{i + 1}/{len(order)}] {strategy} r{repeat}: {row['trajectories']} trajectories, {row['mixed']} mixed, {row['turns']} turns, {row['publications_ok']}/{row['publications']} publications, {row['throughput_turns_s']:.2f} turns/s",
+                        flush=True,
                     )
     started["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return {
