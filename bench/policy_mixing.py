@@ -202,6 +202,59 @@ def _body(prompt: str, lora: str | None, *, tokens: int) -> dict[str, Any]:
     return body
 
 
+async def adapter_batch_probe(
+    client: httpx.AsyncClient,
+    engines: Sequence[tuple[str, str]],
+    dirs: Sequence[Path],
+    seconds: float,
+) -> dict[str, Any]:
+    """What the engines' LoRA backend charges for a batch whose requests use several adapters.
+
+    8 closed-loop request streams per engine (no think time), every request the same length,
+    for ``seconds`` per block; blocks alternate between all streams on one adapter and the
+    streams spread over four (ABBA, three rounds each). Turns per second per variant.
+    """
+    names = [f"mix-{k}" for k in range(4)]
+    for _, url in engines:
+        for k, name in enumerate(names):
+            ok, err = await _lora_call(
+                client, url, "load_lora_adapter", {"lora_name": name, "lora_path": str(dirs[k])}
+            )
+            if not ok:
+                raise RuntimeError(f"batch probe load: {err}")
+    prompt = PROBE + "<|im_start|>user\n" + " ".join(["tool result value"] * 20) + "<|im_end|>\n"
+    rates: dict[str, list[float]] = {"1 adapter": [], "4 adapters": []}
+
+    async def stream(url: str, lora: str, stop: float, done: list[int]) -> None:
+        while time.perf_counter() < stop:
+            r = await client.post(f"{url}/generate", json=_body(prompt, lora, tokens=16))
+            r.raise_for_status()
+            done[0] += 1
+
+    try:
+        for variant in interleaved_order(list(rates), 3):
+            spread = 4 if variant == "4 adapters" else 1
+            done = [0]
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    stream(url, names[i % spread], start + seconds, done)
+                    for _, url in engines
+                    for i in range(8)
+                )
+            )
+            rates[variant].append(done[0] / (time.perf_counter() - start))
+    finally:
+        for _, url in engines:
+            for name in names:
+                await _lora_call(client, url, "unload_lora_adapter", {"lora_name": name})
+    one, four = (_median(v) for v in rates.values())
+    return {
+        "turns_per_s": rates,
+        "summary": {"1 adapter": one, "4 adapters": four, "ratio": four / one},
+    }
+
+
 # --- the segment's moving parts ----------------------------------------------------------------
 
 
@@ -250,6 +303,7 @@ class Segment:
     trainer: dict[str, int] = field(default_factory=lambda: {"engine_reloaded": 0, "retries": 0})
     errors: list[str] = field(default_factory=list)
     max_slots: int | None = None  # pinned: most version slots in use at once (sampled)
+    cpu: dict[str, float] = field(default_factory=dict)  # cores used by this run / by others
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -345,6 +399,7 @@ class Context:
     refs: dict[int, tuple[float, ...]]
     swapper: InPlaceSwap
     tag: str
+    groups: Sequence[int] = ()  # process groups of this run and its engines (CPU accounting)
 
 
 async def run_turns(
@@ -477,11 +532,34 @@ async def trainer(ctx: Context, seg: Segment, admission: Admission, end: float) 
             version -= 1  # the engines still serve the previous version; retry this one next
 
 
+def cpu_seconds(groups: Sequence[int]) -> tuple[float, float]:
+    """(CPU seconds the machine has been busy, of which the processes in ``groups``: this run's
+    process group and the engines'), from /proc. Their difference over a segment is what other
+    work on the shared machine took from it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    ours = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[2]) in groups:  # pgrp
+            ours += int(stat[11]) + int(stat[12])  # utime + stime
+    return busy / tick, ours / tick
+
+
 async def run_segment(ctx: Context, strategy: str, repeat: int) -> Segment:
     seg = Segment(strategy, repeat)
     seg.t0 = time.perf_counter()
     await bootstrap(ctx, seg)
     seg.t0 = time.perf_counter()
+    busy0, ours0 = cpu_seconds(ctx.groups)
     end = ctx.params.warmup + ctx.params.window
     admission = Admission()
     agents = [
@@ -497,6 +575,13 @@ async def run_segment(ctx: Context, strategy: str, repeat: int) -> Segment:
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
+    busy1, ours1 = cpu_seconds(ctx.groups)
+    wall = seg.now()
+    seg.cpu = {
+        "wall_s": wall,
+        "ours_cores": (ours1 - ours0) / wall,
+        "foreign_cores": ((busy1 - busy0) - (ours1 - ours0)) / wall,
+    }
     return seg
 
 
@@ -572,6 +657,7 @@ def analyse(
         "mean_version_lag": (sum(lags) / len(lags)) if lags else math.nan,
         "trainer": seg.trainer,
         "max_slots_in_use": seg.max_slots,
+        "cpu": seg.cpu,
         "errors": seg.errors[:5],
     }
 
@@ -649,6 +735,7 @@ def timeline(seg: Segment, refs: dict[int, tuple[float, ...]]) -> dict[str, Any]
         "trainer": seg.trainer,
         "errors": seg.errors,
         "max_slots_in_use": seg.max_slots,
+        "cpu": seg.cpu,
     }
 
 
@@ -670,6 +757,7 @@ def segment_from(tl: dict[str, Any]) -> Segment:
     seg.windows = [SwapWindow(**w) for w in tl["windows"]]
     seg.publications = [Publication(**p) for p in tl["publications"]]
     seg.trainer, seg.errors, seg.max_slots = tl["trainer"], tl["errors"], tl["max_slots_in_use"]
+    seg.cpu = tl.get("cpu", {})
     return seg
 
 
@@ -736,6 +824,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     rows, timelines = [], []
+    batch_cost: dict[str, Any] | None = None
     async with EngineFleet(env, fixture, count=2, flags=flags, log_dir=engine_log_dir()) as fleet:
         settings = fleet_settings(
             fleet,
@@ -765,7 +854,13 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                     refs,
                     InPlaceSwap(client, fleet.engines, root, params),
                     uuid.uuid4().hex[:6],
+                    (os.getpgid(0), *(fleet.pid(n) or -1 for n in fleet.names)),
                 )
+                if a.batch_probe > 0:
+                    batch_cost = await adapter_batch_probe(
+                        client, fleet.engines, dirs, a.batch_probe
+                    )
+                    print(f"adapter batch probe: {batch_cost['summary']}", flush=True)
                 for i, strategy in enumerate(order):
                     repeat = i // len(a.strategies)
                     seg = await run_segment(ctx, strategy, repeat)
@@ -788,6 +883,7 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
             "contents": len(contents),
         },
         "references": {**ref_check, "fingerprints": refs},
+        "adapter_batch_probe": batch_cost,
         "segments": rows,
         "summary": aggregate(rows),
         "timelines": timelines,
@@ -798,9 +894,12 @@ def report(result: dict[str, Any]) -> None:
     rows = result["segments"]
     print("\n== segments ==")
     print_table(
-        ["strategy", "rep", "traj", "mixed", "at risk (timeline)", "turns", "failed", "unident.", "pubs ok", "pub s (mean)", "first new turn s", "turns/s", "max gap s", "stale turns"],
-        [[r["strategy"], r["repeat"], r["trajectories"], r["mixed"], r["timeline"]["at_risk"], r["turns"], r["failed_turns"], r["unidentified_turns"], f"{r['publications_ok']}/{r['publications']}", r["publication_s"]["mean"], r["first_new_turn_s"], r["throughput_turns_s"], r["max_gap_s"], r["stale_turn_fraction"]] for r in rows],
+        ["strategy", "rep", "traj", "mixed", "at risk (timeline)", "turns", "failed", "unident.", "pubs ok", "pub s (mean)", "first new turn s", "turns/s", "max gap s", "stale turns", "others' cores"],
+        [[r["strategy"], r["repeat"], r["trajectories"], r["mixed"], r["timeline"]["at_risk"], r["turns"], r["failed_turns"], r["unidentified_turns"], f"{r['publications_ok']}/{r['publications']}", r["publication_s"]["mean"], r["first_new_turn_s"], r["throughput_turns_s"], r["max_gap_s"], r["stale_turn_fraction"], r.get("cpu", {}).get("foreign_cores", float("nan"))] for r in rows],
     )  # fmt: skip
+    probe = result.get("adapter_batch_probe")
+    if probe:
+        print(f"\nadapter batch probe (turns/s): {probe['summary']}")
     s = result["summary"]
     print("\n== per strategy: median over repeats (min-max) ==")
 
@@ -861,10 +960,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--inplace-source", choices=("link", "version-dir"), default="link")
     p.add_argument("--swap-retries", type=int, default=10)
+    p.add_argument(
+        "--batch-probe",
+        type=float,
+        default=5.0,
+        help="seconds per block of the adapter batch probe (0: skip)",
+    )
     p.add_argument("--rescore", type=Path, help="analyse a recorded run's JSON again; no engines")
     a = p.parse_args(argv)
     if a.smoke:
         a.agents, a.repeats, a.window, a.warmup, a.cadence = 4, 1, 12.0, 4.0, 4.0
+        a.batch_probe = min(a.batch_probe, 2.0)
     a.strategies = tuple(x for x in a.strategies.split(",") if x)
     if (
         not set(a.strategies) <= set(STRATEGIES)
