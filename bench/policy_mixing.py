@@ -652,6 +652,11 @@ def analyse(
         "first_new_turn_s": summarize(x for x in first if not math.isnan(x)).p50,
         "first_new_turn_all_s": first,
         "throughput_turns_s": throughput(finished, start, end),
+        # Turns per CPU-second this run's processes (client and engines) got: on a shared machine
+        # the CPU share moves throughput; this is what a turn costs, whatever the share was.
+        "turns_per_cpu_s": (
+            len(ok) / (seg.cpu["ours_cores"] * seg.cpu["wall_s"]) if seg.cpu else math.nan
+        ),
         "max_gap_s": max_gap(finished, start, end),
         "stale_turn_fraction": (sum(1 for x in lags if x > 0) / len(lags)) if lags else math.nan,
         "mean_version_lag": (sum(lags) / len(lags)) if lags else math.nan,
@@ -666,9 +671,18 @@ def _median(xs: Sequence[float]) -> float:
     return summarize(x for x in xs if not math.isnan(x)).p50
 
 
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of the values that are numbers (NaN for all three when none is)."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return {"median": math.nan, "min": math.nan, "max": math.nan}
+    return {"median": _median(known), "min": min(known), "max": max(known)}
+
+
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per strategy: median and range over repeats; ratios paired within each repeat."""
     keys = [
+        "turns_per_cpu_s",
         "mixed_fraction",
         "throughput_turns_s",
         "max_gap_s",
@@ -680,16 +694,8 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in rows if r["strategy"] == s]
         if not mine:
             continue
-        stats = {
-            k: {
-                "median": _median([r[k] for r in mine]),
-                "min": min(r[k] for r in mine),
-                "max": max(r[k] for r in mine),
-            }
-            for k in keys
-        }
-        pub = [r["publication_s"]["mean"] for r in mine]
-        stats["publication_s"] = {"median": _median(pub), "min": min(pub), "max": max(pub)}
+        stats = {k: _spread([r[k] for r in mine]) for k in keys}
+        stats["publication_s"] = _spread([r["publication_s"]["mean"] for r in mine])
         stats["mixed"] = sum(r["mixed"] for r in mine)
         stats["trajectories"] = sum(r["trajectories"] for r in mine)
         stats["failed_turns"] = sum(r["failed_turns"] for r in mine)
@@ -709,7 +715,16 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for g in by_repeat.values()
         if {"pinned", "drain"} <= g.keys()
     ]
-    out["ratios"] = {"throughput_pinned_over_inplace": thr, "barrier_pinned_over_drain": bar}
+    eff = [
+        g["pinned"]["turns_per_cpu_s"] / g["inplace"]["turns_per_cpu_s"]
+        for g in by_repeat.values()
+        if {"pinned", "inplace"} <= g.keys()
+    ]
+    out["ratios"] = {
+        "throughput_pinned_over_inplace": thr,
+        "turns_per_cpu_s_pinned_over_inplace": eff,
+        "barrier_pinned_over_drain": bar,
+    }
     pinned = out.get("pinned", {})
     out["goals"] = {
         "pinned: 0 mixed trajectories": pinned.get("mixed") == 0,
@@ -908,12 +923,16 @@ def report(result: dict[str, Any]) -> None:
         return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
 
     print_table(
-        ["strategy", "mixed trajectories", "publication s", "first new-version turn s", "turns/s", "max gap s", "stale turns"],
-        [[k, f"{s[k]['mixed']}/{s[k]['trajectories']} ({cell('mixed_fraction', k)})", cell("publication_s", k), cell("first_new_turn_s", k), cell("throughput_turns_s", k), cell("max_gap_s", k), cell("stale_turn_fraction", k)] for k in STRATEGIES if k in s],
+        ["strategy", "mixed trajectories", "publication s", "first new-version turn s", "turns/s", "turns per CPU-s", "max gap s", "stale turns"],
+        [[k, f"{s[k]['mixed']}/{s[k]['trajectories']} ({cell('mixed_fraction', k)})", cell("publication_s", k), cell("first_new_turn_s", k), cell("throughput_turns_s", k), cell("turns_per_cpu_s", k), cell("max_gap_s", k), cell("stale_turn_fraction", k)] for k in STRATEGIES if k in s],
     )  # fmt: skip
     r = s["ratios"]
     print(
         f"\npinned/inplace throughput per repeat: {[round(x, 3) for x in r['throughput_pinned_over_inplace']]}"
+    )
+    print(
+        "pinned/inplace turns per CPU-second per repeat: "
+        f"{[round(x, 3) for x in r['turns_per_cpu_s_pinned_over_inplace']]}"
     )
     print(
         f"pinned/drain publication time per repeat: {[round(x, 4) for x in r['barrier_pinned_over_drain']]}"

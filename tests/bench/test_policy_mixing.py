@@ -127,7 +127,7 @@ def test_aggregate_pairs_the_ratios_within_each_repeat():
         return {
             "strategy": strategy, "repeat": repeat, "mixed": mixed, "trajectories": 10,
             "mixed_fraction": mixed / 10, "throughput_turns_s": thr, "max_gap_s": 1.0,
-            "first_new_turn_s": 1.0, "stale_turn_fraction": 0.0, "publication_s": {"mean": pub},
+            "first_new_turn_s": 1.0, "stale_turn_fraction": 0.0, "publication_s": {"mean": pub}, "turns_per_cpu_s": thr / 2,
             "failed_turns": 0, "unidentified_turns": 0, "publications": 3,
         }  # fmt: skip
 
@@ -138,6 +138,7 @@ def test_aggregate_pairs_the_ratios_within_each_repeat():
     s = aggregate(rows)
     assert s["ratios"]["throughput_pinned_over_inplace"] == pytest.approx([0.99, 8 / 9])
     assert s["ratios"]["barrier_pinned_over_drain"] == pytest.approx([0.075, 0.7 / 6])
+    assert s["ratios"]["turns_per_cpu_s_pinned_over_inplace"] == pytest.approx([0.99, 8 / 9])
     assert s["inplace"]["mixed"] == 9
     assert s["pinned"]["mixed"] == 0
     goals = list(s["goals"].values())
