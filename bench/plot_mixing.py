@@ -5,7 +5,8 @@ Top: the first repeat of each strategy, one row per agent, every turn a bar colo
 version its output identifies (grey: unidentified, black: failed); a red dot ends each
 trajectory that mixed versions; shaded: the trainer's publication calls (call to return).
 Bottom: per strategy, every repeat's value as a dot and the median as a bar: mixed
-trajectories, trainer-visible publication time (log scale), throughput, longest no-progress gap.
+trajectories, trainer-visible publication time (log scale), throughput, turns per CPU-second
+the run's processes got (the machine is shared), longest no-progress gap.
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ TITLES = {
 }
 
 
-def _gantt(ax: Any, tl: dict[str, Any]) -> None:
-    cmap = plt.get_cmap("tab10")
+# tab10 without its grey, which stands for "unidentified" here.
+VERSION_COLOURS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
+
+
+def _gantt(ax: Any, tl: dict[str, Any], window_end: float) -> None:
     turns = tl["turns"]
     by_traj: dict[str, set[int | None]] = {}
     ends: dict[str, tuple[float, int]] = {}
@@ -43,7 +47,11 @@ def _gantt(ax: Any, tl: dict[str, Any]) -> None:
         colour = (
             "black"
             if not t["ok"]
-            else ("#bbbbbb" if t["version"] is None else cmap(t["version"] % 10))
+            else (
+                "#bbbbbb"
+                if t["version"] is None
+                else VERSION_COLOURS[t["version"] % len(VERSION_COLOURS)]
+            )
         )
         ax.plot(
             [t["dispatched"], t["finished"]],
@@ -63,6 +71,7 @@ def _gantt(ax: Any, tl: dict[str, Any]) -> None:
     )
     for p in tl["publications"]:
         ax.axvspan(p["called"], p["returned"], color="#ffd8a8", zorder=0)
+    ax.axvline(window_end, color="black", linestyle="--", linewidth=0.8)
     mixed = [ends[k] for k, vs in by_traj.items() if len({v for v in vs if v is not None}) > 1]
     if mixed:
         ax.scatter(
@@ -76,7 +85,7 @@ def _gantt(ax: Any, tl: dict[str, Any]) -> None:
         ax.legend(loc="upper right", fontsize=7)
     ax.set_ylabel("agent")
     ax.set_title(
-        f"{TITLES[tl['strategy']]} (repeat {tl['repeat']}; shaded: publication call to return; |: a trajectory starts)",
+        f"{TITLES[tl['strategy']]} (repeat {tl['repeat']}; shaded: publication call to return; |: a trajectory starts; dashed: no new trajectory after)",
         fontsize=9,
     )
 
@@ -110,18 +119,20 @@ def plot_policy_mixing(result: dict[str, Any], path: Path) -> Path:
     ]
     first = {tl["strategy"]: tl for tl in result["timelines"] if tl["repeat"] == 0}
     fig = plt.figure(figsize=(14, 4 + 2.6 * len(first)))
-    grid = fig.add_gridspec(len(first) + 1, 4, height_ratios=[*([2.6] * len(first)), 2.2])
+    grid = fig.add_gridspec(len(first) + 1, 5, height_ratios=[*([2.6] * len(first)), 2.2])
     top = None
     for i, s in enumerate(s for s in strategies if s in first):
         ax = fig.add_subplot(grid[i, :], sharex=top)
         top = top or ax
-        _gantt(ax, first[s])
+        settings = result["settings"]
+        _gantt(ax, first[s], settings["warmup"] + settings["window"])
     if top is not None:
         top.figure.axes[-1].set_xlabel("seconds since the segment's agents started")
     panels = [
         (lambda r: r["mixed_fraction"], "trajectories that mixed versions"),
         (lambda r: r["publication_s"]["mean"], "trainer-visible publication (s, log)"),
         (lambda r: r["throughput_turns_s"], "throughput (turns/s)"),
+        (lambda r: r.get("turns_per_cpu_s", float("nan")), "turns per CPU-second the run got"),
         (lambda r: r["max_gap_s"], "longest no-progress gap (s)"),
     ]
     for j, (key, title) in enumerate(panels):
