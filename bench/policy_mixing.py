@@ -100,8 +100,6 @@ FIXED_NAME = "policy"
 PROBE = "the agent reads the tool result and answers the question<|im_start|>"
 GOALS = {"throughput_ratio": 0.97, "barrier_ratio": 0.1}
 
-logger = logging.getLogger("policy_mixing")
-
 
 # --- adapter contents and references -----------------------------------------------------------
 
