@@ -626,6 +626,7 @@ def analyse(
     lags = version_lags([(t.dispatched, by_fp[id(t)]) for t in ok], seg.publications)
     finished = [t.finished for t in ok]
     pub_s = summarize(p.seconds for p in seg.publications)
+    first_call = seg.publications[0].called if seg.publications else end
     return {
         "strategy": seg.strategy,
         "repeat": seg.repeat,
@@ -650,6 +651,9 @@ def analyse(
         "first_new_turn_s": summarize(x for x in first if not math.isnan(x)).p50,
         "first_new_turn_all_s": first,
         "throughput_turns_s": throughput(finished, start, end),
+        # Until the first publication is called the strategies differ only in the client path
+        # (drain and in-place not at all): the spread of this between them is the machine's noise.
+        "throughput_before_publication": throughput(finished, 0.0, first_call),
         # Turns per CPU-second this run's processes (client and engines) got: on a shared machine
         # the CPU share moves throughput; this is what a turn costs, whatever the share was.
         "turns_per_cpu_s": (
@@ -718,8 +722,19 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for g in by_repeat.values()
         if {"pinned", "inplace"} <= g.keys()
     ]
+    before = {
+        other: [
+            g[other]["throughput_before_publication"]
+            / g["inplace"]["throughput_before_publication"]
+            for g in by_repeat.values()
+            if {other, "inplace"} <= g.keys()
+        ]
+        for other in ("drain", "pinned")
+    }
     out["ratios"] = {
         "throughput_pinned_over_inplace": thr,
+        "before_publication_pinned_over_inplace": before["pinned"],
+        "before_publication_drain_over_inplace": before["drain"],
         "turns_per_cpu_s_pinned_over_inplace": eff,
         "barrier_pinned_over_drain": bar,
     }
@@ -927,6 +942,11 @@ def report(result: dict[str, Any]) -> None:
     r = s["ratios"]
     print(
         f"\npinned/inplace throughput per repeat: {[round(x, 3) for x in r['throughput_pinned_over_inplace']]}"
+    )
+    print(
+        "before the first publication (the control), per repeat: pinned/inplace "
+        f"{[round(x, 3) for x in r['before_publication_pinned_over_inplace']]}, drain/inplace "
+        f"{[round(x, 3) for x in r['before_publication_drain_over_inplace']]}"
     )
     print(
         "pinned/inplace turns per CPU-second per repeat: "

@@ -85,6 +85,7 @@ def test_an_inplace_segment_is_scored_from_outputs_and_cross_checked_with_the_ti
     }
     assert row["attribution_disagreements"] == 0
     assert row["throughput_turns_s"] == pytest.approx(7 / 10)
+    assert row["throughput_before_publication"] == pytest.approx(4 / 9.9)  # until 9.9 s
     assert row["max_gap_s"] == pytest.approx(15.0 - 12.3)  # the failed turn is no progress
     assert row["first_new_turn_s"] == pytest.approx(10.6 - 9.9)
     assert row["publication_s"]["mean"] == pytest.approx(0.5)
@@ -128,6 +129,7 @@ def test_aggregate_pairs_the_ratios_within_each_repeat():
             "strategy": strategy, "repeat": repeat, "mixed": mixed, "trajectories": 10,
             "mixed_fraction": mixed / 10, "throughput_turns_s": thr, "max_gap_s": 1.0,
             "first_new_turn_s": 1.0, "stale_turn_fraction": 0.0, "publication_s": {"mean": pub}, "turns_per_cpu_s": thr / 2,
+            "throughput_before_publication": thr / 10 if strategy == "inplace" else 1.0,
             "failed_turns": 0, "unidentified_turns": 0, "publications": 3,
         }  # fmt: skip
 
@@ -139,6 +141,7 @@ def test_aggregate_pairs_the_ratios_within_each_repeat():
     assert s["ratios"]["throughput_pinned_over_inplace"] == pytest.approx([0.99, 8 / 9])
     assert s["ratios"]["barrier_pinned_over_drain"] == pytest.approx([0.075, 0.7 / 6])
     assert s["ratios"]["turns_per_cpu_s_pinned_over_inplace"] == pytest.approx([0.99, 8 / 9])
+    assert s["ratios"]["before_publication_drain_over_inplace"] == pytest.approx([1.0, 10 / 9])
     assert s["inplace"]["mixed"] == 9
     assert s["pinned"]["mixed"] == 0
     goals = list(s["goals"].values())
