@@ -158,6 +158,7 @@ class AdminRoutes:
                     unsubscribe()
         if gateway.metrics is not None:
             gateway.metrics.observe_publication(result)
+        gateway.status_page.operations.observe_publication(result)
         logger.info(
             "publication of %s: %s",
             version_id,
