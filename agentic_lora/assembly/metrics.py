@@ -33,7 +33,8 @@ a test holds this table and the metrics table of the gateway docs to that catalo
 
 No label names a Session or a version: both are unbounded and would grow the series without end.
 Every label value comes from a closed set (an enum or a stable error code), but ``engine``: the
-fleet's engine names, as many as the operator configured. Durations are seconds. ``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
+fleet's engine names, as many as the operator configured. Durations are seconds.
+``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
 name, wait for the engine's own request refcount to drain, unload.
 
 ``agentic_lora_session_version_lag`` is observed once per versioned dispatch when it starts (the
@@ -47,11 +48,8 @@ for the caller's own input (:data:`BAD_INPUT_CODES`: a malformed or oversized bo
 name that is no Session's adapter, a missing credential), by the error's stable code. Most never
 open a Session, so ``agentic_lora_dispatches_total`` does not see them.
 
-``agentic_lora_dispatch_seconds`` times each dispatch in the chain (a stream: until it opened).
-``agentic_lora_gateway_failed_requests_total`` counts every generation request the gateway
-answered with an error, by stable code (``AGENTIC_LORA_ERROR`` for an untyped one). The lease
-counters hear the sweeps of a registry in this process. ``agentic_lora_engine_members`` counts
-members by membership state, once the registry reports a membership.
+``agentic_lora_gateway_failed_requests_total`` counts every failed generation request by code
+(``AGENTIC_LORA_ERROR``: untyped). The lease counters hear a registry in this process.
 
 The instruments live in their own :class:`prometheus_client.CollectorRegistry` (not the global
 one), so two deployments in one process, or two tests, never share counters.
@@ -63,6 +61,7 @@ import asyncio
 import logging
 import time
 from collections import Counter as Tally
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
@@ -276,15 +275,10 @@ class Metrics:
     )
 
     dispatch_seconds = Instrument(
-        Histogram,
-        ("route", "outcome"),
-        "Time one dispatch spent in the chain, to its reply or failure, by route and outcome.",
-        _DISPATCH_BUCKETS,
+        Histogram, ("route", "outcome"), "Time one dispatch spent in the chain.", _DISPATCH_BUCKETS
     )
     gateway_failed_requests = Instrument(
-        Counter,
-        ("code",),
-        "Generation requests the gateway answered with an error, by the error's stable code.",
+        Counter, ("code",), "Generation requests answered with an error, by its stable code."
     )
     leases_expired = Instrument(Counter, (), "Owner leases the registry's sweep expired.")
     lease_expired_sessions = Instrument(
@@ -391,8 +385,7 @@ class Metrics:
         live_sessions: int,
         engine_health: Mapping[str, bool] | None = None,
     ) -> None:
-        """Set the gauges from a registry status (call it right before a scrape), and
-        ``agentic_lora_engine_up`` from ``engine_health`` (each engine's last probe) when given."""
+        """Set the gauges from a registry status and the engines' last probes (before a scrape)."""
         self.sessions_live.set(live_sessions)
         self.registry_sessions.set(status.live_sessions)
         self.capacity_slots.set(status.capacity)
@@ -416,8 +409,7 @@ class Metrics:
 
     @staticmethod
     def _set_each(gauge: Gauge, before: set[str], values: Mapping[str, float]) -> set[str]:
-        """Set one series of ``gauge`` per key of ``values`` and remove the series of keys gone
-        since (an engine that left the fleet, a membership state no member is in)."""
+        """One series per key of ``values``; the series of keys gone since are removed."""
         for gone in before - set(values):
             gauge.remove(gone)
         for key, value in values.items():
@@ -426,9 +418,9 @@ class Metrics:
 
     # --- hooks ----------------------------------------------------------------------------------
 
-    def dispatch_middleware(self) -> Middleware:
-        """The chain middleware that counts dispatch outcomes (list it first in the chain)."""
-        return Middleware(DispatchMetricsMiddleware, metrics=self)
+    def dispatch_middleware(self, clock: Callable[[], float] = time.perf_counter) -> Middleware:
+        """The chain middleware that counts and times dispatches (list it first in the chain)."""
+        return Middleware(DispatchMetricsMiddleware, metrics=self, clock=clock)
 
     def watch_staleness(self, versioning: Versioning) -> None:
         """Observe the lag of every dispatch of ``versioning``'s Sessions and their refusals."""
@@ -469,18 +461,26 @@ class DispatchMetricsMiddleware:
     ``refused``.
     """
 
-    def __init__(self, next_dispatch: Dispatch, *, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        next_dispatch: Dispatch,
+        *,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._next = next_dispatch
         self._metrics = metrics
+        self._clock = clock
 
     async def __call__(self, call: EngineCall) -> EngineReply:
-        start = time.perf_counter()
+        clock = self._clock
+        start = clock()
         try:
             reply = await self._next(call)
         except (Exception, asyncio.CancelledError) as exc:
             sent = call.ticket is not None and call.ticket.engine is not None
             outcome = classify_failure(exc, sent=sent)
-            self._metrics.observe_dispatch(call.route, outcome, time.perf_counter() - start)
+            self._metrics.observe_dispatch(call.route, outcome, clock() - start)
             raise
-        self._metrics.observe_dispatch(call.route, DispatchOutcome.OK, time.perf_counter() - start)
+        self._metrics.observe_dispatch(call.route, DispatchOutcome.OK, clock() - start)
         return reply
