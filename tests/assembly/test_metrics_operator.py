@@ -4,10 +4,7 @@ requests by code, lease expiries, engine health and membership."""
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections import deque
-from dataclasses import dataclass
-from dataclasses import field
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,6 @@ from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import TooManySessionsError
 from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
-from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import new_request_id
 from agentic_lora.session.middleware import EngineCall
 from agentic_lora.session.middleware import InFlight
@@ -29,6 +25,11 @@ from tests.assembly.test_metrics import scrape
 from tests.assembly.test_metrics import value
 from tests.gateway.test_gateway import chat
 from tests.gateway.test_gateway import gateway_stack
+from tests.gateway.test_ui_view import Member
+from tests.gateway.test_ui_view import MemberRow
+from tests.gateway.test_ui_view import StatusWithMembers
+from tests.gateway.test_ui_view import fleet_status
+from tests.gateway.test_ui_view import vars_of
 
 HIST = "agentic_lora_dispatch_seconds"
 
@@ -144,39 +145,14 @@ async def test_lease_expiries_are_counted_from_the_registrys_own_sweep() -> None
     await registry.aclose()
 
 
-class MemberState(enum.StrEnum):
-    ACTIVE = "ACTIVE"
-    EJECTED = "EJECTED"
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    engine: str
-    state: MemberState
-
-
-@dataclass(frozen=True, slots=True)
-class StatusWithMembers(RegistryStatus):
-    members: tuple[Member, ...] = field(default_factory=tuple)
-
-
-def _status(*members: Member) -> StatusWithMembers:
-    return StatusWithMembers(
-        deployment_epoch=0,
-        capacity=2,
-        engines=(),
-        default_version=None,
-        default_revision=0,
-        slots_in_use=0,
-        pending_version=None,
-        members=members,
-    )
+def _status(*members: MemberRow) -> StatusWithMembers:
+    return StatusWithMembers(**vars_of(fleet_status(2, 1)), members=members)
 
 
 def test_engine_health_and_membership_series_follow_the_fleet() -> None:
     metrics = Metrics()
     metrics.refresh(
-        _status(Member("e0", MemberState.ACTIVE), Member("e1", MemberState.EJECTED)),
+        _status(MemberRow("e0", Member.ACTIVE), MemberRow("e1", Member.EJECTED)),
         live_sessions=0,
         engine_health={"e0": True, "e1": False},
     )
@@ -188,7 +164,7 @@ def test_engine_health_and_membership_series_follow_the_fleet() -> None:
     assert value(m, "agentic_lora_engine_members", member_state="ejected") == 1
     # e1 left the fleet and nobody is ejected any more: their series go, not linger at a value.
     metrics.refresh(
-        _status(Member("e0", MemberState.ACTIVE)), live_sessions=0, engine_health={"e0": True}
+        _status(MemberRow("e0", Member.ACTIVE)), live_sessions=0, engine_health={"e0": True}
     )
     m = parse(metrics.exposition().decode())
     assert ("agentic_lora_engine_up", frozenset({("engine", "e1")})) not in m

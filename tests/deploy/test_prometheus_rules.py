@@ -108,3 +108,9 @@ def test_the_scrape_example_loads_the_rules_and_scrapes_metrics() -> None:
     interval = promql_parser.parse_duration(job["scrape_interval"])
     assert promql_parser.parse_duration(job["scrape_timeout"]) < interval
     assert job["static_configs"][0]["targets"]
+
+
+def test_the_docs_list_every_alert() -> None:
+    page = (DOCS / "operating.md").read_text()
+    listed = set(re.findall(r"^\| `(AgenticLoRA[A-Za-z]+)` \|", page, flags=re.MULTILINE))
+    assert listed == {rule["alert"] for rule in rules()}

@@ -311,3 +311,16 @@ def test_queries_come_from_url_parameters_and_bad_ones_are_typed_refusals() -> N
     ):
         with pytest.raises(InvalidRequestError):
             ViewQuery.from_params(params)
+
+
+def test_only_the_newest_operations_carry_their_steps() -> None:
+    operations = OperationLog(clock=lambda: 10.0)
+    for n in range(10):
+        operations(PhaseEvent(None, Phase.RESERVE, PhaseStatus.STARTED, version_id=f"v{n}"))
+        operations(PhaseEvent(None, Phase.RESERVE, PhaseStatus.DONE, 0.1, version_id=f"v{n}"))
+    timeline = build_view(fleet_status(2, 1), FACTS, operations=operations.recent(), now=0)[
+        "timeline"
+    ]
+    assert [op["version_id"] for op in timeline] == [f"v{n}" for n in range(9, 1, -1)]
+    assert [len(op["steps"]) for op in timeline] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert {op["step_count"] for op in timeline} == {1}

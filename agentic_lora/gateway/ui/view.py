@@ -8,7 +8,8 @@ returns plain dicts and lists, so it is unit-tested without a server and benchma
 Its size does not grow with the number of Sessions: Sessions appear only as counts (per
 version, per version state, per lag, per lease). Versions and leases are paged
 (:class:`ViewQuery`); by default the versions page holds only versions that still matter (not
-RECLAIMED or FAILED_CLEAN), newest first; every state's count is always given.
+RECLAIMED or FAILED_CLEAN), newest first; every state's count is always given. The timeline
+lists the last few operations, only the newest ones with every step (the bulk of an update).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ MAX_PAGE = 200
 _HISTORY = frozenset({VersionState.RECLAIMED, VersionState.FAILED_CLEAN})
 #: How many recent refusals a view lists (the tally per code counts them all).
 _RECENT_REFUSALS = 20
-#: How many recent operations a view lists.
+#: How many recent operations a view lists, and of those how many with every step.
 _RECENT_OPERATIONS = 8
+_DETAILED_OPERATIONS = 3
 #: Fields an engine row has in its own columns; any other field of the registry's engine or
 #: member status (membership state, fence, ...) is shown as it comes, under ``extra``.
 _ENGINE_CORE_FIELDS = frozenset({"engine", "incarnation", "base_url"})
@@ -153,7 +155,10 @@ def build_view(
         "versions": _versions(status, query),
         "engines": _engines(status, gateway.engine_health),
         "staleness": _staleness(status, dispatch_lag),
-        "timeline": [_operation(op) for op in operations[:_RECENT_OPERATIONS]],
+        "timeline": [
+            _operation(op, detailed=n < _DETAILED_OPERATIONS)
+            for n, op in enumerate(operations[:_RECENT_OPERATIONS])
+        ],
         "refusals": _refusals(refusals),
         "leases": _leases(status, query),
     }
@@ -289,7 +294,7 @@ def _staleness(status: RegistryStatus, dispatch_lag: LagHistogram | None) -> dic
     }
 
 
-def _operation(op: Operation) -> dict[str, Any]:
+def _operation(op: Operation, *, detailed: bool) -> dict[str, Any]:
     return {
         "seq": op.seq,
         "kind": op.kind.value,
@@ -299,6 +304,7 @@ def _operation(op: Operation) -> dict[str, Any]:
         "outcome": op.outcome,
         "error_code": op.error_code,
         "dropped": op.dropped,
+        "step_count": len(op.steps),
         "steps": [
             {
                 "phase": s.phase.value,
@@ -308,7 +314,7 @@ def _operation(op: Operation) -> dict[str, Any]:
                 "seconds": _ms(s.seconds),
                 "error_code": s.error_code,
             }
-            for s in op.steps
+            for s in (op.steps if detailed else ())
         ],
     }
 

@@ -291,7 +291,8 @@ function renderTimeline(ops) {
       el("span", { class: `outcome ${outcome}`, "data-testid": "outcome" }, outcome),
       ` ${op.kind} ${op.version_id} · started ${clock(op.started_at)} · ${seconds(end - op.started_at)}`,
       op.error_code ? el("span", { class: "error" }, ` ${op.error_code}`) : null,
-      op.dropped ? el("span", { class: "muted" }, ` (${op.dropped} events not kept)`) : null);
+      op.dropped ? el("span", { class: "muted" }, ` (${op.dropped} events not kept)`) : null,
+      op.steps.length < op.step_count ? el("span", { class: "muted" }, ` (${op.step_count} steps)`) : null);
     const block = el("details", { class: "operation", open, dataset: { version: op.version_id, kind: op.kind } }, summary, bars);
     // Only a click is the user's choice (the toggle event also fires for the initial state).
     summary.addEventListener("click", () => state.opened.set(op.seq, !block.open));
