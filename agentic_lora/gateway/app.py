@@ -175,8 +175,10 @@ class Gateway(GenerationRoutes):
             retry_after=max(1.0, min(retry_after, 60.0)),
         )
         self._admin_token = admin_token
-        self._admin = AdminRoutes(self, admin_token)
         self.status_page = StatusPage(self, admin_token)
+        self._admin = AdminRoutes(
+            self, admin_token, on_published=self.status_page.operations.observe_publication
+        )
         self._owns_deployment = owns_deployment
         self._reaper: asyncio.Task[None] | None = None
         install_access_log_redactor()

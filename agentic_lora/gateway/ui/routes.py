@@ -54,7 +54,7 @@ from agentic_lora.gateway.ui.view import build_view
 from agentic_lora.gateway.ui.view import lag_histogram
 
 if TYPE_CHECKING:
-    from agentic_lora.gateway.app import Gateway
+    from agentic_lora.gateway.admin import AdminHost
 
 __all__ = ["CONTENT_SECURITY_POLICY", "COOKIE_NAME", "StatusPage"]
 
@@ -95,7 +95,8 @@ def _strong_etag(body: bytes) -> str:
 
 
 class StatusPage:
-    """The status page of one :class:`~agentic_lora.gateway.app.Gateway`: its records of recent
+    """The status page of one :class:`~agentic_lora.gateway.app.Gateway` (what the admin
+    routes act on, :class:`~agentic_lora.gateway.admin.AdminHost`): its records of recent
     operations and refusals, its logins, and its routes (:meth:`install`).
 
     ``min_rebuild``: seconds a built view is reused for the same query. ``clock`` is the wall
@@ -104,7 +105,7 @@ class StatusPage:
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: AdminHost,
         admin_token: str | None,
         *,
         logins: UILogins | None = None,
