@@ -10,7 +10,7 @@ shared SGLang fleet. The test:
 * publishes a new version while the page is open and sees it become the default, its
   publication in the timeline, and its Session count rise as Sessions bind through the gateway,
   all without a reload (waits are on the DOM, never sleeps);
-* sees a Session of the older version counted at lag 1;
+* sees a Session of the older version counted at lag 1, and a refused request by its code;
 * saves the screenshot of the docs (``docs/img/status-page.png``).
 
 Every adapter it loaded is unloaded by ``engines_restored``; the fleet is left as found.
@@ -183,6 +183,19 @@ async def test_the_status_page_follows_a_live_publication_in_a_real_browser(
             # The old Session's last turn was a dispatch at lag 1 (the metrics' histogram).
             await expect(page.locator('#lag-dispatches [data-lag="≤ 1"] .took')).to_have_text("1")
             await expect(page.get_by_test_id("registry-sessions")).to_have_text("4")
+            # A request the gateway refuses shows up by its code.
+            refused = await http.post(
+                "/v1/chat/completions",
+                headers={"authorization": f"Bearer {fresh_id('episode-refused')}"},
+                json={
+                    "model": "not-a-served-model",
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
+            assert refused.status_code == 400
+            await expect(
+                page.locator('#refusal-codes tr[data-code="ADAPTER_MISMATCH"] td.num')
+            ).to_have_text("1")
             await expect(page.locator("#engines tbody tr .health.healthy")).to_have_count(2)
             assert page.url == url_before
 

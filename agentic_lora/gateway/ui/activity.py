@@ -144,13 +144,11 @@ class OperationLog:
         self._max_steps = max_steps
         self._clock = clock
         self._seq = 0
-        self.events = 0  # every event kept, so a reader can tell that something changed
 
     def __call__(self, event: PhaseEvent) -> None:
         if event.version_id is None:
             return  # an engine probe of no version: the engines table shows what it found
         now = self._clock()
-        self.events += 1
         op = self._operation_for(event, now)
         op.updated_at = now
         key = (event.phase, event.engine)
@@ -180,7 +178,6 @@ class OperationLog:
             if op.version_id == result.version_id and op.kind is OperationKind.PUBLISH:
                 op.final = result.outcome.value.lower()
                 op.updated_at = self._clock()
-                self.events += 1
                 return
 
     def recent(self) -> tuple[Operation, ...]:

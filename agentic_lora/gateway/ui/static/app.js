@@ -99,7 +99,7 @@ async function poll() {
   state.failures = 0;
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   $("updated").classList.remove("error");
-  if (state.view) renderTimes(state.view);
+  if (state.view) renderTimes();
   schedule(document.hidden ? HIDDEN_POLL_MS : POLL_MS);
 }
 
@@ -194,7 +194,7 @@ function render(view) {
   renderLeases(view.leases);
 }
 
-function renderTimes(view) {
+function renderTimes() {
   for (const node of document.querySelectorAll("[data-expires-at]")) {
     node.textContent = seconds(Math.max(0, Number(node.dataset.expiresAt) - serverNow()));
   }
