@@ -93,9 +93,15 @@ class AdminHost(Protocol):
 class AdminRoutes:
     """The ``/admin`` handlers of one :class:`~agentic_lora.gateway.app.Gateway`."""
 
-    def __init__(self, gateway: AdminHost, admin_token: str | None) -> None:
+    def __init__(
+        self,
+        gateway: AdminHost,
+        admin_token: str | None,
+        on_published: Callable[[PublicationResult], None] | None = None,
+    ) -> None:
         self._gateway = gateway
         self._token = admin_token
+        self._on_published = on_published  # told every publication's result (the status page)
         # Publications run one at a time anyway (the publisher's lock); holding this one around
         # a whole publication also makes a streamed answer carry only its own progress events.
         self.publish_lock = asyncio.Lock()
@@ -188,6 +194,8 @@ class AdminRoutes:
                     unsubscribe()
         if gateway.metrics is not None:
             gateway.metrics.observe_publication(result)
+        if self._on_published is not None:
+            self._on_published(result)
         logger.info(
             "publication of %s: %s",
             version_id,
