@@ -738,16 +738,19 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "turns_per_cpu_s_pinned_over_inplace": eff,
         "barrier_pinned_over_drain": bar,
     }
-    pinned = out.get("pinned", {})
-    out["goals"] = {
-        "pinned: 0 mixed trajectories": pinned.get("mixed") == 0,
-        f"pinned throughput >= {GOALS['throughput_ratio']}x inplace (median of repeats)": bool(thr)
-        and _median(thr) >= GOALS["throughput_ratio"],
-        f"pinned publication barrier <= {GOALS['barrier_ratio']}x drain (median of repeats)": bool(
-            bar
+    # A goal whose strategies did not run (``--strategies``) is left out, not reported missed.
+    goals: dict[str, bool] = {}
+    if "pinned" in out:
+        goals["pinned: 0 mixed trajectories"] = out["pinned"]["mixed"] == 0
+    if thr:
+        goals[f"pinned throughput >= {GOALS['throughput_ratio']}x inplace (median of repeats)"] = (
+            _median(thr) >= GOALS["throughput_ratio"]
         )
-        and _median(bar) <= GOALS["barrier_ratio"],
-    }
+    if bar:
+        goals[
+            f"pinned publication barrier <= {GOALS['barrier_ratio']}x drain (median of repeats)"
+        ] = _median(bar) <= GOALS["barrier_ratio"]
+    out["goals"] = goals
     return out
 
 

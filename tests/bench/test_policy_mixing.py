@@ -147,3 +147,14 @@ def test_aggregate_pairs_the_ratios_within_each_repeat():
     goals = list(s["goals"].values())
     assert goals == [True, False, True]  # median throughput ratio 0.944 < 0.97
     assert not math.isnan(s["pinned"]["throughput_turns_s"]["median"])
+
+
+def test_goals_of_strategies_that_did_not_run_are_left_out():
+    row = {
+        "strategy": "inplace", "repeat": 0, "mixed": 3, "trajectories": 10, "mixed_fraction": 0.3,
+        "throughput_turns_s": 10.0, "max_gap_s": 1.0, "first_new_turn_s": 1.0,
+        "stale_turn_fraction": 0.0, "publication_s": {"mean": 0.5}, "turns_per_cpu_s": 5.0,
+        "throughput_before_publication": 9.0, "failed_turns": 0, "unidentified_turns": 0,
+        "publications": 2,
+    }  # fmt: skip
+    assert aggregate([row])["goals"] == {}
