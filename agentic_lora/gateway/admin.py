@@ -253,6 +253,8 @@ class AdminRoutes:
                 result = await gateway.deployment.rollback(version_id, snapshot)
         if gateway.metrics is not None:
             gateway.metrics.observe_publication(result)
+        if self._on_published is not None:
+            self._on_published(result)
         commit = result.commit
         logger.warning(
             "rollback to %s: %s",
