@@ -5,9 +5,9 @@ digest and lora name never change), and two-phase like any other: the default mo
 registry's one atomic step that finds every engine READY for the version's current attempt and
 incarnation (see :mod:`agentic_lora.registry.rollback`). By the version's state::
 
-    RETIRED     [version lock] re-read -> load it onto every engine that lost it (the committed
-                attempt: content from the snapshot cache, the backend's store, or the caller)
-                -> observe every incarnation -> rollback            (nothing reserved: no slot)
+    RETIRED     [version lock] observe every incarnation -> re-read -> load it onto every
+                engine that lost it (the committed attempt: content from the snapshot cache, the
+                backend's store, or the caller) and observe again -> rollback   (no slot taken)
     RECLAIMED   content first -> reserve_rollback (slot admitted before any transfer; one
                 reclaim round on CAPACITY_ERROR, then SKIPPED) -> prepare on every engine
                 -> observe every incarnation -> commit              (a publication attempt)
@@ -130,11 +130,12 @@ class RollbackPublisher(Publisher):
                 return run.result(
                     PublicationOutcome.FAILED_CLEAN, reason=f"not loaded back ({reason})"
                 )
-        # Right before the default moves: an engine that restarted since must not count.
-        restarted = await self._each_engine(lambda e: self._observe(run, e))
-        unreadable = [r for r in restarted if r.error_code is not None]
-        if unreadable:
-            return self._unreadable(run, unreadable)
+            # Right before the default moves: an engine that restarted during the loads must
+            # not count (without loads, the observes above were right before it already).
+            restarted = await self._each_engine(lambda e: self._observe(run, e))
+            unreadable = [r for r in restarted if r.error_code is not None]
+            if unreadable:
+                return self._unreadable(run, unreadable)
         receipt = await self._rollback_step(run, v, revision)
         logger.info(
             "%s is the default again (revision %d, rolled back from %s)",
