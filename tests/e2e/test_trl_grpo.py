@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import statistics
 from collections.abc import AsyncIterator
 from collections.abc import Sequence
@@ -51,10 +50,6 @@ from tests.e2e.recording_proxy import TrafficLog
 from tests.e2e.recording_proxy import forbidden_exchanges
 from tests.e2e.support import fleet_config
 from tests.e2e.support import fresh_id
-
-for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ[_name] = "1"
-os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 
 pytestmark = [
     pytest.mark.engine,

@@ -1,27 +1,19 @@
 """Fixtures of the TRL integration's tests: a scripted fleet and a bridge on it.
 
-Nothing here may reach a model hub: the Hugging Face libraries are put offline before any test
-module imports them.
+(The root conftest puts the Hugging Face libraries offline before any test module imports them.)
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
+from pathlib import Path
 
-for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ[_name] = "1"
-# TRL warns once that rollout_func is experimental; the tests use it on purpose.
-os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+import pytest
+from agentic_lora_trl import DeploymentThread
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from agentic_lora_trl import DeploymentThread  # noqa: E402
-
-from agentic_lora.testing.fleet import ScriptedFleet  # noqa: E402
-from tests.trl.support import TokenEngine  # noqa: E402
-from tests.trl.support import bridge_on  # noqa: E402
+from agentic_lora.testing.fleet import ScriptedFleet
+from tests.trl.support import TokenEngine
+from tests.trl.support import bridge_on
 
 
 @pytest.fixture

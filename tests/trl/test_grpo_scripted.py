@@ -17,6 +17,7 @@ from agentic_lora_harness.fixture import Fixture
 from agentic_lora_trl import DeploymentThread
 from agentic_lora_trl import PublishCallback
 from agentic_lora_trl import SessionRollout
+from agentic_lora_trl import encode_prompts
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
@@ -116,3 +117,10 @@ def test_grpo_trainer_trains_on_session_rollouts_and_publishes_each_step(
     assert logged["agentic_lora/rollout_lag_max"] == 0.0
     assert logged["agentic_lora/rollout_turns_mean"] == 1.0
     assert logged["agentic_lora/rollout_restarts"] == 0.0
+
+    # The rollout tokenizes exactly as the trainer does for its own generation: text prompts,
+    # and conversational ones through the chat template with the generation prompt.
+    texts = list(PROMPTS)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    for prompts in (texts, chats):
+        assert encode_prompts(prompts, trainer) == trainer._tokenize_prompts(prompts)[0]

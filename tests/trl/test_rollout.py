@@ -45,13 +45,15 @@ def _publish(thread: DeploymentThread, version_id: str, seed: int) -> str:
 
 
 def _generations(fleet: ScriptedFleet) -> list[dict[str, Any]]:
-    """The rollout's generations that reached the engines (not the backend's load probes)."""
-    return [
+    """The rollout's generations that reached the engines (not the backend's load probes), by
+    ``rid`` (``<session id>-turn<n>``: trajectory, attempt and turn order, whichever engine)."""
+    bodies = [
         body
         for engine in fleet.engines.values()
         for body in engine.bodies(EngineOp.GENERATE)
         if body.get("return_logprob")
     ]
+    return sorted(bodies, key=lambda body: str(body["rid"]))
 
 
 def _run(
@@ -109,6 +111,23 @@ def test_a_multi_turn_trajectory_masks_tool_tokens_and_keeps_the_engines_tokens_
     assert (provenance["version_id"], provenance["turns"], provenance["lags"]) == ("v1", 2, [0, 0])
     assert provenance["restarts"] == []
     assert provenance["lora_name"] == lora
+    # Each request names its trajectory's Session and its turn (engine logs, abort by id).
+    session = provenance["session_id"]
+    assert [b["rid"] for b in bodies] == [f"{session}-turn0", f"{session}-turn1"]
+
+
+def test_max_turn_tokens_bounds_each_model_turn_within_the_completion_budget(
+    bridge: DeploymentThread, fleet: ScriptedFleet
+) -> None:
+    _publish(bridge, "v1", 1)
+    rollout = SessionRollout(
+        bridge, environment=ToolTurns(rounds=3), max_turns=4, max_turn_tokens=2
+    )
+    plan = GenerationPlan(sampling={}, max_completion_length=9)
+    [trajectory] = _run(bridge, rollout, [[1]], plan)
+    # turns of 2 model tokens, tools of 2 tokens, until the budget of 9 is reached.
+    assert [b["sampling_params"]["max_new_tokens"] for b in _generations(fleet)] == [2, 2, 1]
+    assert trajectory.env_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1]
 
 
 def test_one_trajectory_per_entry_each_in_its_own_session_in_the_prompts_order(
