@@ -88,6 +88,14 @@ class PublishCallback(TrainerCallback):
         )
         self.publisher.submit(weights)
 
+    def _settle(self, model: object, step: int, *, when: str) -> None:
+        """Make sure ``step``'s weights were submitted, wait for the publisher to finish, and
+        raise PublicationFailedError unless they are the default and nothing failed."""
+        if self.publisher.stats.last_submitted_step != step:
+            self._submit(model, step)
+        self.publisher.flush()
+        self.publisher.raise_for(step, when=when)
+
     # --- trainer events ------------------------------------------------------------------------
 
     def on_train_begin(
@@ -98,12 +106,8 @@ class PublishCallback(TrainerCallback):
         model: object = None,
         **kwargs: Any,
     ) -> None:
-        if not state.is_world_process_zero:
-            return
-        step = state.global_step
-        self._submit(model, step)
-        self.publisher.flush()
-        self.publisher.raise_for(step, when="train begin")
+        if state.is_world_process_zero:
+            self._settle(model, state.global_step, when="train begin")
 
     def on_step_end(
         self,
@@ -135,10 +139,5 @@ class PublishCallback(TrainerCallback):
         model: object = None,
         **kwargs: Any,
     ) -> None:
-        if not state.is_world_process_zero:
-            return
-        step = state.global_step
-        if self.publisher.stats.last_submitted_step != step:
-            self._submit(model, step)
-        self.publisher.flush()
-        self.publisher.raise_for(step, when="train end")
+        if state.is_world_process_zero:
+            self._settle(model, state.global_step, when="train end")

@@ -48,6 +48,7 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Mapping
+from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import replace
@@ -159,12 +160,7 @@ class PublicationFailure:
     message: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "version_id": self.version_id,
-            "code": self.code,
-            "message": self.message,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agentic_lora_trl import AdapterPublisher
@@ -233,26 +234,27 @@ def test_a_model_without_a_lora_adapter_is_refused_on_the_training_thread(
 # --- capacity ---------------------------------------------------------------------------------
 
 
-def _two_versions_with_the_old_one_held(
-    thread: DeploymentThread, publisher: AdapterPublisher
-) -> Session:
-    """step-0 published, a Session bound to it, step-1 published: step-0 is RETIRED, held."""
+def _old_version_held(
+    thread: DeploymentThread, **options: Any
+) -> tuple[AdapterPublisher, Signal, Session]:
+    """A publisher (``options``) with a capacity-wait listener, after step-0 was published, a
+    Session bound to it, and step-1 published: step-0 is RETIRED and held, both slots taken."""
+    publisher = AdapterPublisher(thread, **options)
+    waits = Signal()
+    publisher.on_capacity_wait.append(waits)
     publisher.submit(weights(0))
     publisher.flush(GUARD_SECONDS)
     session = thread.run(_bound_session(thread, "holds-step-0"))
     publisher.submit(weights(1))
     publisher.flush(GUARD_SECONDS)
     assert _published(thread, "step-0") is VersionState.RETIRED
-    return session
+    return publisher, waits, session
 
 
 def test_a_capacity_refusal_is_retried_as_soon_as_the_held_version_is_reclaimed(
     bridge: DeploymentThread,
 ) -> None:
-    publisher = AdapterPublisher(bridge, capacity_wait=NEVER_BY_TIMER)
-    waits = Signal()
-    publisher.on_capacity_wait.append(waits)
-    session = _two_versions_with_the_old_one_held(bridge, publisher)
+    publisher, waits, session = _old_version_held(bridge, capacity_wait=NEVER_BY_TIMER)
 
     publisher.submit(weights(2))
     waits.wait(1)  # reserve refused for capacity after a reclaim round: step-0 is still held
@@ -270,10 +272,7 @@ def test_a_capacity_refusal_is_retried_as_soon_as_the_held_version_is_reclaimed(
 def test_a_newer_submission_ends_a_capacity_wait_and_replaces_the_waiting_weights(
     bridge: DeploymentThread,
 ) -> None:
-    publisher = AdapterPublisher(bridge, capacity_wait=NEVER_BY_TIMER)
-    waits = Signal()
-    publisher.on_capacity_wait.append(waits)
-    session = _two_versions_with_the_old_one_held(bridge, publisher)
+    publisher, waits, session = _old_version_held(bridge, capacity_wait=NEVER_BY_TIMER)
 
     publisher.submit(weights(2))
     waits.wait(1)
@@ -290,8 +289,9 @@ def test_a_newer_submission_ends_a_capacity_wait_and_replaces_the_waiting_weight
 def test_capacity_retries_are_bounded_and_an_unpublished_final_step_is_raised(
     bridge: DeploymentThread, caplog: pytest.LogCaptureFixture
 ) -> None:
-    publisher = AdapterPublisher(bridge, capacity_retries=2, capacity_wait=wait_fixed(0))
-    session = _two_versions_with_the_old_one_held(bridge, publisher)
+    publisher, _, session = _old_version_held(
+        bridge, capacity_retries=2, capacity_wait=wait_fixed(0)
+    )
     with caplog.at_level(logging.WARNING, logger="agentic_lora_trl.publishing"):
         publisher.submit(weights(2))
         assert publisher.flush(GUARD_SECONDS)
@@ -310,10 +310,7 @@ def test_closing_the_bridge_during_a_capacity_wait_drops_the_weights_and_stops_t
     fleet: ScriptedFleet, tmp_path: Path
 ) -> None:
     bridge = bridge_on(fleet, tmp_path)
-    publisher = AdapterPublisher(bridge, capacity_wait=NEVER_BY_TIMER)
-    waits = Signal()
-    publisher.on_capacity_wait.append(waits)
-    _two_versions_with_the_old_one_held(bridge, publisher)
+    publisher, waits, _ = _old_version_held(bridge, capacity_wait=NEVER_BY_TIMER)
     publisher.submit(weights(2))
     waits.wait(1)
     bridge.close()  # would hang if the worker kept waiting for a slot

@@ -6,8 +6,9 @@
 """
 
 from .train import PROMPTS
+from .train import RolloutBatch
 from .train import ToolResponse
 from .train import TrainReport
 from .train import train
 
-__all__ = ["PROMPTS", "ToolResponse", "TrainReport", "train"]
+__all__ = ["PROMPTS", "RolloutBatch", "ToolResponse", "TrainReport", "train"]

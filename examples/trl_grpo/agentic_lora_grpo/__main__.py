@@ -46,17 +46,17 @@ def _print(report: TrainReport) -> None:
     stats = report.stats
     print(
         f"\nPublications: {stats.published} published, {stats.coalesced} coalesced, "
-        f"{stats.skipped} skipped, {stats.failed} failed; last published step "
-        f"{stats.last_published_step} ({stats.last_published_version})"
+        f"{stats.skipped} skipped, {stats.failed} failed; the default at the end: "
+        f"{report.final_default}"
     )
     print("\nTrajectories per bound version")
     for version, count in sorted(report.versions_used().items()):
         print(f"  {version}: {count}")
-    lags = Counter(lag for _, p in report.trajectories for lag in p.get("lags", []))
+    provenances = [t["agentic_lora"] for t in report.trajectories()]
+    lags = Counter(lag for p in provenances for lag in p["lags"])
     print("Turns per lag: " + ", ".join(f"{k}: {v}" for k, v in sorted(lags.items())))
-    restarts = sum(len(p.get("restarts", [])) for _, p in report.trajectories)
-    print(f"Trajectories restarted as too stale: {restarts}")
-    rewards = [h["reward"] for h in report.log_history if "reward" in h]
+    print(f"Trajectories restarted as too stale: {sum(len(p['restarts']) for p in provenances)}")
+    rewards = [h["reward"] for h in report.trainer.state.log_history if "reward" in h]
     print("Mean reward per step: " + ", ".join(f"{r:.4f}" for r in rewards))
     problems = report.problems()
     print("\nChecks: " + ("all passed" if not problems else f"{len(problems)} failed"))

@@ -8,8 +8,9 @@
   after every ``publish_every`` optimizer steps, off the training thread.
 
 The reward function receives each completion's provenance (``agentic_lora``: version, digest,
-lags, restarts) from the rollout, as TRL hands every extra rollout key to reward functions; the
-example keeps it in the :class:`TrainReport`.
+lags, restarts) from the rollout, as TRL hands every extra rollout key to reward functions. The
+:class:`TrainReport` keeps what each rollout batch returned and the default revision when it
+started, so its checks (and the tests) can say which version every trajectory ran on.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from agentic_lora_trl import Turn
 
 from agentic_lora import AgenticLoRASettings
 
-__all__ = ["PROMPTS", "ToolResponse", "TrainReport", "train"]
+__all__ = ["PROMPTS", "RolloutBatch", "ToolResponse", "TrainReport", "train"]
 
 #: The training prompts (conversational: TRL renders them with the chat template).
 PROMPTS: tuple[str, ...] = (
     "What is the weather in the city?",
     "Please compute the sum of the list.",
 )
+
+#: What one trajectory is, in the rollout's output (one list per key, one entry per trajectory).
+TRAJECTORY_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "agentic_lora")
 
 
 class ToolResponse:
@@ -50,36 +54,71 @@ class ToolResponse:
         return self.tokens if turn.turn == 0 else None
 
 
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One call of the rollout function."""
+
+    #: The trainer's step when the batch was asked for.
+    step: int
+    #: The registry's default revision (and version) just before the batch started.
+    revision_at_start: int
+    default_at_start: str | None
+    #: What TRL passed (each prompt ``num_generations`` times) and what the rollout returned.
+    prompts: list[Any]
+    output: dict[str, list[Any]]
+
+    def trajectories(self) -> list[dict[str, Any]]:
+        """One dict per trajectory: its :data:`TRAJECTORY_KEYS`."""
+        columns = [self.output[key] for key in TRAJECTORY_KEYS]
+        return [dict(zip(TRAJECTORY_KEYS, row, strict=True)) for row in zip(*columns, strict=True)]
+
+
 @dataclass
 class TrainReport:
-    """What one run did: the publisher's counters and every trajectory's provenance."""
+    """What one run did."""
 
     steps: int
     version_prefix: str
     max_version_lag: int | None
     stats: PublicationStats = field(default_factory=PublicationStats)
-    #: ``(trainer step, provenance)`` of every trajectory, in the order they were rewarded.
-    trajectories: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    log_history: list[dict[str, Any]] = field(default_factory=list)
+    batches: list[RolloutBatch] = field(default_factory=list)
+    #: ``(trainer step, provenance)`` as each completion reached the reward function.
+    rewarded: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    #: The registry's default version when training ended.
+    final_default: str | None = None
+    #: The trainer, after training (its model, state and log history).
+    trainer: Any = None
+
+    def trajectories(self) -> list[dict[str, Any]]:
+        return [t for batch in self.batches for t in batch.trajectories()]
 
     def versions_used(self) -> Counter[str]:
-        return Counter(str(p["version_id"]) for _, p in self.trajectories)
+        return Counter(str(t["agentic_lora"]["version_id"]) for t in self.trajectories())
 
     def problems(self) -> list[str]:
         """Every check that failed (an empty list: all passed)."""
         problems: list[str] = []
-        if self.stats.failed:
-            problems.append(f"{self.stats.failed} publications failed")
-        if self.stats.last_published_step != self.steps:
-            problems.append(f"the last published step is {self.stats.last_published_step}")
-        if not self.trajectories:
-            problems.append("no trajectory was rewarded")
-        for step, provenance in self.trajectories:
-            if not str(provenance.get("version_id", "")).startswith(self.version_prefix):
-                problems.append(f"step {step}: a trajectory ran on {provenance.get('version_id')}")
-            lags = [lag for lag in provenance.get("lags", []) if lag is not None]
-            if self.max_version_lag is not None and any(lag > self.max_version_lag for lag in lags):
-                problems.append(f"step {step}: a turn ran {max(lags)} publications behind")
+        stats = self.stats
+        if stats.failed:
+            problems.append(f"{stats.failed} publications failed")
+        final = f"{self.version_prefix}-{self.steps}"
+        if stats.last_published_step != self.steps or self.final_default != final:
+            problems.append(f"the final weights are not the default ({self.final_default})")
+        if not self.batches:
+            problems.append("no rollout ran")
+        if len(self.rewarded) != len(self.trajectories()):
+            problems.append("a completion reached the reward function without its provenance")
+        for batch in self.batches:
+            for trajectory in batch.trajectories():
+                provenance = trajectory["agentic_lora"]
+                if not str(provenance["version_id"]).startswith(self.version_prefix):
+                    problems.append(f"step {batch.step}: ran on {provenance['version_id']}")
+                if provenance["default_revision_at_bind"] < batch.revision_at_start:
+                    problems.append(f"step {batch.step}: bound a version older than the default")
+                lags = [lag for lag in provenance["lags"] if lag is not None]
+                bound = self.max_version_lag
+                if bound is not None and any(lag > bound for lag in lags):
+                    problems.append(f"step {batch.step}: a turn ran {max(lags)} versions behind")
         return problems
 
 
@@ -92,10 +131,16 @@ def train(
     publish_every: int = 1,
     learning_rate: float = 0.05,
     generations: int = 2,
+    max_completion_length: int = 20,
+    max_turn_tokens: int = 6,
     seed: int = 0,
+    callbacks: Sequence[Any] = (),
 ) -> TrainReport:
-    """Train for ``steps`` optimizer steps on the fleet ``settings`` describe; the adapter store
-    (readable by the engines at the same path) and the trainer's output go under ``workdir``."""
+    """Train for ``steps`` optimizer steps on the fleet ``settings`` describe.
+
+    The adapter store (readable by the engines at the same path) and the trainer's output go
+    under ``workdir``. ``callbacks`` are more ``TrainerCallback``s, run after the publisher's.
+    """
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -118,13 +163,34 @@ def train(
     ) -> list[float | None]:
         # A toy reward (the fixture model is random): any reward that differs within a group
         # gives GRPO a gradient. The provenance arrives with every completion.
-        report.trajectories.extend((trainer_state.global_step, p) for p in agentic_lora)
+        report.rewarded.extend((trainer_state.global_step, p) for p in agentic_lora)
         return [1.0 - sum(ids) / (len(ids) * float(tokenizer.vocab_size)) for ids in completion_ids]
 
     store = workdir / "adapter-store"
     with DeploymentThread.from_settings(
         settings, backend_options={"store_root": str(store)}
     ) as thread:
+        rollout = SessionRollout(
+            thread,
+            environment=ToolResponse(tokenizer),
+            max_turns=2,
+            max_turn_tokens=max_turn_tokens,
+        )
+
+        def recorded_rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+            status = thread.run(thread.deployment.status())
+            output = rollout(prompts, trainer)
+            report.batches.append(
+                RolloutBatch(
+                    step=trainer.state.global_step,
+                    revision_at_start=status.default_revision,
+                    default_at_start=status.default_version,
+                    prompts=list(prompts),
+                    output=output,
+                )
+            )
+            return output
+
         publish = PublishCallback(thread, publish_every=publish_every, version_prefix=prefix)
         torch.manual_seed(seed)
         trainer = GRPOTrainer(
@@ -134,10 +200,11 @@ def train(
                 output_dir=str(workdir / "trainer"),
                 per_device_train_batch_size=len(PROMPTS) * generations,
                 num_generations=generations,
-                max_completion_length=24,
+                max_completion_length=max_completion_length,
                 max_steps=steps,
                 learning_rate=learning_rate,
                 lr_scheduler_type="constant",
+                temperature=1.0,
                 logging_steps=1,
                 report_to="none",
                 use_cpu=True,
@@ -154,14 +221,16 @@ def train(
                 r=8,
                 lora_alpha=16,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                # Random A and B: the starting adapter already changes the model, so the tests
+                # can compare the engines with the trainer on a non-trivial adapter from step 0.
+                init_lora_weights=False,
                 task_type="CAUSAL_LM",
             ),
-            rollout_func=SessionRollout(
-                thread, environment=ToolResponse(tokenizer), max_turns=2, max_turn_tokens=8
-            ),
-            callbacks=[publish],
+            rollout_func=recorded_rollout,
+            callbacks=[publish, *callbacks],
         )
         trainer.train()
         report.stats = publish.stats
-        report.log_history = list(trainer.state.log_history)
+        report.final_default = thread.run(thread.deployment.status()).default_version
+        report.trainer = trainer
     return report
