@@ -372,6 +372,10 @@ class AdapterPublisher:
                 continue
             try:
                 await self._publish(weights)
+            except Exception as exc:
+                # A fault of the worker's own: recorded like any failure, and the worker lives
+                # on (a dead worker would leave every later submission waiting forever).
+                self._failed(weights, error_code(exc), repr(exc))
             finally:
                 with self._idle:
                     self._slots.running = None

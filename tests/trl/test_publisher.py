@@ -317,3 +317,20 @@ def test_closing_the_bridge_during_a_capacity_wait_drops_the_weights_and_stops_t
     assert publisher.stats.published == 2
     with pytest.raises(BridgeClosedError):
         publisher.submit(weights(3))
+
+
+def test_a_fault_of_the_worker_itself_is_a_failure_and_the_worker_keeps_publishing(
+    bridge: DeploymentThread,
+) -> None:
+    def broken_wait(retry_state: object) -> float:
+        raise ZeroDivisionError("a wait strategy that breaks")
+
+    publisher, _, session = _old_version_held(bridge, capacity_wait=broken_wait)
+    publisher.submit(weights(2))  # refused for capacity: the broken strategy is asked for a wait
+    assert publisher.flush(GUARD_SECONDS)
+    [failure] = publisher.failures
+    assert (failure.step, failure.code) == (2, "ZeroDivisionError")
+    bridge.run(session.close())
+    publisher.submit(weights(3))
+    assert publisher.flush(GUARD_SECONDS)
+    assert _default(bridge) == "step-3"
