@@ -11,8 +11,14 @@ into the core) and upward imports made only for type checking (inside ``if TYPE_
 as a ``from_settings`` constructor naming the settings type). ``tests/kit/test_layers.py`` fails when
 either grows above the number recorded here; lower a recorded number when an import goes away.
 
-Run ``python scripts/layers.py`` to print the layers and every upward import (exit status 1 when a
-count is above its record, or a module belongs to no layer).
+It also finds import cycles: modules that import each other, directly or through others, counting
+every import (at the top, inside a function, or for type checking only). A cycle inside a layer
+breaks no layer rule, yet it means neither module can be read, tested or changed without the
+other; the fix is a design that needs no cycle (a Protocol declared where it is used, a third
+module that knows both). None is recorded.
+
+Run ``python scripts/layers.py`` to print the layers, every upward import and every cycle (exit
+status 1 when a count is above its record, or a module belongs to no layer).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 RECORDED_UPWARD = 0
 #: Upward imports made only for type checking (``if TYPE_CHECKING:``).
 RECORDED_UPWARD_TYPING = 0
+#: Import cycles between package modules (any import kind).
+RECORDED_CYCLES = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,55 @@ def upward(imports: list[Import]) -> tuple[list[Import], list[str]]:
     return up, sorted(unplaced)
 
 
+def import_cycles(imports: list[Import]) -> list[list[str]]:
+    """Every set of package modules that import each other (directly or through others), each
+    sorted, in sorted order: the strongly connected components with more than one module."""
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.imported.partition(".")[0] == PACKAGE and imp.imported != imp.importer:
+            graph.setdefault(imp.importer, set()).add(imp.imported)
+    # Tarjan's algorithm, iterative (a deep package must not hit the recursion limit).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component: list[str] = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return sorted(cycles)
+
+
 def main() -> int:
     imports = package_imports()
     up, unplaced = upward(imports)
@@ -177,13 +234,21 @@ def main() -> int:
         print(f"upward ({kind}): {imp.importer}:{imp.line} imports {imp.imported}")
     for module in unplaced:
         print(f"in no layer: {module}")
+    cycles = import_cycles(imports)
+    for cycle in cycles:
+        print(f"import cycle: {' <-> '.join(cycle)}")
     running = sum(not i.typing_only for i in up)
     typing_only = len(up) - running
     print(
         f"{running} upward imports that run (recorded {RECORDED_UPWARD}), "
         f"{typing_only} for type checking only (recorded {RECORDED_UPWARD_TYPING})"
     )
-    over = running > RECORDED_UPWARD or typing_only > RECORDED_UPWARD_TYPING
+    print(f"{len(cycles)} import cycles (recorded {RECORDED_CYCLES})")
+    over = (
+        running > RECORDED_UPWARD
+        or typing_only > RECORDED_UPWARD_TYPING
+        or len(cycles) > RECORDED_CYCLES
+    )
     return 1 if over or unplaced else 0
 
 

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/dev-env.sh
+bash scripts/browser-env.sh  # Chromium for the status page's browser test (tests/e2e)
 V=.venv/bin
 SECONDS=0
 echo "== ruff"; $V/ruff check . && $V/ruff format --check .

@@ -21,13 +21,20 @@ Nothing here changes a code path: each observer hangs on an existing hook.
 | `agentic_lora_capacity_slots` | gauge | | `Metrics.refresh` |
 | `agentic_lora_capacity_slots_in_use` | gauge | | `Metrics.refresh` |
 | `agentic_lora_default_revision` | gauge | | `Metrics.refresh` |
+| `agentic_lora_dispatch_seconds` | histogram | route, outcome | `DispatchMetricsMiddleware` |
+| `agentic_lora_gateway_failed_requests_total` | counter | code | `Metrics.observe_failed_request` |
+| `agentic_lora_leases_expired_total` | counter | | registry listener |
+| `agentic_lora_lease_expired_sessions_total` | counter | | registry listener |
+| `agentic_lora_engine_up` | gauge | engine | `Metrics.refresh` |
+| `agentic_lora_engine_members` | gauge | member_state | `Metrics.refresh` |
 
 Each row is one :class:`Instrument` declared on :class:`Metrics` (:data:`CATALOGUE` lists them);
 a test holds this table and the metrics table of the gateway docs to that catalogue.
 
 No label names a Session or a version: both are unbounded and would grow the series without end.
-Every label value comes from a closed set (an enum or a stable error code). Durations are
-seconds. ``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
+Every label value comes from a closed set (an enum or a stable error code), but ``engine``: the
+fleet's engine names, as many as the operator configured. Durations are seconds.
+``agentic_lora_reclaim_wait_seconds`` is the per-engine reclaim call: unregister the
 name, wait for the engine's own request refcount to drain, unload.
 
 ``agentic_lora_session_version_lag`` is observed once per versioned dispatch when it starts (the
@@ -41,6 +48,9 @@ for the caller's own input (:data:`BAD_INPUT_CODES`: a malformed or oversized bo
 name that is no Session's adapter, a missing credential), by the error's stable code. Most never
 open a Session, so ``agentic_lora_dispatches_total`` does not see them.
 
+``agentic_lora_gateway_failed_requests_total`` counts every failed generation request by code
+(``AGENTIC_LORA_ERROR``: untyped). The lease counters hear a registry in this process.
+
 The instruments live in their own :class:`prometheus_client.CollectorRegistry` (not the global
 one), so two deployments in one process, or two tests, never share counters.
 """
@@ -49,7 +59,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter as Tally
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Generic
@@ -79,6 +92,7 @@ from agentic_lora.foundation.requests import Route
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import SweepResult
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import VersionStatus
 from agentic_lora.session.middleware import Dispatch
@@ -132,6 +146,8 @@ BAD_INPUT_CODES: frozenset[str] = frozenset(
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # A reclaim waits for the longest in-flight generation on the version: up to many minutes.
 _RECLAIM_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# From a short tool-call turn to a long rollout generation on a loaded engine.
+_DISPATCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Lags are whole publications; staleness bounds in RL loops are small (typically 0-8).
 _LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
@@ -258,6 +274,23 @@ class Metrics:
         "Generation requests the gateway refused for the caller's own input, by error code.",
     )
 
+    dispatch_seconds = Instrument(
+        Histogram, ("route", "outcome"), "Time one dispatch spent in the chain.", _DISPATCH_BUCKETS
+    )
+    gateway_failed_requests = Instrument(
+        Counter, ("code",), "Generation requests answered with an error, by its stable code."
+    )
+    leases_expired = Instrument(Counter, (), "Owner leases the registry's sweep expired.")
+    lease_expired_sessions = Instrument(
+        Counter, (), "Sessions whose version refs were released because their lease expired."
+    )
+    engine_up = Instrument(
+        Gauge, ("engine",), "Whether the engine answered its last incarnation probe (1) or not."
+    )
+    engine_members = Instrument(
+        Gauge, ("member_state",), "Fleet members by membership state (when the registry has one)."
+    )
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         # Each Metrics builds its own instruments in its own registry: two never share a series.
@@ -269,11 +302,14 @@ class Metrics:
         for route in Route:
             for outcome in DispatchOutcome:
                 self.dispatches.labels(route=route.value, outcome=outcome.value)
+                self.dispatch_seconds.labels(route=route.value, outcome=outcome.value)
         for code in sorted(BAD_INPUT_CODES):
             self.gateway_refused_requests.labels(code=code)
         for state in VersionState:
             self.versions.labels(state=state.value.lower())
             self.bound_sessions.labels(version_state=state.value.lower())
+        self._engines_up: set[str] = set()
+        self._member_states: set[str] = set()
 
     # --- observers ------------------------------------------------------------------------------
 
@@ -309,10 +345,17 @@ class Metrics:
             and result.state is VersionState.RECLAIMED
         ):
             self.versions_reclaimed.inc()
+        elif verb == "sweep" and isinstance(result, SweepResult):
+            self.leases_expired.inc(len(result.expired_leases))
+            self.lease_expired_sessions.inc(len(result.expired_sessions))
 
-    def observe_dispatch(self, route: Route, outcome: DispatchOutcome) -> None:
-        """One generation that ended with ``outcome``."""
+    def observe_dispatch(
+        self, route: Route, outcome: DispatchOutcome, seconds: float | None = None
+    ) -> None:
+        """One generation that ended with ``outcome`` after ``seconds`` in the chain."""
         self.dispatches.labels(route=route.value, outcome=outcome.value).inc()
+        if seconds is not None:
+            self.dispatch_seconds.labels(route=route.value, outcome=outcome.value).observe(seconds)
 
     def observe_refused_request(self, error: BaseException) -> bool:
         """A failed generation request: counted (True) when ``error`` refused it for the
@@ -322,6 +365,11 @@ class Metrics:
         self.gateway_refused_requests.labels(code=error.code).inc()
         return True
 
+    def observe_failed_request(self, error: BaseException) -> None:
+        """A generation request the gateway answered with an error (whatever the error)."""
+        code = error.code if isinstance(error, AgenticLoRAError) else "AGENTIC_LORA_ERROR"
+        self.gateway_failed_requests.labels(code=code).inc()
+
     def observe_version_lag(self, lag: int) -> None:
         """The lag of one versioned dispatch at its start (a ``StalenessListener`` hook)."""
         self.session_version_lag.observe(lag)
@@ -330,8 +378,14 @@ class Metrics:
         """One ``VERSION_TOO_STALE`` refusal (a ``StalenessListener`` hook)."""
         self.version_too_stale_refusals.inc()
 
-    def refresh(self, status: RegistryStatus, *, live_sessions: int) -> None:
-        """Set the gauges from a registry status (call it right before a scrape)."""
+    def refresh(
+        self,
+        status: RegistryStatus,
+        *,
+        live_sessions: int,
+        engine_health: Mapping[str, bool] | None = None,
+    ) -> None:
+        """Set the gauges from a registry status and the engines' last probes (before a scrape)."""
         self.sessions_live.set(live_sessions)
         self.registry_sessions.set(status.live_sessions)
         self.capacity_slots.set(status.capacity)
@@ -345,12 +399,28 @@ class Metrics:
         for state in VersionState:
             self.versions.labels(state=state.value.lower()).set(versions[state])
             self.bound_sessions.labels(version_state=state.value.lower()).set(refs[state])
+        if engine_health is not None:
+            self._engines_up = self._set_each(self.engine_up, self._engines_up, engine_health)
+        # The registry's membership, once it has one (older registries report none).
+        members: Tally[str] = Tally(
+            str(getattr(m.state, "value", m.state)).lower() for m in getattr(status, "members", ())
+        )
+        self._member_states = self._set_each(self.engine_members, self._member_states, members)
+
+    @staticmethod
+    def _set_each(gauge: Gauge, before: set[str], values: Mapping[str, float]) -> set[str]:
+        """One series per key of ``values``; the series of keys gone since are removed."""
+        for gone in before - set(values):
+            gauge.remove(gone)
+        for key, value in values.items():
+            gauge.labels(key).set(float(value))
+        return set(values)
 
     # --- hooks ----------------------------------------------------------------------------------
 
-    def dispatch_middleware(self) -> Middleware:
-        """The chain middleware that counts dispatch outcomes (list it first in the chain)."""
-        return Middleware(DispatchMetricsMiddleware, metrics=self)
+    def dispatch_middleware(self, clock: Callable[[], float] = time.perf_counter) -> Middleware:
+        """The chain middleware that counts and times dispatches (list it first in the chain)."""
+        return Middleware(DispatchMetricsMiddleware, metrics=self, clock=clock)
 
     def watch_staleness(self, versioning: Versioning) -> None:
         """Observe the lag of every dispatch of ``versioning``'s Sessions and their refusals."""
@@ -391,16 +461,26 @@ class DispatchMetricsMiddleware:
     ``refused``.
     """
 
-    def __init__(self, next_dispatch: Dispatch, *, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        next_dispatch: Dispatch,
+        *,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._next = next_dispatch
         self._metrics = metrics
+        self._clock = clock
 
     async def __call__(self, call: EngineCall) -> EngineReply:
+        clock = self._clock
+        start = clock()
         try:
             reply = await self._next(call)
         except (Exception, asyncio.CancelledError) as exc:
             sent = call.ticket is not None and call.ticket.engine is not None
-            self._metrics.observe_dispatch(call.route, classify_failure(exc, sent=sent))
+            outcome = classify_failure(exc, sent=sent)
+            self._metrics.observe_dispatch(call.route, outcome, clock() - start)
             raise
-        self._metrics.observe_dispatch(call.route, DispatchOutcome.OK)
+        self._metrics.observe_dispatch(call.route, DispatchOutcome.OK, clock() - start)
         return reply

@@ -41,7 +41,7 @@ from agentic_lora.cli.logs import JsonLogFormatter
 from agentic_lora.cli.main import build_parser
 from agentic_lora.cli.main import main
 from agentic_lora.cli.main import run
-from agentic_lora.cli.serve import serve_options
+from agentic_lora.cli.main import serve_options
 from agentic_lora.gateway.serve import DEFAULT_HOST
 from agentic_lora.gateway.serve import DEFAULT_PORT
 from agentic_lora.gateway.serve import Served

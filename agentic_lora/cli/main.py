@@ -27,8 +27,9 @@ from agentic_lora.cli.common import one_line
 from agentic_lora.config import add_arguments
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.gateway.serve import ServeOptions
 
-__all__ = ["COMMANDS", "build_parser", "main", "run"]
+__all__ = ["COMMANDS", "build_parser", "main", "run", "serve_options"]
 
 #: Every subcommand, in the order ``agentic-lora --help`` lists them.
 COMMANDS: tuple[Command, ...] = (
@@ -67,6 +68,13 @@ def build_parser() -> Parser:
     for command in COMMANDS:
         command.add_to(sub, parents[command.needs])
     return parser
+
+
+def serve_options(argv: Sequence[str]) -> ServeOptions:
+    """Resolve ``agentic-lora serve`` arguments (``argv`` without ``serve``) to options, as the
+    whole command line would (the parser is this module's: the serve command knows only its
+    own arguments)."""
+    return serve.options_from(build_parser().parse_args(["serve", *argv]))
 
 
 def _print_error(err: IO[str], exc: BaseException, *, debug: bool) -> None:

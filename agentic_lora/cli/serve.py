@@ -32,7 +32,7 @@ from agentic_lora.gateway.serve import ServeOptions
 if TYPE_CHECKING:
     from agentic_lora.gateway.serve import Served
 
-__all__ = ["COMMAND", "options_from", "serve_options"]
+__all__ = ["COMMAND", "options_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,6 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         access_log=bool(args.access_log or gw.get("access_log", False)),
         verify_engines=not args.skip_engine_check,
     )
-
-
-def serve_options(argv: Sequence[str]) -> ServeOptions:
-    """Resolve ``agentic-lora serve`` arguments (``argv`` without ``serve``) to options."""
-    from agentic_lora.cli.main import build_parser
-
-    return options_from(build_parser().parse_args(["serve", *argv]))
 
 
 async def run(args: argparse.Namespace, out: IO[str]) -> int:

@@ -11,6 +11,10 @@ carries one request and hands back its answer. Two stacks fit the seam, chosen b
 * ``"httpx"``: an ``httpx.AsyncClient`` on httpx's own transport, which respx mocks; also the
   fallback where aiohttp is not installed.
 
+This module is the seam (:class:`HttpStack`, :class:`StackAnswer`) and the httpx stack;
+:func:`~agentic_lora.engines.stack_choice.make_stack` picks one, so neither stack's module
+needs the other's.
+
 Both send what they are given once: no retries, no redirects, no environment proxy. A stack raises
 only what :data:`~agentic_lora.engines.wire.WIRE_ERRORS` covers, and
 :func:`~agentic_lora.engines.wire.classify_exception` knows every failure type of both.
@@ -18,7 +22,6 @@ only what :data:`~agentic_lora.engines.wire.WIRE_ERRORS` covers, and
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
@@ -31,9 +34,7 @@ import httpx
 from agentic_lora.engines.wire import HttpTransportKind
 from agentic_lora.engines.wire import make_engine_client
 
-__all__ = ["HttpStack", "HttpxStack", "StackAnswer", "cached_url", "make_stack"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["HttpStack", "HttpxStack", "StackAnswer", "cached_url"]
 
 #: URLs are parsed once per (engine, route); a fleet has a few of each, bounded regardless.
 MAX_CACHED_URLS = 256
@@ -133,15 +134,3 @@ class HttpxStack:
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-
-def make_stack(kind: HttpTransportKind, timeout: httpx.Timeout, limits: httpx.Limits) -> HttpStack:
-    """The stack ``kind`` names; ``"aiohttp"`` falls back to ``"httpx"`` without aiohttp."""
-    if kind == "aiohttp":
-        try:
-            from agentic_lora.engines.aiohttp_stack import AiohttpStack
-        except ImportError:
-            logger.warning("aiohttp is not installed; the engine transport uses httpx")
-        else:
-            return AiohttpStack(timeout, limits)
-    return HttpxStack(timeout, limits)

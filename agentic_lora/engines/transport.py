@@ -45,8 +45,8 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.dialect import EngineDialect
 from agentic_lora.engines.sglang import SGLANG
 from agentic_lora.engines.sse import data_payload
+from agentic_lora.engines.stack_choice import make_stack
 from agentic_lora.engines.stacks import StackAnswer
-from agentic_lora.engines.stacks import make_stack
 from agentic_lora.engines.wire import WIRE_ERRORS
 from agentic_lora.engines.wire import EngineHttp
 from agentic_lora.engines.wire import HttpAnswer

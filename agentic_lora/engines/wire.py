@@ -15,7 +15,7 @@ The generation transport (:mod:`agentic_lora.engines.transport`, errors
 ``REQUEST_REFUSED``/``REQUEST_INDETERMINATE``) and the admin clients
 (:mod:`agentic_lora.engines.admin`, errors ``BACKEND_REFUSED``/``BACKEND_AMBIGUOUS``) both translate
 through them. The admin clients build their ``httpx.AsyncClient`` with :func:`make_engine_client`,
-the transport its HTTP stack with :func:`agentic_lora.engines.stacks.make_stack` (aiohttp directly,
+the transport its HTTP stack with :func:`agentic_lora.engines.stack_choice.make_stack` (aiohttp directly,
 or httpx); on every one: no retries, no environment proxy, no redirects (one request is one
 attempt on the wire).
 

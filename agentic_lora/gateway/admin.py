@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -42,9 +43,14 @@ from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PublicationResult
 
 if TYPE_CHECKING:
-    from agentic_lora.gateway.app import Gateway
+    from agentic_lora.assembly.deployment import Deployment
+    from agentic_lora.assembly.metrics import Metrics
+    from agentic_lora.gateway.limits import GatewayLimits
+    from agentic_lora.gateway.progress import ProgressHub
+    from agentic_lora.gateway.sessions import GatewaySessions
+    from agentic_lora.session import Versioning
 
-__all__ = ["AdminRoutes"]
+__all__ = ["AdminHost", "AdminRoutes"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +66,42 @@ def _line(payload: Mapping[str, Any]) -> bytes:
     return json.dumps(jsonable(payload), separators=(",", ":")).encode() + b"\n"
 
 
+class AdminHost(Protocol):
+    """What the admin routes act on: the parts of the gateway that serves them
+    (:class:`~agentic_lora.gateway.app.Gateway` is the one). Declared here, so the routes need
+    nothing from the module of the gateway that is built around them."""
+
+    @property
+    def deployment(self) -> Deployment: ...
+
+    @property
+    def versioning(self) -> Versioning: ...
+
+    @property
+    def sessions(self) -> GatewaySessions: ...
+
+    @property
+    def limits(self) -> GatewayLimits: ...
+
+    @property
+    def progress(self) -> ProgressHub: ...
+
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+
 class AdminRoutes:
     """The ``/admin`` handlers of one :class:`~agentic_lora.gateway.app.Gateway`."""
 
-    def __init__(self, gateway: Gateway, admin_token: str | None) -> None:
+    def __init__(
+        self,
+        gateway: AdminHost,
+        admin_token: str | None,
+        on_published: Callable[[PublicationResult], None] | None = None,
+    ) -> None:
         self._gateway = gateway
         self._token = admin_token
+        self._on_published = on_published  # told every publication's result (the status page)
         # Publications run one at a time anyway (the publisher's lock); holding this one around
         # a whole publication also makes a streamed answer carry only its own progress events.
         self.publish_lock = asyncio.Lock()
@@ -158,6 +194,8 @@ class AdminRoutes:
                     unsubscribe()
         if gateway.metrics is not None:
             gateway.metrics.observe_publication(result)
+        if self._on_published is not None:
+            self._on_published(result)
         logger.info(
             "publication of %s: %s",
             version_id,

@@ -12,6 +12,7 @@ Routes (see ``docs/gateway.md`` for the full contract):
 | `GET /metrics` | monitoring | Prometheus text |
 | `GET /health/live` (alias `GET /health`), `GET /health/ready` | monitoring | liveness; readiness |
 | `GET /openapi.json` | tooling | the OpenAPI document (request models: :mod:`agentic_lora.gateway.schema`) |
+| `GET /ui/` | operators | the status page (:mod:`agentic_lora.gateway.ui`), behind the admin token |
 
 Every body is bounded and validated before any Session exists (:mod:`agentic_lora.gateway.limits`,
 :mod:`agentic_lora.gateway.schema`); Session ids never reach a log (:mod:`agentic_lora.gateway.security`).
@@ -51,6 +52,7 @@ from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import InvalidRequestError
 from agentic_lora.foundation.auth import read_token
+from agentic_lora.foundation.outcomes import DispatchOutcome
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.admin import AdminRoutes
 from agentic_lora.gateway.generation import PROVENANCE_FIELD
@@ -68,6 +70,8 @@ from agentic_lora.gateway.security import install_access_log_redactor
 from agentic_lora.gateway.security import session_id_from_headers
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
+from agentic_lora.gateway.ui.routes import StatusPage
+from agentic_lora.session import Session
 from agentic_lora.session import Versioning
 
 if TYPE_CHECKING:
@@ -171,7 +175,10 @@ class Gateway(GenerationRoutes):
             retry_after=max(1.0, min(retry_after, 60.0)),
         )
         self._admin_token = admin_token
-        self._admin = AdminRoutes(self, admin_token)
+        self.status_page = StatusPage(self, admin_token)
+        self._admin = AdminRoutes(
+            self, admin_token, on_published=self.status_page.operations.observe_publication
+        )
         self._owns_deployment = owns_deployment
         self._reaper: asyncio.Task[None] | None = None
         install_access_log_redactor()
@@ -384,6 +391,7 @@ class Gateway(GenerationRoutes):
         add("/health", self._health, "GET")
         add("/health/live", self._health, "GET")
         add("/health/ready", self._ready, "GET")
+        self.status_page.install(app)
 
         def openapi() -> dict[str, Any]:
             # Rebuilt on each call: the limits (and so the models) may change at start.
@@ -444,6 +452,15 @@ class Gateway(GenerationRoutes):
             }
         )
 
+    def _log_failure(
+        self, route: Route, session_id: str | None, session: Session | None, exc: BaseException
+    ) -> DispatchOutcome:
+        outcome = super()._log_failure(route, session_id, session, exc)
+        self.status_page.refusals.record(exc, outcome, route.value)
+        if self.metrics is not None:
+            self.metrics.observe_failed_request(exc)
+        return outcome
+
     # --- monitoring -----------------------------------------------------------------------------
 
     async def _metrics(self) -> Response:
@@ -453,7 +470,11 @@ class Gateway(GenerationRoutes):
                 status=404,
             )
         status = await self.deployment.status()
-        self.metrics.refresh(status, live_sessions=len(self.versioning.live_sessions()))
+        self.metrics.refresh(
+            status,
+            live_sessions=len(self.versioning.live_sessions()),
+            engine_health=self.deployment.repairer.readiness().engines,
+        )
         return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
 
     async def _ready(self) -> Response:

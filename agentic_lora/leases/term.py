@@ -9,14 +9,11 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from typing import Final
+from typing import Protocol
 
 from agentic_lora.errors import SessionExpiredError
 from agentic_lora.registry.types import LeaseGrant
-
-if TYPE_CHECKING:
-    from agentic_lora.leases.keeper import LeaseKeeper
 
 __all__ = [
     "LeaseEvent",
@@ -24,6 +21,7 @@ __all__ = [
     "LeaseListener",
     "LeaseState",
     "LeaseTerm",
+    "TermKeeper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,10 +70,35 @@ class LeaseEvent:
 LeaseListener = Callable[[LeaseEvent], None]
 
 
+class TermKeeper(Protocol):
+    """The keeper of a term, as the term sees it (:class:`~agentic_lora.leases.LeaseKeeper`).
+
+    Declared here, beside the term, so the term needs nothing from the keeper's module: the
+    keeper is built from terms, never the other way round.
+    """
+
+    @property
+    def owner(self) -> str:
+        """The owner id every term of this keeper is a lease of."""
+        ...
+
+    def clock(self) -> float:
+        """The keeper's monotonic clock, in seconds (deadlines are on it)."""
+        ...
+
+    def _touch(self, term: LeaseTerm) -> None:
+        """A dispatch used ``term``: wake the renewer if a renewal is overdue (no I/O)."""
+        ...
+
+    def _emit(self, kind: LeaseEventKind, term: LeaseTerm, *, reason: str | None = None) -> None:
+        """Tell the keeper's listeners what happened to ``term``."""
+        ...
+
+
 class LeaseTerm:
     """One incarnation's lease as this process sees it; a Session keeps the one it bound under."""
 
-    def __init__(self, keeper: LeaseKeeper, incarnation: str) -> None:
+    def __init__(self, keeper: TermKeeper, incarnation: str) -> None:
         self._keeper = keeper
         self.incarnation: Final = incarnation
         #: ``"<owner>/<incarnation>"``, the id Sessions bind under.

@@ -36,6 +36,12 @@ def test_every_module_has_a_layer_and_upward_imports_do_not_grow(layers: ModuleT
     assert len(typing_only) <= layers.RECORDED_UPWARD_TYPING, typing_only
 
 
+def test_no_import_cycles(layers: ModuleType) -> None:
+    """No two package modules import each other, not even inside a function or for typing."""
+    cycles = layers.import_cycles(layers.package_imports(ROOT))
+    assert len(cycles) <= layers.RECORDED_CYCLES, cycles
+
+
 def test_folders_are_the_layers(layers: ModuleType) -> None:
     """Only the public names and the error tree sit at the top of the package; every other module
     lives in the folder of its layer, so the tree alone says where a thing belongs."""
@@ -93,3 +99,36 @@ def test_upward_imports_are_found_and_told_apart(layers: ModuleType, tmp_path: P
         ("agentic_lora.engines.transport", "agentic_lora_http", False),  # a plugin: never imported
     }
     assert unplaced == ["agentic_lora.mystery"]
+
+
+def test_import_cycles_of_every_kind_and_length_are_found(
+    layers: ModuleType, tmp_path: Path
+) -> None:
+    _write(
+        tmp_path,
+        {
+            "agentic_lora/__init__.py": "",
+            "agentic_lora/errors.py": "",
+            # two modules, one import inside a function
+            "agentic_lora/cli/main.py": "from agentic_lora.cli import serve\n",
+            "agentic_lora/cli/serve.py": "def f() -> None:\n    from agentic_lora.cli.main import g\n",
+            # two modules, one import for type checking only
+            "agentic_lora/leases/keeper.py": "from agentic_lora.leases.term import T\n",
+            "agentic_lora/leases/term.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from agentic_lora.leases.keeper import K\n"
+            ),
+            # three modules around a ring, and one module that only joins it from outside
+            "agentic_lora/engines/a.py": "from agentic_lora.engines import b\n",
+            "agentic_lora/engines/b.py": "from agentic_lora.engines import c\n",
+            "agentic_lora/engines/c.py": "import agentic_lora.engines.a\n",
+            "agentic_lora/engines/d.py": "from agentic_lora.engines import a\n",
+            # a module that imports itself is no cycle between modules
+            "agentic_lora/engines/e.py": "import agentic_lora.engines.e\n",
+        },
+    )
+    assert layers.import_cycles(layers.package_imports(tmp_path)) == [
+        ["agentic_lora.cli.main", "agentic_lora.cli.serve"],
+        ["agentic_lora.engines.a", "agentic_lora.engines.b", "agentic_lora.engines.c"],
+        ["agentic_lora.leases.keeper", "agentic_lora.leases.term"],
+    ]
