@@ -298,10 +298,14 @@ class AdapterPublisher:
             stats = self._slots.stats
         if not failures and stats.last_published_step == step:
             return
-        summary = "; ".join(f"step {f.step}: {f.code}" for f in failures) or "no failure recorded"
+        problems = [f"step {f.step} ({f.version_id}): {f.code}" for f in failures]
+        if stats.last_published_step != step:
+            problems.append(
+                f"step {step} is not the default (last published step: "
+                f"{stats.last_published_step}, capacity skips: {stats.skipped})"
+            )
         raise PublicationFailedError(
-            f"at {when}: step {step} is not the published default "
-            f"(last published step: {stats.last_published_step}; failures: {summary})",
+            f"publication failed, seen at {when}: {'; '.join(problems)}",
             step=step,
             last_published_step=stats.last_published_step,
             failures=[f.to_dict() for f in failures],

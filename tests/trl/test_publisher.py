@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 
 from agentic_lora import Session
 from agentic_lora import VersionState
+from agentic_lora.errors import InvalidAdapterError
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.scripted_engine import EngineOp
 from agentic_lora.testing.scripted_engine import Fault
@@ -226,9 +227,9 @@ def test_a_model_without_a_lora_adapter_is_refused_on_the_training_thread(
 ) -> None:
     callback = PublishCallback(bridge)
     state, control = trainer_state(0)
-    with pytest.raises(Exception, match="not a PEFT model") as refused:
+    with pytest.raises(InvalidAdapterError, match="not a PEFT model"):
         callback.on_train_begin(args, state, control, model=object())
-    assert getattr(refused.value, "code", None) == "INVALID_ADAPTER"
+    assert callback.stats.submitted == 0
 
 
 # --- capacity ---------------------------------------------------------------------------------
