@@ -178,7 +178,8 @@ class DeploymentThread:
             logger.info("deployment thread closed", extra={"bridge": self._name})
 
     def __enter__(self) -> Self:
-        return self.start()
+        """Start the bridge (if it is not running yet); the ``with`` block's end closes it."""
+        return self if self._state is BridgeState.RUNNING else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -5,7 +5,8 @@ steps of ``GRPOTrainer`` on the fixture's tiny Qwen3 in float32 with a rank-8 Lo
 q/k/v/o_proj: :class:`~agentic_lora_trl.SessionRollout` as its ``rollout_func`` (two prompts x two
 generations, two model turns around a tool response per trajectory) and
 :class:`~agentic_lora_trl.PublishCallback` publishing after every step, while the next step's
-rollouts run. Every engine call goes through a
+rollouts run (step 3 alone waits until step 2's weights committed, so that its rollouts run on a
+trained version whatever the engines' speed). Every engine call goes through a
 :class:`~tests.e2e.recording_proxy.RecordingProxy`, so the checks read what reached the engines:
 
 1. **Training happened and every step was published.** Five versions (the starting weights and
@@ -53,6 +54,7 @@ from agentic_lora import load_settings
 from tests.e2e.recording_proxy import RecordingProxy
 from tests.e2e.recording_proxy import TrafficLog
 from tests.e2e.recording_proxy import forbidden_exchanges
+from tests.e2e.support import RegistryWatch
 from tests.e2e.support import fleet_config
 from tests.e2e.support import fresh_id
 
@@ -85,6 +87,26 @@ async def _proxies(fleet: EngineFleet, traffic: TrafficLog) -> AsyncIterator[dic
             proxy = await stack.enter_async_context(RecordingProxy(name, url, traffic))
             urls[name] = proxy.base_url
         yield urls
+
+
+def _published_before(thread: Any, watch: RegistryWatch, step: int, version_id: str) -> Any:
+    """A trainer callback that, on the trainer's thread, holds step ``step`` until
+    ``version_id`` committed, so that step's rollouts run on a trained version however slow
+    the engines are (the other steps' rollouts run while their predecessor publishes)."""
+    from transformers import TrainerCallback
+
+    class PublishedBefore(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step + 1 == step:
+                thread.run(
+                    watch.wait_for(
+                        "commit",
+                        lambda receipt: receipt.version_id == version_id,
+                        what=f"{version_id} committed",
+                    )
+                )
+
+    return PublishedBefore()
 
 
 def _step_weights() -> Any:
@@ -137,29 +159,39 @@ async def test_grpo_trains_publishes_every_step_and_the_engines_serve_what_it_tr
 ) -> None:
     from agentic_lora_grpo import PROMPTS
     from agentic_lora_grpo import train
+    from agentic_lora_trl import DeploymentThread
 
     fleet = engines_restored
     traffic = TrafficLog()
     weights = _step_weights()
+    prefix = fresh_id("grpo")
     async with _proxies(fleet, traffic) as urls:
         settings = load_settings(
             **fleet_config(urls, fleet.served_model_name),
-            lora_name_prefix=fresh_id("grpo"),
+            lora_name_prefix=prefix,
             max_version_lag=MAX_VERSION_LAG,
             probe_interval=3600.0,
         )
-        # The trainer's thread (and the bridge's) run while this loop serves the proxies.
-        report = await asyncio.to_thread(
-            train,
-            settings,
-            model_dir=fleet.fixture.model_dir,
-            workdir=tmp_path,
-            steps=STEPS,
-            generations=GENERATIONS,
-            callbacks=[weights],
+        thread = DeploymentThread.from_settings(
+            settings, backend_options={"store_root": str(tmp_path / "adapter-store")}
         )
+        # The trainer's thread (and the bridge's) run while this loop serves the proxies.
+        await asyncio.to_thread(thread.start)
+        try:
+            watch = RegistryWatch(thread.deployment.registry)
+            report = await asyncio.to_thread(
+                train,
+                thread,
+                model_dir=fleet.fixture.model_dir,
+                workdir=tmp_path,
+                version_prefix=prefix,
+                steps=STEPS,
+                generations=GENERATIONS,
+                callbacks=[weights, _published_before(thread, watch, 3, f"{prefix}-2")],
+            )
+        finally:
+            await asyncio.to_thread(thread.close)
     assert report.problems() == []
-    prefix = report.version_prefix
 
     # 1. Trained for STEPS optimizer steps, and every step's weights became a version.
     trainer = report.trainer

@@ -19,6 +19,7 @@ from agentic_lora_trl import encode_prompts
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.scripted_engine import EngineOp
 from tests.trl.support import TokenEngine
+from tests.trl.support import bridge_on
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,9 +34,12 @@ GENERATIONS = 2
 def test_the_example_trains_on_session_rollouts_publishes_every_step_and_passes_its_checks(
     model_fixture: Fixture, tmp_path: Path
 ) -> None:
-    with ScriptedFleet(engine_type=TokenEngine) as fleet:
+    with (
+        ScriptedFleet(engine_type=TokenEngine) as fleet,
+        bridge_on(fleet, tmp_path / "store", max_version_lag=1) as thread,
+    ):
         report = train(
-            fleet.settings(max_version_lag=1),
+            thread,
             model_dir=model_fixture.model_dir,
             workdir=tmp_path,
             steps=STEPS,

@@ -232,3 +232,19 @@ def test_a_failing_closer_is_raised_after_everything_stopped(
     assert bridge.state is BridgeState.CLOSED
     assert bridge.thread is not None
     assert not bridge.thread.is_alive()
+
+
+def test_a_with_block_starts_a_new_bridge_or_takes_a_running_one_and_closes_it(
+    fleet: ScriptedFleet, tmp_path: Path
+) -> None:
+    running = bridge_on(fleet, tmp_path / "running")
+    with running as same:
+        assert same is running
+        assert running.state is BridgeState.RUNNING
+    assert running.state is BridgeState.CLOSED
+    fresh = DeploymentThread.from_settings(
+        fleet.settings(), backend_options={"store_root": str(tmp_path / "fresh")}
+    )
+    with fresh:
+        assert fresh.state is BridgeState.RUNNING
+    assert fresh.state is BridgeState.CLOSED

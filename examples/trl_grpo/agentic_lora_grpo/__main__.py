@@ -21,6 +21,7 @@ from agentic_lora_harness.engine_env import ensure_engine_env
 from agentic_lora_harness.engines import EngineFleet
 from agentic_lora_harness.exit_status import failures_exit
 from agentic_lora_harness.fixture import build_fixture
+from agentic_lora_trl import DeploymentThread
 
 from agentic_lora import load_settings
 
@@ -83,13 +84,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_max_loras_per_batch=3,
             max_version_lag=args.max_version_lag,
         )
-        report = train(
-            settings,
-            model_dir=fixture.model_dir,
-            workdir=args.workdir or fleet.log_dir / "trl-grpo",
-            steps=args.steps,
-            publish_every=args.publish_every,
-        )
+        workdir = args.workdir or fleet.log_dir / "trl-grpo"
+        store = workdir / "adapter-store"  # the engines read it at the same path
+        with DeploymentThread.from_settings(
+            settings, backend_options={"store_root": str(store)}
+        ) as thread:
+            report = train(
+                thread,
+                model_dir=fixture.model_dir,
+                workdir=workdir,
+                steps=args.steps,
+                publish_every=args.publish_every,
+            )
     _print(report)
     return 1 if report.problems() else 0
 

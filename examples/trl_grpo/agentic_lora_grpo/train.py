@@ -1,6 +1,7 @@
 """GRPO with TRL through agentic-lora: the whole example on a running fleet.
 
-:func:`train` runs ``GRPOTrainer`` on a small prompt set with
+:func:`train` runs ``GRPOTrainer`` on a small prompt set, through the Deployment of a running
+:class:`~agentic_lora_trl.DeploymentThread`, with
 
 * :class:`~agentic_lora_trl.SessionRollout` as its ``rollout_func``: one Session per trajectory,
   two model turns around a tool response (:class:`ToolResponse`, environment tokens masked out);
@@ -28,8 +29,6 @@ from agentic_lora_trl import PublicationStats
 from agentic_lora_trl import PublishCallback
 from agentic_lora_trl import SessionRollout
 from agentic_lora_trl import Turn
-
-from agentic_lora import AgenticLoRASettings
 
 __all__ = ["PROMPTS", "RolloutBatch", "ToolResponse", "TrainReport", "train"]
 
@@ -123,10 +122,11 @@ class TrainReport:
 
 
 def train(
-    settings: AgenticLoRASettings,
+    thread: DeploymentThread,
     *,
     model_dir: Path,
     workdir: Path,
+    version_prefix: str | None = None,
     steps: int = 4,
     publish_every: int = 1,
     learning_rate: float = 0.05,
@@ -136,10 +136,11 @@ def train(
     seed: int = 0,
     callbacks: Sequence[Any] = (),
 ) -> TrainReport:
-    """Train for ``steps`` optimizer steps on the fleet ``settings`` describe.
+    """Train for ``steps`` optimizer steps, generating and publishing through ``thread``.
 
-    The adapter store (readable by the engines at the same path) and the trainer's output go
-    under ``workdir``. ``callbacks`` are more ``TrainerCallback``s, run after the publisher's.
+    Versions are ``<version_prefix>-<step>`` (default: a fresh ``grpo-<random>``); the trainer's
+    output goes under ``workdir``. ``callbacks`` are more ``TrainerCallback``s, run after the
+    publisher's.
     """
     import torch
     from datasets import Dataset
@@ -149,10 +150,9 @@ def train(
     from trl.trainer.grpo_config import GRPOConfig
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    prefix = f"grpo-{uuid.uuid4().hex[:8]}"
-    report = TrainReport(
-        steps=steps, version_prefix=prefix, max_version_lag=settings.max_version_lag
-    )
+    prefix = version_prefix or f"grpo-{uuid.uuid4().hex[:8]}"
+    max_lag = thread.deployment.settings.max_version_lag
+    report = TrainReport(steps=steps, version_prefix=prefix, max_version_lag=max_lag)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def reward(
@@ -166,71 +166,64 @@ def train(
         report.rewarded.extend((trainer_state.global_step, p) for p in agentic_lora)
         return [1.0 - sum(ids) / (len(ids) * float(tokenizer.vocab_size)) for ids in completion_ids]
 
-    store = workdir / "adapter-store"
-    with DeploymentThread.from_settings(
-        settings, backend_options={"store_root": str(store)}
-    ) as thread:
-        rollout = SessionRollout(
-            thread,
-            environment=ToolResponse(tokenizer),
-            max_turns=2,
-            max_turn_tokens=max_turn_tokens,
-        )
+    rollout = SessionRollout(
+        thread, environment=ToolResponse(tokenizer), max_turns=2, max_turn_tokens=max_turn_tokens
+    )
 
-        def recorded_rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
-            status = thread.run(thread.deployment.status())
-            output = rollout(prompts, trainer)
-            report.batches.append(
-                RolloutBatch(
-                    step=trainer.state.global_step,
-                    revision_at_start=status.default_revision,
-                    default_at_start=status.default_version,
-                    prompts=list(prompts),
-                    output=output,
-                )
+    def recorded_rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        status = thread.run(thread.deployment.status())
+        output = rollout(prompts, trainer)
+        report.batches.append(
+            RolloutBatch(
+                step=trainer.state.global_step,
+                revision_at_start=status.default_revision,
+                default_at_start=status.default_version,
+                prompts=list(prompts),
+                output=output,
             )
-            return output
-
-        publish = PublishCallback(thread, publish_every=publish_every, version_prefix=prefix)
-        torch.manual_seed(seed)
-        trainer = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-            reward_funcs=reward,
-            args=GRPOConfig(
-                output_dir=str(workdir / "trainer"),
-                per_device_train_batch_size=len(PROMPTS) * generations,
-                num_generations=generations,
-                max_completion_length=max_completion_length,
-                max_steps=steps,
-                learning_rate=learning_rate,
-                lr_scheduler_type="constant",
-                temperature=1.0,
-                logging_steps=1,
-                report_to="none",
-                use_cpu=True,
-                save_strategy="no",
-                gradient_checkpointing=False,
-                disable_tqdm=True,
-                seed=seed,
-            ),
-            train_dataset=Dataset.from_dict(
-                {"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]}
-            ),
-            processing_class=tokenizer,
-            peft_config=LoraConfig(
-                r=8,
-                lora_alpha=16,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                # Random A and B: the starting adapter already changes the model, so the tests
-                # can compare the engines with the trainer on a non-trivial adapter from step 0.
-                init_lora_weights=False,
-                task_type="CAUSAL_LM",
-            ),
-            rollout_func=recorded_rollout,
-            callbacks=[publish, *callbacks],
         )
-        trainer.train()
-        report.stats = publish.stats
-        report.final_default = thread.run(thread.deployment.status()).default_version
-        report.trainer = trainer
+        return output
+
+    publish = PublishCallback(thread, publish_every=publish_every, version_prefix=prefix)
+    torch.manual_seed(seed)
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        reward_funcs=reward,
+        args=GRPOConfig(
+            output_dir=str(workdir / "trainer"),
+            per_device_train_batch_size=len(PROMPTS) * generations,
+            num_generations=generations,
+            max_completion_length=max_completion_length,
+            max_steps=steps,
+            learning_rate=learning_rate,
+            lr_scheduler_type="constant",
+            temperature=1.0,
+            logging_steps=1,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            gradient_checkpointing=False,
+            disable_tqdm=True,
+            seed=seed,
+        ),
+        train_dataset=Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]}
+        ),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            # Random A and B: the starting adapter already changes the model, so the tests can
+            # compare the engines with the trainer on a non-trivial adapter from step 0.
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+        ),
+        rollout_func=recorded_rollout,
+        callbacks=[publish, *callbacks],
+    )
+    trainer.train()
+    report.stats = publish.stats
+    report.final_default = thread.run(thread.deployment.status()).default_version
+    report.trainer = trainer
     return report
