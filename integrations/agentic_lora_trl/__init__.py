@@ -33,7 +33,6 @@ from agentic_lora_trl.errors import BridgeClosedError
 from agentic_lora_trl.errors import PublicationFailedError
 from agentic_lora_trl.errors import RolloutTooStaleError
 from agentic_lora_trl.publishing import AdapterPublisher
-from agentic_lora_trl.publishing import AdapterWeights
 from agentic_lora_trl.publishing import PublicationFailure
 from agentic_lora_trl.publishing import PublicationStats
 from agentic_lora_trl.rollout import Environment
@@ -42,6 +41,7 @@ from agentic_lora_trl.rollout import SessionRollout
 from agentic_lora_trl.rollout import Trajectory
 from agentic_lora_trl.rollout import Turn
 from agentic_lora_trl.rollout import encode_prompts
+from agentic_lora_trl.weights import AdapterWeights
 
 __all__ = [
     "AdapterPublisher",

@@ -37,8 +37,8 @@ from transformers import TrainingArguments
 from agentic_lora_trl.bridge import DeploymentThread
 from agentic_lora_trl.publishing import DEFAULT_CAPACITY_RETRIES
 from agentic_lora_trl.publishing import AdapterPublisher
-from agentic_lora_trl.publishing import AdapterWeights
 from agentic_lora_trl.publishing import PublicationStats
+from agentic_lora_trl.weights import AdapterWeights
 
 __all__ = ["PublishCallback"]
 

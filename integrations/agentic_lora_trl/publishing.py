@@ -47,21 +47,17 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from collections.abc import Mapping
 from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import replace
-from typing import TYPE_CHECKING
 from typing import Any
 
 from tenacity.wait import wait_base
 
-from agentic_lora import AdapterSnapshot
 from agentic_lora import PublicationOutcome
 from agentic_lora import PublicationResult
 from agentic_lora import VersionState
-from agentic_lora.errors import InvalidAdapterError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.background import backoff
 from agentic_lora.foundation.background import delay_after
@@ -71,14 +67,11 @@ from agentic_lora.registry.types import VersionStatus
 from agentic_lora_trl.bridge import DeploymentThread
 from agentic_lora_trl.errors import BridgeClosedError
 from agentic_lora_trl.errors import PublicationFailedError
-
-if TYPE_CHECKING:
-    import torch
+from agentic_lora_trl.weights import AdapterWeights
 
 __all__ = [
     "DEFAULT_CAPACITY_RETRIES",
     "AdapterPublisher",
-    "AdapterWeights",
     "PublicationFailure",
     "PublicationStats",
     "default_capacity_wait",
@@ -93,58 +86,6 @@ DEFAULT_CAPACITY_RETRIES = 5
 def default_capacity_wait() -> wait_base:
     """0.5 s, 1 s, 2 s, 4 s, then 5 s between two capacity retries."""
     return backoff(0.5, 5.0)
-
-
-# --- the weights of one step ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AdapterWeights:
-    """The LoRA weights of one training step, copied off the live model (see module docstring)."""
-
-    step: int
-    version_id: str
-    tensors: Mapping[str, torch.Tensor]
-    config: Mapping[str, Any]
-
-    @classmethod
-    def capture(
-        cls, model: object, *, step: int, version_id: str, adapter_name: str = "default"
-    ) -> AdapterWeights:
-        """Copy ``model``'s adapter ``adapter_name`` now (call it on the training thread).
-
-        ``model`` is a PEFT model, or a wrapper of one (``.module``, as DDP has). The tensors come
-        from PEFT's ``get_peft_model_state_dict`` (the layout ``save_pretrained`` writes), each
-        copied to new CPU memory; the config is copied as a plain dict.
-        """
-        peft_model = _peft_model(model, adapter_name)
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
-        config = peft_model.peft_config[adapter_name]
-        config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        return cls(step=step, version_id=version_id, tensors=tensors, config=config_dict)
-
-    def snapshot(self) -> AdapterSnapshot:
-        """Freeze these tensors into an AdapterSnapshot (serialise, validate, hash)."""
-        return AdapterSnapshot.from_state_dict(self.tensors, self.config)
-
-
-def _peft_model(model: object, adapter_name: str) -> Any:
-    seen: set[int] = set()
-    current: Any = model
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        configs = getattr(current, "peft_config", None)
-        if isinstance(configs, Mapping) and adapter_name in configs:
-            return current
-        current = getattr(current, "module", None)
-    raise InvalidAdapterError(
-        f"{type(model).__name__} is not a PEFT model with adapter {adapter_name!r}: "
-        "train with a peft LoraConfig (GRPOTrainer(peft_config=...)) or a PeftModel",
-        reason="not_lora",
-    )
 
 
 # --- what the worker reports ------------------------------------------------------------------
