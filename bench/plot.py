@@ -10,6 +10,8 @@
 * ``recovery.png``: per fault kind (``bench/chaos.py``), every run's time from the kill -9 to the
   killed part running again, to the first committed publication and to the first successful
   generation of an affected Session, with the issue's goals drawn where they apply.
+* ``policy_mixing.png``: in-place swap, drain before swap and versioned pinning side by side
+  (``bench/policy_mixing.py``; drawn by ``bench/plot_mixing.py``).
 
 A plot whose JSON is missing is skipped with a note. Usage: python bench/plot.py
 """
@@ -31,8 +33,16 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
+from plot_mixing import plot_policy_mixing
 
-__all__ = ["main", "plot_dispatch", "plot_memory", "plot_publication", "plot_recovery"]
+__all__ = [
+    "main",
+    "plot_dispatch",
+    "plot_memory",
+    "plot_mixing",
+    "plot_publication",
+    "plot_recovery",
+]
 
 IMG_DIR = REPO_ROOT / "docs" / "img"
 VARIANT_COLOURS = {
@@ -329,12 +339,23 @@ def plot_recovery() -> Path | None:
     return _save(fig, "recovery.png")
 
 
+def plot_mixing() -> Path | None:
+    """In-place swap, drain and versioned pinning (see ``bench/plot_mixing.py``)."""
+    data = _load("policy_mixing")
+    if data is None:
+        return None
+    path = plot_policy_mixing(data, IMG_DIR / "policy_mixing.png")
+    print(f"written: {path}")
+    return path
+
+
 def main() -> None:
     """Draw every plot whose data exists."""
     plot_dispatch()
     plot_publication()
     plot_memory()
     plot_recovery()
+    plot_mixing()
 
 
 if __name__ == "__main__":
