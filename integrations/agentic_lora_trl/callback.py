@@ -30,9 +30,7 @@ from typing import Any
 
 from tenacity.wait import wait_base
 from transformers import TrainerCallback
-from transformers import TrainerControl
 from transformers import TrainerState
-from transformers import TrainingArguments
 
 from agentic_lora_trl.bridge import DeploymentThread
 from agentic_lora_trl.publishing import DEFAULT_CAPACITY_RETRIES
@@ -97,47 +95,22 @@ class PublishCallback(TrainerCallback):
         self.publisher.raise_for(step, when=when)
 
     # --- trainer events ------------------------------------------------------------------------
+    # transformers calls each with (args, state, control, model=..., ...); only state and the
+    # model (or the logs) are read here.
 
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: object = None,
-        **kwargs: Any,
-    ) -> None:
+    def on_train_begin(self, args: Any, state: TrainerState, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero:
-            self._settle(model, state.global_step, when="train begin")
+            self._settle(kw.get("model"), state.global_step, when="train begin")
 
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: object = None,
-        **kwargs: Any,
-    ) -> None:
+    def on_step_end(self, args: Any, state: TrainerState, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero and state.global_step % self.publish_every == 0:
-            self._submit(model, state.global_step)
+            self._submit(kw.get("model"), state.global_step)
 
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if logs is not None and state.is_world_process_zero:
+    def on_log(self, args: Any, state: TrainerState, control: Any, **kw: Any) -> None:
+        logs = kw.get("logs")
+        if isinstance(logs, dict) and state.is_world_process_zero:
             logs.update(self.publisher.stats.as_logs())
 
-    def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: object = None,
-        **kwargs: Any,
-    ) -> None:
+    def on_train_end(self, args: Any, state: TrainerState, control: Any, **kw: Any) -> None:
         if state.is_world_process_zero:
-            self._settle(model, state.global_step, when="train end")
+            self._settle(kw.get("model"), state.global_step, when="train end")
