@@ -5,8 +5,17 @@ here: a fixture imported into several conftests would be one session fixture per
 run that collects both tests/engine and tests/e2e would start two fleets.
 """
 
-from hypothesis import HealthCheck
-from hypothesis import settings
+import os
+
+# Nothing a test imports may reach a model hub: the Hugging Face libraries read these when they
+# are imported, so they are set before any test module is. TRL warns (a UserWarning, an error
+# here) that ``rollout_func`` is experimental; the TRL integration's tests use it on purpose.
+for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_name] = "1"
+os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+
+from hypothesis import HealthCheck  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 pytest_plugins = ["agentic_lora_harness.pytest_fixtures"]
 

@@ -20,13 +20,21 @@ __all__ = ["ScriptedFleet"]
 class ScriptedFleet:
     """``ScriptedSGLangEngine`` per name at ``127.0.0.1:<base_port + i>``, routed while entered.
 
+    ``engine_type`` makes each engine (a subclass answering some route its own way).
+
     Use as a context manager (sync or async); every HTTP request made through ``httpx`` to one of
     the engines' URLs is answered by that engine, anything else fails loudly.
     """
 
-    def __init__(self, names: Sequence[str] = ("e0", "e1"), *, base_port: int = 31000) -> None:
+    def __init__(
+        self,
+        names: Sequence[str] = ("e0", "e1"),
+        *,
+        base_port: int = 31000,
+        engine_type: type[ScriptedSGLangEngine] = ScriptedSGLangEngine,
+    ) -> None:
         self.engines: dict[str, ScriptedSGLangEngine] = {
-            name: ScriptedSGLangEngine(name, f"http://127.0.0.1:{base_port + i}")
+            name: engine_type(name, f"http://127.0.0.1:{base_port + i}")
             for i, name in enumerate(names)
         }
         self.refs: tuple[EngineRef, ...] = tuple(
