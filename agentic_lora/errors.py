@@ -23,6 +23,7 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── UnknownVersionError        UNKNOWN_VERSION       no such version
     │   ├── UnknownEngineError         UNKNOWN_ENGINE        engine not in the fixed fleet
     │   ├── InvalidStateError          INVALID_STATE         verb not allowed in the version's state
+    │   ├── RollbackRefusedError       ROLLBACK_REFUSED      rollback to the default, a version never committed, an aborted one
     │   └── SessionStillBoundError     SESSION_STILL_BOUND   reclaim/forget while a Session holds it
     ├── JournalError                   (the durable journal)
     │   ├── JournalCorruptError        JOURNAL_CORRUPT       unreadable or inconsistent journal
@@ -83,6 +84,7 @@ __all__ = [
     "RequestRefusedError",
     "RequestTooLargeError",
     "RevisionConflictError",
+    "RollbackRefusedError",
     "SessionClosedError",
     "SessionExpiredError",
     "SessionReleaseError",
@@ -216,6 +218,17 @@ class InvalidStateError(RegistryError):
 
 class SessionStillBoundError(RegistryError):
     code = "SESSION_STILL_BOUND"
+
+
+class RollbackRefusedError(RegistryError):
+    """A rollback that can never be done as asked; nothing changed. ``details["reason"]`` is one
+    of ``"current_default"`` (the version is the default already, and not by a rollback),
+    ``"never_committed"`` (it never was the default: there is nothing to roll back to) and
+    ``"aborted"`` (its last attempt is aborted and its cleanup unconfirmed); ``details["version"]``
+    names it. A rollback that must wait (another publication pending, a reclaim running) gets the
+    error of that state instead (``PUBLICATION_BLOCKED``, ``INVALID_STATE``)."""
+
+    code = "ROLLBACK_REFUSED"
 
 
 class JournalError(AgenticLoRAError):

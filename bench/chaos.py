@@ -28,10 +28,24 @@ to another engine behind the caller's back; the table counts them apart. "The ow
 the moment the restarted worker opens its new lease (its process start, interpreter and Ray
 included, is printed too).
 
+Three more kinds are not kills (issue 25), and report their own figures:
+
+* **rollback**: a rollback in the middle of agent load (``tests/chaos/rollback_scenario.py``),
+  first to a RETIRED version, then to a RECLAIMED one: the trainer-visible time of each
+  rollback call (``rollback_retired_s``, ``rollback_reclaimed_s``) and the failed requests (the
+  goal is none);
+* **disk-full**: the journal's filesystem fills up under load (``tests/chaos/full_disk.py``; no
+  engines): from full to the registry's fail-stop, the requests it refused meanwhile, and back to
+  normal once space is freed (reopen and replay, then a publication and a Session served);
+* **reopen**: a dead worker's journal reopened by a process that opens no Session
+  (``tests/leases/dead_worker.py``; no engines): when its refs were released (goal: within
+  TTL + sweep interval + 5 s of the reopen) and when the next publication committed.
+
 Prints a table and writes ``bench/out/chaos.json`` (``bench/plot.py`` draws
 ``docs/img/recovery.png`` from it).
 
-Usage: python bench/chaos.py [--repeat 3] [--faults engine,gateway,registry-host,worker,registry-actor]
+Usage: python bench/chaos.py [--repeat 3]
+       [--faults engine,gateway,registry-host,worker,registry-actor,rollback,disk-full,reopen]
        [--seed N]
        python bench/chaos.py --rescore bench/out/chaos.json   # print (and rewrite) a recorded run
 """
@@ -63,8 +77,19 @@ __all__ = ["FAULTS", "main", "rescore", "run_fault", "summarize_runs"]
 logger = logging.getLogger(__name__)
 
 #: Fault kinds, in the order they run.
-FAULTS = ("engine", "gateway", "registry-host", "worker", "registry-actor")
+FAULTS = (
+    "engine",
+    "gateway",
+    "registry-host",
+    "worker",
+    "registry-actor",
+    "rollback",
+    "disk-full",
+    "reopen",
+)
 RAY_FAULTS = frozenset({"worker", "registry-actor"})
+#: Kinds that need no engine fleet (their scenarios bring scripted engines of their own).
+FLEETLESS_FAULTS = frozenset({"disk-full", "reopen"})
 TIMES = (
     "back_s",
     "first_publication_s",
@@ -72,6 +97,14 @@ TIMES = (
     "refs_released_s",
     "slots_back_s",
     "restart_releases_s",
+    "rollback_retired_s",
+    "rollback_reclaimed_s",
+    "new_session_served_after_retired_s",
+    "new_session_served_after_reclaimed_s",
+    "stopped_after_full_s",
+    "reopen_s",
+    "back_to_normal_s",
+    "published_s",
 )
 
 
@@ -82,7 +115,15 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
 
     rng = scenario_rng(f"bench-{kind}-{index}", seed)
     started = time.monotonic()
-    if kind == "engine":
+    if kind in ("disk-full", "reopen"):
+        out = await _journal_fault(kind, workdir, index)
+        out["wall_s"] = round(time.monotonic() - started, 1)
+        return out
+    if kind == "rollback":
+        from tests.chaos.rollback_scenario import rollback_under_load
+
+        report = await rollback_under_load(fleet, workdir, rng, name=f"{kind}-{index}")
+    elif kind == "engine":
         report = await scenarios.engine_restart(fleet, workdir, rng, name=f"{kind}-{index}")
     elif kind in ("gateway", "registry-host"):
         during = "traffic" if kind == "gateway" else "publication"
@@ -97,10 +138,83 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
     out = report.as_dict()
     out["kind"] = kind
     out["wall_s"] = round(time.monotonic() - started, 1)
-    for key in ("refs_released_s", "slots_back_s", "restart_releases_s", "engine_start_s"):
+    for key in (
+        "refs_released_s",
+        "slots_back_s",
+        "restart_releases_s",
+        "engine_start_s",
+        "rollback_retired_s",
+        "rollback_reclaimed_s",
+        "new_session_served_after_retired_s",
+        "new_session_served_after_reclaimed_s",
+    ):
         if key in report.times:
             out[key] = report.times[key]
     return out
+
+
+async def _journal_fault(kind: str, workdir: Path, index: int) -> dict[str, Any]:
+    """A run of ``disk-full`` or ``reopen`` (no engine fleet) in the shape of the others."""
+    if kind == "disk-full":
+        from tests.chaos.full_disk import full_disk_journal
+        from tests.chaos.full_disk import problems_of
+
+        disk = await full_disk_journal(workdir, "tmpfs")
+        failed = sum(disk.failed_requests.values())
+        return _run_of(
+            kind,
+            index,
+            choices={"mode": disk.mode, "fill_error": disk.fill_error},
+            back_s=disk.back_to_normal_s,
+            first_publication_s=disk.back_to_normal_s,
+            stopped_after_full_s=disk.stopped_after_full_s,
+            reopen_s=disk.reopen_s,
+            back_to_normal_s=disk.back_to_normal_s,
+            times={"failed_while_stopped": float(failed)},
+            requests=sum(disk.acknowledged.values()) + failed,
+            failures={"while_stopped": [f"{k} x{n}" for k, n in disk.failed_requests.items()]},
+            goals={
+                "fail-stop with JOURNAL_ERROR": disk.failed_code == "JOURNAL_ERROR",
+                "no acknowledged write lost": not disk.lost,
+                "reopens cleanly once space is freed": disk.publication_after == "PUBLISHED",
+            },
+            problems=problems_of(disk),
+            acknowledged=disk.acknowledged,
+        )
+    from tests.leases.dead_worker import dead_worker_reopened
+    from tests.leases.dead_worker import problems_of as reopen_problems
+
+    reopened = await dead_worker_reopened(workdir)
+    bound = reopened.ttl + reopened.sweep_interval + 5.0
+    return _run_of(
+        kind,
+        index,
+        choices={"ttl": reopened.ttl, "sweep_interval": reopened.sweep_interval},
+        back_s=reopened.released_s,
+        first_publication_s=reopened.published_s,
+        refs_released_s=reopened.released_s,
+        published_s=reopened.published_s,
+        goals={
+            f"refs released within TTL + sweep + 5 s ({bound:.0f} s) of the reopen": (
+                reopened.released_s <= bound
+            ),
+            "the next publication commits": reopened.later_publication == "PUBLISHED",
+        },
+        problems=reopen_problems(reopened),
+    )
+
+
+def _run_of(kind: str, index: int, **fields: Any) -> dict[str, Any]:
+    """A run's record with every key the summary reads (``fields`` win)."""
+    base: dict[str, Any] = {
+        "kind": kind,
+        "seed_name": f"{kind}-{index}",
+        "first_affected_generation_s": None,
+        "times": {},
+        "requests": 0,
+        "failures": {},
+    }
+    return {**base, **fields}
 
 
 def _stats(values: list[float]) -> dict[str, float | int | None]:
@@ -117,8 +231,9 @@ def _stats(values: list[float]) -> dict[str, float | int | None]:
 def _failed_after(run: dict[str, Any]) -> int:
     """Failed attempts that started after the fault (for the gateway kinds that includes the
     refusals while it was down: nothing was sent)."""
-    if "failed_after_fault" in run["times"]:
-        return int(run["times"]["failed_after_fault"])
+    for key in ("failed_after_fault", "failed_requests", "failed_while_stopped"):
+        if key in run["times"]:
+            return int(run["times"][key])
     return len(run["failures"].get("after", ()))
 
 
@@ -192,6 +307,13 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _ms(stats: dict[str, Any]) -> str:
+    """A median (min-max) of seconds, in milliseconds."""
+    if not stats["n"]:
+        return "-"
+    return f"{stats['median'] * 1000:.0f} ms ({stats['min'] * 1000:.0f}-{stats['max'] * 1000:.0f})"
+
+
 def report(summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     """Print the per-fault table, the goals, and every problem a run found."""
 
@@ -218,6 +340,28 @@ def report(summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
             f"{cell(w['slots_back_s'])} after the kill; a restart released its predecessor's "
             f"refs {cell(w['restart_releases_s'])} after it was started, "
             f"{cell(w['restart_releases_after_lease_s'])} after it opened its lease"
+        )
+    if "rollback" in summary:
+        r = summary["rollback"]
+        print(
+            f"rollback under load: the rollback call took {cell(r['rollback_retired_s'])} to a "
+            f"RETIRED version, {cell(r['rollback_reclaimed_s'])} to a RECLAIMED one (loaded "
+            f"again); a Session opened after it served {cell(r['new_session_served_after_retired_s'])}"
+            f" and {cell(r['new_session_served_after_reclaimed_s'])} after the call started; "
+            f"failed requests {r['failed_after_fault']} of {r['requests']}"
+        )
+    if "disk-full" in summary:
+        f = summary["disk-full"]
+        print(
+            f"full disk: fail-stop {_ms(f['stopped_after_full_s'])} after the disk was full; "
+            f"{f['failed_after_fault']} requests refused while stopped; once space was freed, "
+            f"reopened in {cell(f['reopen_s'])}, back to normal in {cell(f['back_to_normal_s'])}"
+        )
+    if "reopen" in summary:
+        o = summary["reopen"]
+        print(
+            f"dead worker's journal reopened: refs released {cell(o['refs_released_s'])} after "
+            f"the reopen (TTL 2 s + sweep 1 s), next publication {cell(o['published_s'])}"
         )
     if "engine" in summary:
         e = summary["engine"]
@@ -247,11 +391,14 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
 
     seed = a.seed if a.seed is not None else chaos_seed()
     started = machine()
-    env = await asyncio.to_thread(ensure_engine_env)
-    fixture = await asyncio.to_thread(build_fixture)
     runs: list[dict[str, Any]] = []
     ray_up = False
-    async with EngineFleet(env, fixture, count=2, log_dir=engine_log_dir()) as fleet:
+    fleet_cm: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext(None)
+    if any(kind not in FLEETLESS_FAULTS for kind in a.faults):
+        env = await asyncio.to_thread(ensure_engine_env)
+        fixture = await asyncio.to_thread(build_fixture)
+        fleet_cm = EngineFleet(env, fixture, count=2, log_dir=engine_log_dir())
+    async with fleet_cm as fleet:
         try:
             for kind in a.faults:
                 if kind in RAY_FAULTS and not ray_up:
@@ -268,8 +415,11 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                     ray_up = True
                 for index in range(a.repeat):
                     with tempfile.TemporaryDirectory(prefix=f"bench-chaos-{kind}-") as tmp:
-                        async with fleet_left_as_found(fleet):
-                            run = await run_fault(kind, fleet, Path(tmp), seed, index)
+                        if kind in FLEETLESS_FAULTS:
+                            run = await run_fault(kind, None, Path(tmp), seed, index)
+                        else:
+                            async with fleet_left_as_found(fleet):
+                                run = await run_fault(kind, fleet, Path(tmp), seed, index)
                     runs.append(run)
                     print(
                         f"{kind} #{index}: back {run['back_s']} s, first publication "

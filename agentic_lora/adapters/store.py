@@ -13,7 +13,10 @@ half-written adapter, and a crash leaves at worst a ``.tmp-*`` directory that
 ``put`` of the same name verifies it (marker digest and the content re-hashed from the files) and
 returns it, or raises :class:`~agentic_lora.errors.VersionConflictError` when it holds other
 content. Removal (on reclaim or cleanup) touches only the exact name, renaming it aside first so
-no reader ever sees a partly deleted adapter.
+no reader ever sees a partly deleted adapter. :meth:`AdapterStore.move_sync` moves one stored name
+into another store on the same filesystem (one rename: the whole directory is in one place or the
+other), which is how a backend keeps a reclaimed version's content out of every engine's reach
+while a rollback may still need it, and :meth:`AdapterStore.keep_newest_sync` bounds such a store.
 
 Linux ``rename(2)`` replaces an *empty* directory at the target; nothing in this store creates
 one, and a non-empty target makes the rename fail, which is then treated as "already there".
@@ -163,6 +166,44 @@ class AdapterStore:
         shutil.rmtree(trash, ignore_errors=True)
         logger.info("removed stored adapter %s", lora_name, extra={"version": lora_name})
         return True
+
+    def move_sync(self, lora_name: str, into: AdapterStore) -> bool:
+        """Move exactly ``lora_name`` into ``into`` (on the same filesystem), dated now there.
+
+        If ``into`` holds the name already (it is immutable: the same content), the copy here is
+        removed instead and the one there is dated now. False if the name was not here.
+        """
+        final = self.path_for(lora_name)
+        if not final.exists():
+            return False
+        target = into.path_for(lora_name)
+        if not target.exists():
+            try:
+                os.rename(final, target)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                # Another copy got there first (another engine's): it stands, this one goes.
+            else:
+                fsync_path(self.root)
+                fsync_path(into.root)
+                os.utime(target)  # the rename keeps the old times: date it for keep_newest_sync
+                logger.info("moved stored adapter %s to %s", lora_name, into.root)
+                return True
+        os.utime(target)
+        return self.remove_sync(lora_name)
+
+    def keep_newest_sync(self, keep: int) -> int:
+        """Remove every stored name but the ``keep`` newest (by modification time: when it was
+        stored, or moved here); returns how many were removed."""
+        stored = sorted(
+            (self.path_for(name) for name in self.names()),
+            key=lambda path: path.stat().st_mtime,
+            reverse=True,
+        )
+        for path in stored[keep:]:
+            self.remove_sync(path.name)
+        return len(stored[keep:])
 
     def discard_partials(self) -> int:
         """Delete leftovers of interrupted writes and removals; returns how many."""

@@ -54,10 +54,10 @@ from agentic_lora.engines.pd import RoleHealth
 from agentic_lora.engines.routing import EngineHealth
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import ConfigurationError
+from agentic_lora.errors import VersionConflictError
 from agentic_lora.leases import OnRestart
 from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PublicationResult
-from agentic_lora.publication.publisher import Publisher
 from agentic_lora.publication.reclaimer import Reclaimer
 from agentic_lora.publication.reclaimer import ReclaimReport
 from agentic_lora.publication.repair import Repairer
@@ -65,9 +65,11 @@ from agentic_lora.publication.repair import SnapshotCache
 from agentic_lora.publication.resolver import Resolver
 from agentic_lora.publication.resolver import ResolveReport
 from agentic_lora.publication.resolver import backoff
+from agentic_lora.publication.rollback import RollbackPublisher
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.api import refusal_feed
+from agentic_lora.registry.api import registry_host
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import LeaseGrant
 from agentic_lora.registry.types import RegistryStatus
@@ -110,7 +112,7 @@ class _SessionDrain:
 
 
 class Deployment:
-    """Registry + :class:`Versioning` + :class:`Publisher` + background :class:`Reclaimer`.
+    """Registry + :class:`Versioning` + :class:`RollbackPublisher` + background :class:`Reclaimer`.
 
     The registry is the one ``versioning``'s Sessions bind through: one Deployment never
     publishes into a registry its Sessions do not read.
@@ -146,7 +148,7 @@ class Deployment:
             engines = self.fleet.publication_engines
             health = RoleHealth(versioning.health, self.fleet)
         self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
-        self.publisher = Publisher(
+        self.publisher = RollbackPublisher(
             registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
         )
         # This Deployment's publisher is the registry's only one (see agentic_lora.publication.resolver).
@@ -260,8 +262,14 @@ class Deployment:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the background reclaimer, resolver and repairer (idempotent)."""
+        """Start the registry host's lease sweeper (where the registry offers one: it expires
+        every lease the registry holds, a dead process's replayed from the journal included,
+        whether or not this process opens a lease), then the background reclaimer, resolver and
+        repairer (idempotent)."""
         if not self._started:
+            host = registry_host(self.registry)
+            if host is not None:
+                await host.start()
             self.reclaimer.start()
             self.resolver.start()
             self.repairer.start()
@@ -312,6 +320,37 @@ class Deployment:
         """
         with self.snapshots.publishing(version_id, snapshot):
             return await self.publisher.publish(version_id, snapshot)
+
+    async def rollback(
+        self, version_id: str, snapshot: AdapterSnapshot | None = None
+    ) -> PublicationResult:
+        """Make ``version_id``, a version that was the default before, the default again, without
+        a restart (two-phase, see :mod:`agentic_lora.publication.rollback`).
+
+        Sessions already bound keep their version; Sessions that bind afterwards get this one,
+        and can tell (``rolled_back_from`` in their binding and provenance). A RETIRED version is
+        still loaded; a RECLAIMED one is loaded again, from this process's snapshots or the
+        backend's store (which keeps the newest reclaimed versions), or from ``snapshot`` (its
+        digest must be the version's: VERSION_CONFLICT otherwise, before anything happens).
+        """
+        locks = self.reclaimer.version_locks
+        if snapshot is None:
+            return await self.publisher.rollback(
+                version_id, snapshots=self.snapshots, version_locks=locks
+            )
+        v = await self.registry.version(version_id)
+        if snapshot.digest != v.digest:
+            raise VersionConflictError(
+                f"the snapshot given for {version_id!r} is other content ({snapshot.digest[:16]}, "
+                f"not {v.digest[:16]})",
+                version=version_id,
+                existing_digest=v.digest,
+                digest=snapshot.digest,
+            )
+        with self.snapshots.publishing(version_id, snapshot):
+            return await self.publisher.rollback(
+                version_id, snapshots=self.snapshots, version_locks=locks
+            )
 
     async def reclaim(self) -> ReclaimReport:
         """One reclaim round now (the background loop does this on its own too)."""

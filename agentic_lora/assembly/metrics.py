@@ -128,6 +128,8 @@ PUBLICATION_PHASES: frozenset[Phase] = frozenset(
         Phase.ABORT,
         Phase.CLEANUP,
         Phase.CONFIRM_CLEANUP,
+        Phase.RESERVE_ROLLBACK,
+        Phase.ROLLBACK,
     }
 )
 

@@ -12,6 +12,7 @@ from agentic_lora.cli import doctor
 from agentic_lora.cli import publish
 from agentic_lora.cli import reclaim
 from agentic_lora.cli import resolve
+from agentic_lora.cli import rollback
 from agentic_lora.cli import serve
 from agentic_lora.cli import status
 from agentic_lora.cli.common import ENV_PREFIX
@@ -38,6 +39,7 @@ COMMANDS: tuple[Command, ...] = (
     status.COMMAND,
     reclaim.COMMAND,
     resolve.COMMAND,
+    rollback.COMMAND,
     doctor.COMMAND,
 )
 

@@ -50,8 +50,10 @@ def _render(
     sessions = f"{status.get('live_sessions', 0)} in the registry"
     if gateway_sessions is not None:
         sessions += f", {gateway_sessions} open in the gateway"
+    origin = status.get("rolled_back_from")
+    rollback = f", rolled back from {origin}" if origin else ""
     out.write(
-        f"default {default or 'none'} (revision {status.get('default_revision')}) | capacity "
+        f"default {default or 'none'} (revision {status.get('default_revision')}{rollback}) | capacity "
         f"{status.get('slots_in_use')}/{status.get('capacity')} slots in use | pending "
         f"{status.get('pending_version') or 'none'} | epoch {status.get('deployment_epoch')} | "
         f"Sessions: {sessions}\n"

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class Phase(enum.StrEnum):
-    """Steps of publication and reclaim (per engine, or fleet-wide when ``engine`` is None)."""
+    """Steps of publication, rollback and reclaim (per engine, or fleet-wide when ``engine`` is
+    None)."""
 
     RESERVE = "reserve"
     OBSERVE = "observe_incarnation"
@@ -36,6 +37,8 @@ class Phase(enum.StrEnum):
     CLAIM_RECLAIM = "claim_reclaim"
     RECLAIM = "reclaim"
     CONFIRM_RECLAIM = "confirm_reclaim"
+    RESERVE_ROLLBACK = "reserve_rollback"
+    ROLLBACK = "rollback"
 
 
 class PhaseStatus(enum.StrEnum):

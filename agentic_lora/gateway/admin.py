@@ -1,4 +1,5 @@
-"""The gateway's admin routes: publish, status, reclaim, resolve (all behind the admin token).
+"""The gateway's admin routes: publish, status, reclaim, resolve, rollback (all behind the admin
+token).
 
 The token is compared in constant time (:func:`agentic_lora.foundation.auth.bearer_matches`); without a
 configured token every admin route answers 401 ``ACCESS_DENIED`` (``reason="admin_disabled"``).
@@ -8,11 +9,13 @@ Bodies are bounded like every other body of the gateway (:mod:`agentic_lora.gate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -177,18 +180,9 @@ class AdminRoutes:
         async with self.publish_lock:
             unsubscribe = gateway.progress.subscribe(listener) if listener is not None else None
             try:
-                snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
-                result = await gateway.deployment.publish(version_id, snapshot)
-            except BaseException as exc:
-                if gateway.metrics is not None and isinstance(exc, Exception):
-                    gateway.metrics.observe_publication_error(exc)
-                logger.warning(
-                    "publication of %s failed: %s",
-                    version_id,
-                    exc,
-                    extra={"version": version_id},
-                )
-                raise
+                with self._observed("publication of", version_id):
+                    snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
+                    result = await gateway.deployment.publish(version_id, snapshot)
             finally:
                 if unsubscribe is not None:
                     unsubscribe()
@@ -204,6 +198,18 @@ class AdminRoutes:
         )
         return result
 
+    @contextlib.contextmanager
+    def _observed(self, what: str, version_id: str) -> Iterator[None]:
+        """A publication or rollback that raises is counted (metrics) and logged as it goes."""
+        try:
+            yield
+        except BaseException as exc:
+            metrics = self._gateway.metrics
+            if metrics is not None and isinstance(exc, Exception):
+                metrics.observe_publication_error(exc)
+            logger.warning("%s %s failed: %s", what, version_id, exc, extra={"version": version_id})
+            raise
+
     async def _stream(self, adapter_dir: str, version_id: str) -> AsyncIterator[bytes]:
         queue: asyncio.Queue[PhaseEvent | None] = asyncio.Queue()
         task = self._spawn(self._publish_now(adapter_dir, version_id, queue.put_nowait))
@@ -216,6 +222,52 @@ class AdminRoutes:
             yield _line(error_payload(exc))
         else:
             yield _line({"result": publication_json(task.result())})
+
+    async def rollback(self, request: Request) -> Response:
+        """``POST /admin/rollback``: ``{"version_id": ..., "adapter_dir": ...}`` makes a version
+        that was the default before the default again (see :meth:`Deployment.rollback`).
+        ``adapter_dir`` (optional, an absolute path on the gateway's host) is the version's
+        content, for a reclaimed version the store no longer holds."""
+        self.require_admin(request)
+        payload = await self._payload(request)
+        version_id = _string_field(payload, "version_id")
+        adapter_dir = None
+        if payload.get("adapter_dir") is not None:
+            adapter_dir = _string_field(payload, "adapter_dir")
+            if not Path(adapter_dir).is_absolute():
+                raise InvalidRequestError(
+                    f"adapter_dir {adapter_dir!r} must be an absolute path on the gateway's host",
+                    field="adapter_dir",
+                )
+        # Shielded: a client that goes away must not cut a rollback short.
+        result = await asyncio.shield(self._spawn(self._rollback_now(version_id, adapter_dir)))
+        return JSONResponse(publication_json(result))
+
+    async def _rollback_now(self, version_id: str, adapter_dir: str | None) -> PublicationResult:
+        gateway = self._gateway
+        async with self.publish_lock:  # a streamed publication carries only its own events
+            with self._observed("rollback to", version_id):
+                snapshot = None
+                if adapter_dir is not None:
+                    snapshot = await asyncio.to_thread(AdapterSnapshot.from_peft_dir, adapter_dir)
+                result = await gateway.deployment.rollback(version_id, snapshot)
+        if gateway.metrics is not None:
+            gateway.metrics.observe_publication(result)
+        if self._on_published is not None:
+            self._on_published(result)
+        commit = result.commit
+        logger.warning(
+            "rollback to %s: %s",
+            version_id,
+            result.outcome.value,
+            extra={
+                "version": version_id,
+                "attempt": result.attempt,
+                "rolled_back_from": commit.previous_default if commit is not None else None,
+                "default_revision": commit.default_revision if commit is not None else None,
+            },
+        )
+        return result
 
     async def status(self, request: Request) -> Response:
         """``GET /admin/status``."""

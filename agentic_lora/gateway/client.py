@@ -1,5 +1,5 @@
-"""A client for a running gateway's admin API (what ``agentic-lora publish/status/reclaim/resolve``
-use).
+"""A client for a running gateway's admin API (what ``agentic-lora
+publish/status/reclaim/resolve/rollback`` use).
 
 Every call is one HTTP attempt, never resent. Failures are typed like everywhere else:
 
@@ -94,6 +94,15 @@ class AdminClient:
         """``POST /admin/resolve``: finish ``version_id`` (None: every blocked publication)."""
         body = {} if version_id is None else {"version_id": version_id}
         return await self._call("POST", "/admin/resolve", read_limit=None, payload=body)
+
+    async def rollback(self, version_id: str, *, adapter_dir: str | None = None) -> dict[str, Any]:
+        """``POST /admin/rollback``: make ``version_id`` the default again; the result (as a
+        publication's). ``adapter_dir``: its content, a path on the gateway's host (only for a
+        reclaimed version the gateway's store no longer holds)."""
+        body: dict[str, Any] = {"version_id": version_id}
+        if adapter_dir is not None:
+            body["adapter_dir"] = adapter_dir
+        return await self._call("POST", "/admin/rollback", read_limit=None, payload=body)
 
     async def publish(
         self, adapter_dir: str, version_id: str, *, on_event: EventCallback | None = None

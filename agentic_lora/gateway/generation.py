@@ -65,6 +65,7 @@ _ENGINE_HEADER = "x-agentic-engine"
 _DIGEST_HEADER = "x-agentic-digest"
 _REVISION_AT_BIND_HEADER = "x-agentic-revision-at-bind"
 _LAG_HEADER = "x-agentic-version-lag"
+_ROLLED_BACK_FROM_HEADER = "x-agentic-rolled-back-from"
 #: The extension field a JSON object reply carries its turn's provenance in.
 PROVENANCE_FIELD = "agentic_lora"
 
@@ -171,6 +172,8 @@ class GenerationRoutes:
             headers[_REVISION_AT_BIND_HEADER] = str(turn.default_revision_at_bind)
             if turn.lag is not None:
                 headers[_LAG_HEADER] = str(turn.lag)
+            if turn.rolled_back_from is not None:
+                headers[_ROLLED_BACK_FROM_HEADER] = turn.rolled_back_from
         return headers
 
     def _streamed(

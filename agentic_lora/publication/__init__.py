@@ -2,6 +2,8 @@
 
 * :mod:`~agentic_lora.publication.publisher`: two-phase publication (reserve, every engine
   ready, commit), capacity admitted before any transfer.
+* :mod:`~agentic_lora.publication.rollback`: a version that was the default before made the
+  default again, two-phase (a RETIRED one in place, a RECLAIMED one by a reload attempt).
 * :mod:`~agentic_lora.publication.reclaimer`: unloads a retired version once no Session can ask
   for it and the engines' request refcounts have drained.
 * :mod:`~agentic_lora.publication.repair`: re-loads what a restarted engine lost.

@@ -191,13 +191,7 @@ class Publisher(CleanupSteps):
         """
         async with self._lock:
             status = await self.registry.version(version_id)
-            run = PublicationRun(
-                version_id,
-                status.digest,
-                bootstrap=False,
-                recorder=self.recorder(version_id),
-                target=status.ref,
-            )
+            run = PublicationRun.of(status, self.recorder(version_id))
             if status.state not in (VersionState.LOADING, VersionState.ABORTED):
                 self.abandoned.discard(version_id)
                 return run.result(
@@ -220,14 +214,23 @@ class Publisher(CleanupSteps):
 
     # --- steps --------------------------------------------------------------------------------
 
-    async def _reserve(self, run: PublicationRun) -> Reservation | None:
+    async def _reserve(self, run: PublicationRun, *, reload: bool = False) -> Reservation | None:
+        """The reservation, or None when capacity refused it even after one reclaim round.
+        ``reload``: a rollback's (``reserve_rollback``), not a publication's (``reserve``)."""
+
         async def reserve(rid: str) -> Reservation:
+            if reload:
+                return await self.registry.reserve_rollback(
+                    request_id=rid, version_id=run.version_id
+                )
             return await self.registry.reserve(
                 request_id=rid, version_id=run.version_id, digest=run.digest
             )
 
+        phase = Phase.RESERVE_ROLLBACK if reload else Phase.RESERVE
+
         async def step() -> Reservation:
-            return await registry_step(run.recorder, None, Phase.RESERVE, self.retry, reserve)
+            return await registry_step(run.recorder, None, phase, self.retry, reserve)
 
         try:
             return await step()

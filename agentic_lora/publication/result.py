@@ -16,6 +16,7 @@ from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import VersionStatus
 
 __all__ = ["EngineReport", "PublicationOutcome", "PublicationResult", "PublicationRun"]
 
@@ -82,6 +83,12 @@ class PublicationRun:
     #: The attempt this call publishes or resolves, once known: the result names it.
     target: VersionRef | None = None
     reports: dict[str, EngineReport] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, version: VersionStatus, recorder: PhaseRecorder) -> PublicationRun:
+        """A run on ``version`` as the registry holds it now (its current attempt), for a
+        resolve or a rollback: never a bootstrap."""
+        return cls(version.version_id, version.digest, False, recorder, target=version.ref)
 
     @property
     def attempt(self) -> VersionRef:

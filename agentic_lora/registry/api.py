@@ -26,7 +26,10 @@ Optional capabilities are typed Protocols, found only through the functions here
   versions and must re-read one when an engine refused a request for it;
 * :class:`SessionCloser` (:func:`session_closer`): ``close_session_now``, a Session's
   ``begin_close``, ``release`` and ``forget_sessions`` as one synchronous step (in-process
-  registries only: nothing can lose its reply).
+  registries only: nothing can lose its reply);
+* :class:`RegistryHost` (:func:`registry_host`): ``start``, which makes the registry host take up
+  its own duties now (resume the leases a restart replayed, sweep every lease it holds) instead
+  of at the first call.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ __all__ = [
     "InProcessCore",
     "RefusalFeed",
     "RegistryAPI",
+    "RegistryHost",
     "RegistryListener",
     "SessionCloser",
     "VersionPeek",
@@ -68,6 +72,7 @@ __all__ = [
     "in_process_core",
     "peeker",
     "refusal_feed",
+    "registry_host",
     "session_closer",
 ]
 
@@ -120,11 +125,7 @@ class RegistryAPI(abc.ABC):
         self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
     ) -> CommitReceipt:
         """The only place the default changes. Needs READY from every engine."""
-        args = {
-            "version_id": version_id,
-            "attempt": attempt,
-            "expected_default_revision": expected_default_revision,
-        }
+        args = _default_move(version_id, attempt, expected_default_revision)
         return await self._ask(CommitReceipt, "commit", request_id, args)
 
     async def abort(
@@ -140,6 +141,22 @@ class RegistryAPI(abc.ABC):
         """One engine holds nothing of this attempt; all engines -> FAILED_CLEAN, slot freed."""
         args = {"version_id": version_id, "attempt": attempt, "engine": engine}
         return await self._ask(VersionStatus, "confirm_cleanup", request_id, args)
+
+    # --- rollback ------------------------------------------------------------------------------
+
+    async def reserve_rollback(self, *, request_id: str, version_id: str) -> Reservation:
+        """A rollback to a RECLAIMED version: admit its slot and start a new attempt of the same
+        content (RECLAIMED -> LOADING); prepare, record READY and ``commit`` it as any attempt."""
+        return await self._ask(
+            Reservation, "reserve_rollback", request_id, {"version_id": version_id}
+        )
+
+    async def rollback(
+        self, *, request_id: str, version_id: str, attempt: int, expected_default_revision: int
+    ) -> CommitReceipt:
+        """A rollback to a RETIRED version: the default again once every engine holds it."""
+        args = _default_move(version_id, attempt, expected_default_revision)
+        return await self._ask(CommitReceipt, "rollback", request_id, args)
 
     # --- Sessions ------------------------------------------------------------------------------
 
@@ -233,6 +250,15 @@ class RegistryAPI(abc.ABC):
         return await self._ask(VersionStatus, "confirm_reclaim", request_id, args)
 
 
+def _default_move(version_id: str, attempt: int, expected_default_revision: int) -> dict[str, Any]:
+    """The arguments of a verb that moves the default (``commit``, ``rollback``)."""
+    return {
+        "version_id": version_id,
+        "attempt": attempt,
+        "expected_default_revision": expected_default_revision,
+    }
+
+
 # --- optional capabilities ---------------------------------------------------------------------
 
 
@@ -275,6 +301,15 @@ class SessionCloser(Protocol):
         ...
 
 
+@runtime_checkable
+class RegistryHost(Protocol):
+    """A registry (or a client of one) whose host can be told to take up its duties now: the
+    expiry of every lease and name it holds, whoever opened them and whether or not any call
+    comes."""
+
+    async def start(self) -> None: ...
+
+
 def peeker(registry: object) -> VersionPeek | None:
     """``registry`` as a :class:`VersionPeek`, or None when it has no synchronous read."""
     return registry if isinstance(registry, VersionPeek) else None
@@ -293,6 +328,11 @@ def in_process_core(registry: object) -> RegistryCore | None:
 def refusal_feed(registry: object) -> RefusalFeed | None:
     """``registry`` as a :class:`RefusalFeed`, or None when refusals are nothing to it."""
     return registry if isinstance(registry, RefusalFeed) else None
+
+
+def registry_host(registry: object) -> RegistryHost | None:
+    """``registry`` as a :class:`RegistryHost`, or None when there is nothing to start."""
+    return registry if isinstance(registry, RegistryHost) else None
 
 
 def session_closer(registry: object) -> SessionCloser | None:

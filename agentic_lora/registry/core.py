@@ -32,12 +32,9 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
-from agentic_lora.errors import CapacityError
 from agentic_lora.errors import InvalidStateError
-from agentic_lora.errors import NotReadyError
 from agentic_lora.errors import PublicationBlockedError
 from agentic_lora.errors import ReadyMismatchError
-from agentic_lora.errors import RevisionConflictError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import StaleAttemptError
 from agentic_lora.errors import VersionConflictError
@@ -47,6 +44,7 @@ from agentic_lora.foundation.identity import validate_version_id
 from agentic_lora.registry import durable_names
 from agentic_lora.registry import engine_incarnations
 from agentic_lora.registry import owner_leases
+from agentic_lora.registry import rollback
 from agentic_lora.registry import session_lifecycle
 from agentic_lora.registry import snapshot
 from agentic_lora.registry.engine_incarnations import check_current_incarnation
@@ -105,6 +103,8 @@ MUTATING_VERBS: frozenset[str] = frozenset(
         "resume_leases",
         "sweep",
         "open_named",
+        "reserve_rollback",
+        "rollback",
     }
 )
 
@@ -171,6 +171,14 @@ class RegistryCore(RegistryState):
                     digest=digest,
                     state=v.state.value,
                 )
+            if v.state is VersionState.LOADING and v.committed_before:
+                # A rollback is loading it again; a publication never joins (nor commits) that.
+                raise PublicationBlockedError(
+                    f"a rollback to {version_id!r} is loading it (attempt {v.attempt})",
+                    version=version_id,
+                    pending=version_id,
+                    attempt=v.attempt,
+                )
             if v.state is VersionState.LOADING:
                 return reservation(self, v, ReserveOutcome.IN_PROGRESS)
             if v.state is VersionState.ABORTED:
@@ -195,22 +203,6 @@ class RegistryCore(RegistryState):
         self._versions[version_id] = v
         self._pending = version_id
         return reservation(self, v, ReserveOutcome.STARTED)
-
-    def _admit(self, version_id: str) -> None:
-        if self._pending is not None:
-            raise PublicationBlockedError(
-                f"publication of {self._pending!r} is still pending; one at a time",
-                version=version_id,
-                pending=self._pending,
-            )
-        in_use = self._slots_in_use()
-        if in_use >= self.capacity:
-            raise CapacityError(
-                f"all {self.capacity} version slots are held; reclaim a retired version first",
-                version=version_id,
-                capacity=self.capacity,
-                held=[v.version_id for v in self._versions.values() if v.state.holds_slot],
-            )
 
     def observe_incarnation(self, engine: str, incarnation: str) -> bool:
         return engine_incarnations.observe_incarnation(self, engine, incarnation)
@@ -256,38 +248,7 @@ class RegistryCore(RegistryState):
             return v.commit_receipt  # retried commit: same receipt, default untouched
         if v.state is not VersionState.LOADING:
             advance(version_id, v.state, VersionEvent.COMMIT)  # raises InvalidStateError
-        self._attempt(v, attempt)
-        if expected_default_revision != self.default_revision:
-            raise RevisionConflictError(
-                f"default revision is {self.default_revision}, not {expected_default_revision}",
-                version=version_id,
-                default_revision=self.default_revision,
-            )
-        missing = [
-            e
-            for e in self.engines
-            if (r := v.ready.get(e)) is None or r.incarnation != self._incarnations[e]
-        ]
-        if missing:
-            raise NotReadyError(
-                f"{version_id!r} attempt {attempt} lacks READY from {missing}",
-                version=version_id,
-                attempt=attempt,
-                missing=missing,
-            )
-        previous = self.default_version
-        new_state = advance(version_id, v.state, VersionEvent.COMMIT)
-        if previous is not None:
-            old = self._versions[previous]
-            old.state = advance(previous, old.state, VersionEvent.SUPERSEDE)
-        v.state = new_state
-        self.default_version = version_id
-        self.default_revision += 1
-        self._pending = None
-        v.commit_receipt = CommitReceipt(
-            ref=v.ref, default_revision=self.default_revision, previous_default=previous
-        )
-        return v.commit_receipt
+        return self._move_default(v, attempt, expected_default_revision, VersionEvent.COMMIT)
 
     def abort(self, version_id: str, attempt: int, reason: str) -> VersionStatus:
         v = self._version(version_id)
@@ -312,6 +273,20 @@ class RegistryCore(RegistryState):
             )
         self._cleaned(v, engine)
         return version_status(self, v)
+
+    # --- rollback (rules in rollback) ----------------------------------------------------------
+
+    def reserve_rollback(self, version_id: str) -> Reservation:
+        """A rollback to a RECLAIMED version: RECLAIMED -> LOADING, a new attempt of the same
+        content, its slot admitted first (see :mod:`~agentic_lora.registry.rollback`)."""
+        return rollback.reserve_rollback(self, version_id)
+
+    def rollback(
+        self, version_id: str, attempt: int, expected_default_revision: int
+    ) -> CommitReceipt:
+        """A rollback to a RETIRED version: it becomes the default again once every engine holds
+        ``attempt`` (see :mod:`~agentic_lora.registry.rollback`)."""
+        return rollback.rollback(self, version_id, attempt, expected_default_revision)
 
     # --- Sessions (rules in session_lifecycle) -------------------------------------------------
 
@@ -386,7 +361,11 @@ class RegistryCore(RegistryState):
             )
         v.state = advance(version_id, v.state, VersionEvent.CLAIM_RECLAIM)
         # From here on no request for this version may be dispatched.
-        v.reclaim_id = f"reclaim-{self.deployment_epoch}-{version_id}"
+        # Stable per reclaim; a version a rollback loaded again is reclaimed under a new id (a
+        # backend confirms a reclaim once per id, and must unload it once more).
+        v.reclaim_id = f"reclaim-{self.deployment_epoch}-{version_id}" + (
+            f".{v.reloads}" if v.reloads else ""
+        )
         return reclaim_claim(self, v)
 
     def confirm_reclaim(self, version_id: str, reclaim_id: str, engine: str) -> VersionStatus:
@@ -429,6 +408,11 @@ class RegistryCore(RegistryState):
     def sweep_due(self, now: float, name_ttl: float) -> bool:
         """Whether :meth:`sweep` at ``now`` would change anything (a read: nothing journaled)."""
         return owner_leases.sweep_due(self, now, name_ttl)
+
+    def holds_deadlines(self) -> bool:
+        """Whether the registry holds a lease or a durable name: something a sweep may one day
+        expire or forget, so the registry host must keep sweeping (a read: nothing journaled)."""
+        return bool(self._leases) or bool(self._names)
 
     def named(self, name: str) -> NamedSession | None:
         """The live Session behind ``name`` (None if unknown or tombstoned)."""

@@ -25,6 +25,12 @@ failure still gets its answer; only callers whose rows were not get the error.
 The journal is locked for this registry's lifetime (one writer per journal; a second opener gets
 :class:`~agentic_lora.errors.JournalLockedError`). :meth:`LocalRegistry.aclose` refuses new calls,
 writes every queued row, and then releases it.
+
+Expiry belongs to the registry host, not to one owner's lease keeper: this registry sweeps every
+lease and name tombstone it holds (replayed from the journal or opened since, by any caller),
+whether or not its own process ever opens a lease. The sweeper starts with :meth:`LocalRegistry.start`
+(a :class:`~agentic_lora.assembly.deployment.Deployment` calls it), or at the first call that
+finds the registry holding a lease or a name, and runs until :meth:`LocalRegistry.aclose`.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +58,7 @@ from agentic_lora.registry.core import RegistryCore
 from agentic_lora.registry.journal import Journal
 from agentic_lora.registry.journal import JournalEntry
 from agentic_lora.registry.journal import RegistryIdentity
+from agentic_lora.registry.sweeper import Sweeper
 from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.registry.types import SweepResult
@@ -75,6 +83,10 @@ class LocalRegistry(RegistryAPI):
     :class:`~agentic_lora.registry.journal.RegistryIdentity`) builds its
     :class:`~agentic_lora.registry.core.RegistryCore` and is what a journal at ``journal_path``
     records.
+
+    ``clock`` is the registry host's wall clock (every timed verb is stamped with it);
+    ``sweep_interval`` spaces the background expiry sweeps (None: sweep only on request, with
+    :meth:`sweep_if_due`); ``sleep`` is what the sweeper waits with between sweeps (tests gate it).
     """
 
     def __init__(
@@ -87,16 +99,14 @@ class LocalRegistry(RegistryAPI):
         clock: Callable[[], float] = time.time,
         sweep_interval: float | None = 1.0,
         name_ttl: float = 3600.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         **identity: Unpack[RegistryIdentity],
     ) -> None:
-        if sweep_interval is not None and not sweep_interval > 0:
-            raise ValueError("sweep_interval must be above 0 (or None: sweep only on request)")
         if not name_ttl > 0:
             raise ValueError("name_ttl must be above 0")
         self._clock = clock
-        self._sweep_interval = sweep_interval
         self._name_ttl = name_ttl
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = Sweeper(self.sweep_if_due, interval=sweep_interval, sleep=sleep)
         self._core = core = RegistryCore(idempotency_window=idempotency_window, **identity)
         self._listeners: list[RegistryListener] = []
         self._journal: Journal | None = None
@@ -195,14 +205,19 @@ class LocalRegistry(RegistryAPI):
         if self._closed:
             raise JournalError("registry is closed")
         if self._resume_pending:
-            self._resume_pending = False
-            await self._call("resume_leases", new_request_id(), {})
+            await self._resume_leases()
             # Start over: the registry may have closed or failed during that await.
             return await self._call(verb, request_id, args)
         if verb in TIMED_VERBS:
             # The registry host's clock, never the caller's: expiry is decided in one place.
             args = {**args, "now": self._clock()}
-        result, applied = self._core.execute(request_id, verb, args)
+        try:
+            result, applied = self._core.execute(request_id, verb, args)
+        finally:
+            # The registry host sweeps whatever it holds that can expire (replayed from a journal
+            # or opened since, by any caller), whatever this call's own outcome.
+            if not self._sweeper.started and self._core.holds_deadlines():
+                self._sweeper.ensure()
         if applied:
             if self._journal is not None:
                 await self._persist(
@@ -214,8 +229,6 @@ class LocalRegistry(RegistryAPI):
                     )
                 )
             self._tell(verb, result)
-            if verb == "open_lease":
-                self._ensure_sweeper()
         elif self._journal is not None and self._durable_seq < self._core.seq:
             # A replay whose original row may still be queued or being written: answer only
             # once everything applied so far is durable (JournalError if it never will be).
@@ -378,8 +391,7 @@ class LocalRegistry(RegistryAPI):
         """
         if self._closing is None:
             self._closed = True  # from here on _call refuses: nothing new is queued
-            if self._sweeper is not None:
-                self._sweeper.cancel()  # a sweep is a call like any other: refused from now on
+            self._sweeper.stop()  # a sweep is a call like any other: refused from now on
             self._closing = asyncio.get_running_loop().create_task(
                 self._close(), name="lora-registry-close"
             )
@@ -399,24 +411,25 @@ class LocalRegistry(RegistryAPI):
 
     # --- lease expiry -----------------------------------------------------------------------------
 
-    def _ensure_sweeper(self) -> None:
-        if self._sweep_interval is None or (self._sweeper is not None and not self._sweeper.done()):
+    async def start(self) -> None:
+        """Take up the registry host's duties now: resume the leases a restart replayed (a full
+        TTL from now: their owners could not renew while the registry was down) and start the
+        expiry sweeper, so every lease and name tombstone this registry holds expires on time
+        whether or not any call ever comes. Idempotent; a no-op once closed or stopped."""
+        if self._closed or self._failed is not None:
             return
-        self._sweeper = asyncio.get_running_loop().create_task(
-            self._sweep_loop(self._sweep_interval), name="lora-registry-lease-sweeper"
-        )
+        if self._resume_pending:
+            await self._resume_leases()
+        self._sweeper.ensure()
 
-    async def _sweep_loop(self, interval: float) -> None:
-        # Started by the first lease; runs until aclose. A sweep is journaled only when due, so an
-        # idle registry writes nothing.
-        while not self._closed and self._failed is None:
-            await asyncio.sleep(interval)
-            try:
-                await self.sweep_if_due()
-            except JournalError:
-                return  # fail-stopped or closed: nothing more to decide
-            except Exception:
-                logger.exception("lease sweep failed; retried next interval")
+    @property
+    def sweeping(self) -> bool:
+        """Whether the background expiry sweeper runs (for readiness and tests)."""
+        return self._sweeper.running
+
+    async def _resume_leases(self) -> None:
+        self._resume_pending = False
+        await self._call("resume_leases", new_request_id(), {})
 
     async def sweep_if_due(self) -> SweepResult | None:
         """Run one journaled :meth:`sweep` if some lease or name tombstone is due; else None."""

@@ -6,8 +6,11 @@ many publications (commits) the current default is ahead of the Session's bound 
 
     lag = current default_revision - binding.default_revision
 
-(the registry increments ``default_revision`` by one per commit, and a
-:class:`~agentic_lora.registry.types.Binding` carries the revision it bound at).
+(the registry increments ``default_revision`` by one per move of the default, a commit or a
+rollback, and a :class:`~agentic_lora.registry.types.Binding` carries the revision it bound at).
+So the lag counts moves of the default, not versions: after a rollback from B to A, a Session
+bound to B has lag 1 although B is newer than A (it runs what is no longer the default), and a
+Session that binds A afterwards has lag 0 and ``rolled_back_from`` = B.
 
 * :class:`TurnProvenance` is attached to every successful versioned reply
   (:attr:`agentic_lora.engines.transport.EngineReply.provenance`); ``Session.provenance()`` gathers the
@@ -88,6 +91,8 @@ class TurnProvenance:
     """Where one reply came from: the bound version, and its lag when the turn started.
 
     ``lag`` is None only when the registry client cannot say the current default revision.
+    ``rolled_back_from`` is set when the Session bound a default a rollback brought back: the
+    version that rollback replaced.
     """
 
     version_id: str
@@ -95,6 +100,7 @@ class TurnProvenance:
     lora_name: str
     default_revision_at_bind: int
     lag: int | None
+    rolled_back_from: str | None = None
 
     @classmethod
     def of(cls, binding: Binding, lag: int | None) -> TurnProvenance:
@@ -105,6 +111,7 @@ class TurnProvenance:
             lora_name=binding.lora_name,
             default_revision_at_bind=binding.default_revision,
             lag=lag,
+            rolled_back_from=binding.rolled_back_from,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,4 +122,5 @@ class TurnProvenance:
             "lora_name": self.lora_name,
             "default_revision_at_bind": self.default_revision_at_bind,
             "lag": self.lag,
+            "rolled_back_from": self.rolled_back_from,
         }

@@ -7,7 +7,9 @@ must all ask the same single writer. :func:`connect` gets or creates one named, 
 * The actor is an async actor holding a :class:`~agentic_lora.registry.local.LocalRegistry`;
   verbs never await anything but the journal, so each is atomic with respect to the others.
 * Journal replay happens in the actor's constructor: with ``max_restarts`` a crashed actor comes
-  back with every version, binding and slot it had accepted.
+  back with every version, binding and slot it had accepted. Its first read, its first state
+  change, or :meth:`RayRegistryClient.start` starts the lease sweeper: the actor expires every
+  lease it replayed, whoever opened it.
 * Ray task retries are off (``max_task_retries=0``): a call whose reply was lost is replayed by the
   *caller*, with the same request id, and answered from the registry's memory of that id.
 * Errors travel as data (code, message, details) and are rebuilt as the same typed errors here, so
@@ -56,7 +58,18 @@ class RegistryActor:
 
         self._registry = LocalRegistry(**config)
 
+    async def start(self) -> dict[str, Any]:
+        """Take up the registry host's duties now (see :meth:`LocalRegistry.start`)."""
+        try:
+            await self._registry.start()
+        except AgenticLoRAError as exc:
+            return _failure(exc)
+        return {"ok": True, "result": None}
+
     async def call(self, verb: str, request_id: str, args: Any) -> dict[str, Any]:
+        # No start() here: it may await the lease resume, and nothing may await before the verb
+        # applies (call_batch keeps list order). The registry starts its sweeper itself at the
+        # first change once it holds a lease.
         if verb not in MUTATING_VERBS:
             return _failure(AgenticLoRAError(f"unknown verb {verb!r}"))
         try:
@@ -72,6 +85,7 @@ class RegistryActor:
 
     async def read(self, what: str, version_id: str | None = None) -> dict[str, Any]:
         try:
+            await self._registry.start()
             if what == "status":
                 result: Any = await self._registry.status()
             elif what == "version" and version_id is not None:
@@ -194,6 +208,11 @@ class RayRegistryClient(RegistryAPI):
         if cached is None or not cached.state.dispatchable:
             await self.fetch_version(r.version_id)
         return r
+
+    async def start(self) -> None:
+        """Make the actor take up the registry host's duties now (its lease sweeper), rather
+        than at its first call (see :class:`~agentic_lora.registry.api.RegistryHost`)."""
+        _unwrap(await self._actor.start.remote())
 
     async def status(self) -> RegistryStatus:
         r: RegistryStatus = await self._read("status")

@@ -58,7 +58,12 @@ def bind_first(state: RegistryState, session_key: str, lease: str | None = None)
     v = state._versions[state.default_version]
     v.session_refs += 1
     # The default is committed, so its attempt is final: the ref names exactly what serves.
-    binding = Binding(session_key=session_key, ref=v.ref, default_revision=state.default_revision)
+    binding = Binding(
+        session_key=session_key,
+        ref=v.ref,
+        default_revision=state.default_revision,
+        rolled_back_from=state.rolled_back_from,
+    )
     state._sessions[session_key] = SessionRecord(SessionState.BOUND, binding, lease)
     if owner is not None:
         owner.sessions.add(session_key)

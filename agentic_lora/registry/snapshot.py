@@ -30,6 +30,7 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
         "seq": state.seq,
         "default": state.default_version,
         "default_revision": state.default_revision,
+        "rolled_back_from": state.rolled_back_from,
         "pending": state._pending,
         "incarnations": state._incarnations,
         "versions": [
@@ -45,6 +46,7 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
                 "reclaimed": sorted(v.reclaimed),
                 "session_refs": v.session_refs,
                 "commit_receipt": to_wire(v.commit_receipt),
+                "reloads": v.reloads,
             }
             for v in state._versions.values()
         ],
@@ -78,6 +80,8 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
     state.seq = int(image["seq"])
     state.default_version = image["default"]
     state.default_revision = int(image["default_revision"])
+    # Images written before rollbacks existed have neither key: no rollback, no reload.
+    state.rolled_back_from = image.get("rolled_back_from")
     state._pending = image["pending"]
     state._incarnations = dict(image["incarnations"])
     state._versions = {}
@@ -100,6 +104,7 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
         v.reclaimed = set(raw["reclaimed"])
         v.session_refs = int(raw["session_refs"])
         v.commit_receipt = from_wire(raw["commit_receipt"], known)
+        v.reloads = int(raw.get("reloads", 0))
     state._sessions = {
         k: SessionRecord(SessionState(st), from_wire(b, known), lease)
         for k, st, b, lease in image["sessions"]

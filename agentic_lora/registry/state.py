@@ -19,8 +19,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from agentic_lora.errors import CapacityError
 from agentic_lora.errors import InvalidStateError
 from agentic_lora.errors import LeaseExpiredError
+from agentic_lora.errors import NotReadyError
+from agentic_lora.errors import PublicationBlockedError
+from agentic_lora.errors import RevisionConflictError
 from agentic_lora.errors import StaleAttemptError
 from agentic_lora.errors import UnknownEngineError
 from agentic_lora.errors import UnknownVersionError
@@ -67,6 +71,7 @@ class VersionRecord(CarriesRef):
         "reclaim_id",
         "reclaimed",
         "ref",
+        "reloads",
         "session_refs",
         "state",
     )
@@ -80,6 +85,14 @@ class VersionRecord(CarriesRef):
         self.reclaimed: set[str] = set()
         self.session_refs = 0
         self.commit_receipt: CommitReceipt | None = None
+        #: How often a rollback loaded it again after a reclaim (each reclaim gets its own id).
+        self.reloads = 0
+
+    @property
+    def committed_before(self) -> bool:
+        """Whether some attempt of it was ever the default (then it can be rolled back to, and
+        an attempt of it that is LOADING is a rollback's reload, never a first publication)."""
+        return self.commit_receipt is not None
 
 
 class SessionRecord:
@@ -178,6 +191,8 @@ class RegistryState:
         #: The default version (None before the first commit), and how many commits moved it.
         self.default_version: str | None = None
         self.default_revision = 0
+        #: While the default is one a rollback made the default again: the version it replaced.
+        self.rolled_back_from: str | None = None
         self._pending: str | None = None
         self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
         self._leases: dict[str, LeaseRecord] = {}  # live leases by id
@@ -207,6 +222,22 @@ class RegistryState:
     def _slots_in_use(self) -> int:
         return sum(1 for v in self._versions.values() if v.state.holds_slot)
 
+    def _admit(self, version_id: str) -> None:
+        if self._pending is not None:
+            raise PublicationBlockedError(
+                f"publication of {self._pending!r} is still pending; one at a time",
+                version=version_id,
+                pending=self._pending,
+            )
+        in_use = self._slots_in_use()
+        if in_use >= self.capacity:
+            raise CapacityError(
+                f"all {self.capacity} version slots are held; reclaim a retired version first",
+                version=version_id,
+                capacity=self.capacity,
+                held=[v.version_id for v in self._versions.values() if v.state.holds_slot],
+            )
+
     def _attempt(self, v: VersionRecord, attempt: int) -> None:
         if attempt != v.attempt:
             raise StaleAttemptError(
@@ -230,11 +261,69 @@ class RegistryState:
         # if it moved the clock, a replay would tombstone names at another time than the live run.
         self.now = max(self.now, now)
 
+    def _require_ready(self, v: VersionRecord, attempt: int) -> None:
+        """Refuse (NOT_READY) unless every engine holds ``v``'s current attempt under its current
+        incarnation: the one readiness rule of every move of the default (commit, rollback)."""
+        missing = [
+            e
+            for e in self.engines
+            if (r := v.ready.get(e)) is None or r.incarnation != self._incarnations[e]
+        ]
+        if missing:
+            raise NotReadyError(
+                f"{v.version_id!r} attempt {attempt} lacks READY from {missing}",
+                version=v.version_id,
+                attempt=attempt,
+                missing=missing,
+            )
+
+    def _move_default(
+        self, v: VersionRecord, attempt: int, expected_default_revision: int, event: VersionEvent
+    ) -> CommitReceipt:
+        """The one move of the default (``event``: a commit, or a rollback of a RETIRED version):
+        refused unless ``attempt`` is ``v``'s current one, the default revision is the expected
+        one and every engine holds ``v``; then ``v`` becomes the default (see _make_default)."""
+        self._attempt(v, attempt)
+        if expected_default_revision != self.default_revision:
+            raise RevisionConflictError(
+                f"default revision is {self.default_revision}, not {expected_default_revision}",
+                version=v.version_id,
+                default_revision=self.default_revision,
+            )
+        self._require_ready(v, attempt)
+        return self._make_default(v, event)
+
+    def _make_default(self, v: VersionRecord, event: VersionEvent) -> CommitReceipt:
+        """``v`` becomes the default (by ``event``: a commit, or a rollback of a RETIRED
+        version); the previous default is superseded. A version committed before comes back by
+        a rollback, whichever event moved it, and the receipt and the status say so."""
+        rollback = v.committed_before
+        previous = self.default_version
+        new_state = advance(v.version_id, v.state, event)
+        if previous is not None:
+            old = self._versions[previous]
+            old.state = advance(previous, old.state, VersionEvent.SUPERSEDE)
+        v.state = new_state
+        self.default_version = v.version_id
+        self.default_revision += 1
+        self.rolled_back_from = previous if rollback else None
+        self._pending = None
+        v.commit_receipt = CommitReceipt(
+            ref=v.ref,
+            default_revision=self.default_revision,
+            previous_default=previous,
+            rollback=rollback,
+        )
+        return v.commit_receipt
+
     def _cleaned(self, v: VersionRecord, engine: str) -> None:
         v.cleaned.add(engine)
         if len(v.cleaned) == len(self.engines):
-            # Only now is it proven that no engine holds the candidate: free the slot.
-            v.state = advance(v.version_id, v.state, VersionEvent.ALL_CLEANED)
+            # Only now is it proven that no engine holds the candidate: free the slot. An aborted
+            # reload of a version committed before is RECLAIMED again (what it was), never
+            # FAILED_CLEAN: publishing its id again must stay a no-op.
+            event = VersionEvent.RELOAD_CLEANED if v.committed_before else VersionEvent.ALL_CLEANED
+            v.state = advance(v.version_id, v.state, event)
             if self._pending == v.version_id:
                 self._pending = None
 

@@ -3,8 +3,19 @@
 ::
 
     LOADING --commit--> PUBLISHED --supersede--> RETIRED --claim--> RECLAIMING --reclaimed--> RECLAIMED
-       |
-       +--abort--> ABORTED --cleaned--> FAILED_CLEAN --retry--> LOADING (next attempt)
+       |                    ^                       |                                           |
+       |                    +-------rollback--------+                                           |
+       +--abort--> ABORTED --cleaned--> FAILED_CLEAN --retry--> LOADING (next attempt)          |
+                      |                                                                         |
+                      +--reload_cleaned--> RECLAIMED --reload--> LOADING (next attempt) <-------+
+
+A **rollback** makes a version that was committed before the default again, with its exact
+identity (version id, digest, lora name: the same ``(epoch, version_id)`` always means the same
+bytes). A RETIRED version is still loaded, so it goes straight back to PUBLISHED (``rollback``).
+A RECLAIMED one is loaded again first, as a new publication attempt of the same content
+(``reload``: a capacity slot is admitted before any transfer), whose ``commit`` is the rollback;
+if that attempt is aborted, its cleanup leaves it RECLAIMED again (``reload_cleaned``), never
+FAILED_CLEAN: a publication of the same id must stay a no-op, never a way back.
 
 Everything the registry does to a version's state goes through :func:`advance`; an event that the
 table does not allow from the current state raises :class:`~agentic_lora.errors.InvalidStateError`
@@ -29,6 +40,9 @@ class VersionEvent(enum.StrEnum):
     ABORT = "abort"
     ALL_CLEANED = "all_cleaned"
     RETRY = "retry"
+    ROLLBACK = "rollback"
+    RELOAD = "reload"
+    RELOAD_CLEANED = "reload_cleaned"
 
 
 S = VersionState
@@ -42,6 +56,9 @@ TRANSITIONS: dict[tuple[VersionState, VersionEvent], VersionState] = {
     (S.LOADING, E.ABORT): S.ABORTED,
     (S.ABORTED, E.ALL_CLEANED): S.FAILED_CLEAN,
     (S.FAILED_CLEAN, E.RETRY): S.LOADING,
+    (S.RETIRED, E.ROLLBACK): S.PUBLISHED,
+    (S.RECLAIMED, E.RELOAD): S.LOADING,
+    (S.ABORTED, E.RELOAD_CLEANED): S.RECLAIMED,
 }
 
 

@@ -104,6 +104,7 @@ class ReserveOutcome(enum.StrEnum):
     RETRY_STARTED = "RETRY_STARTED"  # same id+digest after FAILED_CLEAN: new attempt, slot taken
     IN_PROGRESS = "IN_PROGRESS"  # same id+digest still LOADING: same attempt, nothing new
     ALREADY_COMPLETED = "ALREADY_COMPLETED"  # same id+digest already committed: a no-op
+    RELOAD_STARTED = "RELOAD_STARTED"  # a rollback to a RECLAIMED version: next attempt, slot taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +186,9 @@ class CommitReceipt(CarriesRef):
     ref: VersionRef
     default_revision: int
     previous_default: str | None
+    #: True when this commit was a rollback: ``ref`` was committed before, and
+    #: ``previous_default`` is the version it replaced (the rollback's origin).
+    rollback: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +202,9 @@ class Binding(CarriesRef):
     session_key: str
     ref: VersionRef
     default_revision: int
+    #: Set when the default this Session bound was made the default by a rollback: the version
+    #: that rollback replaced (so a Session can tell it runs a rolled-back version).
+    rolled_back_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +349,9 @@ class RegistryStatus:
     live_sessions: int = 0
     leases: tuple[LeaseStatus, ...] = field(default_factory=tuple)
     named_sessions: int = 0
+    #: Set while the default is one a rollback made the default again: the version it replaced
+    #: (the rollback's origin). None once a publication commits a new default.
+    rolled_back_from: str | None = None
 
 
 # --- wire form ----------------------------------------------------------------------------------

@@ -118,4 +118,5 @@ def registry_status(state: RegistryState) -> RegistryStatus:
         live_sessions=sum(1 for s in state._sessions.values() if s.state.holds_ref),
         leases=tuple(lease_status(lease) for lease in state._leases.values()),
         named_sessions=sum(1 for rec in state._names.values() if rec.closed_at is None),
+        rolled_back_from=state.rolled_back_from,
     )

@@ -159,6 +159,7 @@ def _provenance(
         "digest": b.digest if b is not None else None,
         "lora_name": b.lora_name if b is not None else None,
         "default_revision_at_bind": b.default_revision if b is not None else None,
+        "rolled_back_from": b.rolled_back_from if b is not None else None,
         "lags": list(lags),
         "turns": len(lags),
         "too_stale_lag": too_stale,

@@ -258,7 +258,9 @@ class Session:
         """This Session's trajectory provenance, JSON-able, for the trainer to store with it.
 
         ``version_id``, ``digest`` (full), ``lora_name`` and ``default_revision_at_bind`` are
-        None before the first bind (and on a pass-through Session). ``lags`` holds the lag of
+        None before the first bind (and on a pass-through Session). ``rolled_back_from`` names
+        the version a rollback replaced when the Session bound a default that rollback brought
+        back (else None): its version is the rolled-back one. ``lags`` holds the lag of
         every turn that returned a reply, in reply order (None where the registry client could
         not say the current revision); ``turns`` is their count. ``too_stale_lag`` is the lag
         of the ``VERSION_TOO_STALE`` refusal that ended the Session's dispatching, else None.

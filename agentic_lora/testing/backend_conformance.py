@@ -23,7 +23,8 @@ receipts must carry. The contract it checks (from :mod:`agentic_lora.engines.bac
   its prepare fences it (the late prepare is refused and loads nothing); a late cleanup of a
   superseded attempt unloads nothing;
 * a reclaim that returns leaves nothing loaded; repeating it (same reclaim id) never unloads again;
-  a reclaimed name is never loaded again;
+  a reclaimed attempt is never loaded again; a rollback's reload (a newer attempt) loads exactly
+  that content (a new reclaim id unloads it again), or is refused with nothing loaded;
 * an engine that refused reports :class:`~agentic_lora.errors.BackendRefusedError` for a prepare
   (nothing held) and never lets a cleanup or reclaim look confirmed; an engine whose reply was lost
   reports :class:`~agentic_lora.errors.BackendAmbiguousError`, and a retry converges without a
@@ -196,6 +197,11 @@ class _Track:
     needs_cleanup: bool = False  # a cleanup's outcome is unknown: confirm it before moving on
     reclaimed: bool = False
     reclaim_ids: set[str] = field(default_factory=set)
+    reloads: int = 0  # rollbacks that loaded the name again after a reclaim
+
+    @property
+    def reclaim_id(self) -> str:  # the registry's: a new one for each life of the name
+        return f"reclaim-{self.version.version_id}-{self.engine}.{self.reloads}"
 
     @property
     def lora_name(self) -> str:
@@ -299,7 +305,7 @@ class BackendConformance(RuleBasedStateMachine):
         return self.backend.reclaim(t.double.ref, lora_name=t.lora_name, reclaim_id=reclaim_id)
 
     def _reclaimed(self, t: _Track, reclaim_id: str) -> None:
-        # A reclaim returned: the engine holds nothing of the name, and for good.
+        # A reclaim returned: the engine holds nothing of the name (until a rollback reloads it).
         assert t.held_digest() is None
         t.held, t.reclaimed = False, True
         t.reclaim_ids.add(reclaim_id)
@@ -406,18 +412,15 @@ class BackendConformance(RuleBasedStateMachine):
 
     @rule(t=tracked)
     def reclaim(self, t: _Track) -> None:
-        if not self._can_reclaim(t):
-            return
-        reclaim_id = f"reclaim-{t.version.version_id}-{t.engine}"
-        self._run(self._reclaim(t, reclaim_id))
-        self._reclaimed(t, reclaim_id)
+        if self._can_reclaim(t):
+            self._run(self._reclaim(t, t.reclaim_id))
+            self._reclaimed(t, t.reclaim_id)
 
     @rule(t=tracked)
     def reclaim_with_a_lost_receipt_converges(self, t: _Track) -> None:
         if not self._can_reclaim(t):
             return
-        reclaim_id = f"reclaim-{t.version.version_id}-{t.engine}"
-        unloads = t.unloads()
+        reclaim_id, unloads = t.reclaim_id, t.unloads()
         with t.failing(Operation.RECLAIM, Failure.LOSE_REPLY):
             self._expect(BackendAmbiguousError, self._reclaim(t, reclaim_id))
         self._run(self._reclaim(t, reclaim_id))
@@ -428,20 +431,36 @@ class BackendConformance(RuleBasedStateMachine):
     def repeated_reclaim_never_unloads_again(self, t: _Track) -> None:
         if not t.reclaim_ids:
             return
-        unloads = t.unloads()
+        unloads, held = t.unloads(), t.held_digest()
         for reclaim_id in sorted(t.reclaim_ids):
             self._run(self._reclaim(t, reclaim_id))
-        assert t.unloads() == unloads
-        assert t.held_digest() is None
+        # Done already, also one of an earlier life of the name (before a reload).
+        assert (t.unloads(), t.held_digest()) == (unloads, held)
 
     @rule(t=tracked)
-    def a_reclaimed_name_is_never_loaded_again(self, t: _Track) -> None:
+    def a_reclaimed_attempt_is_never_loaded_again(self, t: _Track) -> None:
         if not t.reclaimed:
             return
         loads = t.loads()
-        self._expect(BackendError, self._prepare(t, t.attempt))
+        self._expect(BackendError, self._prepare(t, max(t.prepared, 1)))
         assert t.loads() == loads
         assert t.held_digest() is None
+
+    @rule(t=tracked)
+    def a_rollback_reloads_a_reclaimed_name_or_is_refused(self, t: _Track) -> None:
+        if not t.reclaimed:
+            return
+        # The registry numbers a reload above every attempt of the version before it.
+        attempt, loads = max(t.attempt, t.prepared, t.cleaned) + 1, t.loads()
+        try:
+            receipt = self._run(self._prepare(t, attempt))
+        except BackendRefusedError:
+            assert (t.loads(), t.held_digest()) == (loads, None)
+            return
+        assert (receipt.lora_name, receipt.attempt, t.loads()) == (t.lora_name, attempt, loads + 1)
+        assert t.held_digest() == t.version.snapshot.digest
+        t.attempt = t.prepared = attempt
+        t.held, t.reclaimed, t.reloads = True, False, t.reloads + 1
 
     # --- engines -------------------------------------------------------------------------------
 

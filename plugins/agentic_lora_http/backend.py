@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from agentic_lora.engines.adapter_backend import DEFAULT_KEEP_RECLAIMED
 from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend
 from agentic_lora.engines.admin import AdminTimeouts
 from agentic_lora.engines.admin import EngineAdminClient
@@ -37,6 +38,8 @@ class HttpPushBackend(AdapterDirectoryBackend[EngineAdminClient]):
     ``store_root`` is an absolute directory the engines can read (each engine gets
     ``<store_root>/<engine name>/<lora name>``). ``client`` may be shared; otherwise one is created
     and closed by :meth:`aclose`. ``probe_input_ids`` is the prompt of the one-token probe.
+    ``keep_reclaimed``: how many reclaimed versions the store keeps for a rollback (see
+    :class:`~agentic_lora.engines.adapter_backend.AdapterDirectoryBackend`).
     """
 
     def __init__(
@@ -46,8 +49,11 @@ class HttpPushBackend(AdapterDirectoryBackend[EngineAdminClient]):
         timeouts: AdminTimeouts | None = None,
         client: httpx.AsyncClient | None = None,
         probe_input_ids: Sequence[int] = (0,),
+        keep_reclaimed: int = DEFAULT_KEEP_RECLAIMED,
     ) -> None:
-        super().__init__(store_root, timeouts=timeouts, client=client)
+        super().__init__(
+            store_root, timeouts=timeouts, client=client, keep_reclaimed=keep_reclaimed
+        )
         self.probe_input_ids = tuple(probe_input_ids)
 
     def _new_admin(self, engine: EngineRef) -> EngineAdminClient:

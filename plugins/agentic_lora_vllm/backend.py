@@ -53,6 +53,7 @@ from pathlib import Path
 
 import httpx
 
+from agentic_lora.engines.adapter_backend import DEFAULT_KEEP_RECLAIMED
 from agentic_lora.engines.adapter_backend import AdapterDirectoryBackend
 from agentic_lora.engines.adapter_backend import DrainHook
 from agentic_lora.engines.admin import AdminTimeouts
@@ -82,7 +83,9 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
     docstring for why vLLM needs it and SGLang does not
     (:meth:`agentic_lora.session.Versioning.wait_drained` is the Session middleware's, and
     :meth:`agentic_lora.assembly.deployment.Deployment.from_settings` wires it in). ``client`` may be
-    shared; otherwise one is created and closed by :meth:`aclose`.
+    shared; otherwise one is created and closed by :meth:`aclose`. ``keep_reclaimed``: how many
+    reclaimed versions the store keeps for a rollback (see
+    :class:`~agentic_lora.engines.adapter_backend.AdapterDirectoryBackend`).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
         timeouts: AdminTimeouts | None = None,
         client: httpx.AsyncClient | None = None,
         probe_prompt_ids: Sequence[int] = (0,),
+        keep_reclaimed: int = DEFAULT_KEEP_RECLAIMED,
     ) -> None:
         if not callable(wait_drained):
             raise ConfigurationError(
@@ -100,7 +104,9 @@ class VllmBackend(AdapterDirectoryBackend[VllmAdminClient]):
                 "for in-flight requests",
                 check="vllm_drain_hook",
             )
-        super().__init__(store_root, timeouts=timeouts, client=client)
+        super().__init__(
+            store_root, timeouts=timeouts, client=client, keep_reclaimed=keep_reclaimed
+        )
         self.probe_prompt_ids = tuple(probe_prompt_ids)
         self._wait_drained = wait_drained
 

@@ -892,6 +892,7 @@ def status_from_json(raw: Mapping[str, Any]) -> RegistryStatus:
         live_sessions=raw.get("live_sessions", 0),
         leases=tuple(LeaseStatus(**x) for x in raw.get("leases", ())),
         named_sessions=raw.get("named_sessions", 0),
+        rolled_back_from=raw.get("rolled_back_from"),
     )
 
 

@@ -277,3 +277,37 @@ async def test_resolve_reports_a_blocked_publication_until_every_engine_confirme
     code, out, _ = await srv.cli("publish", srv.adapter(3), "--version-id", "C")
     assert code == 0
     assert "PUBLISHED C" in out.splitlines()[-1]
+
+
+@pytest.mark.asyncio
+async def test_rollback_makes_an_earlier_version_the_default_and_status_says_so(
+    tmp_path: Path,
+) -> None:
+    async with running_server(tmp_path) as srv:
+        for seed, version in ((1, "A"), (2, "B")):
+            assert (await srv.cli("publish", srv.adapter(seed), "--version-id", version))[0] == 0
+        code, out, err = await srv.cli("rollback", "B")
+        assert code == 1
+        assert only_line(err).startswith("error: ROLLBACK_REFUSED: 'B' is the default already")
+
+        code, out, err = await srv.cli("rollback", "A")
+        assert (code, err) == (0, "")
+        assert out.startswith("ROLLED BACK to A as policy_lora@0-A-")
+        assert "default revision 3, rolled back from B" in out
+        code, out, _ = await srv.cli("rollback", "A")  # again: the same receipt, nothing moves
+        assert code == 0
+        assert "already (this rollback); nothing changed: default revision 3" in out
+
+        code, out, _ = await srv.cli("status")
+        assert code == 0
+        assert out.splitlines()[0].startswith("default A (revision 3, rolled back from B) |")
+        code, out, _ = await srv.cli("status", "--json")
+        assert json.loads(out)["registry"]["rolled_back_from"] == "B"
+
+        code, out, err = await srv.cli("rollback", "never-published", "--json")
+        assert code == 1
+        assert only_line(err).startswith("error: UNKNOWN_VERSION: ")
+        code, out, _ = await srv.cli("rollback", "B", "--json")  # B is RETIRED now: back to B
+        result = json.loads(out)
+        assert (code, result["outcome"], result["ok"]) == (0, "PUBLISHED", True)
+        assert (result["commit"]["rollback"], result["commit"]["previous_default"]) == (True, "A")

@@ -4,6 +4,7 @@ backend. HTTP push talks to SGLang, the vLLM backend to vLLM; what only one of t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import respx
 from agentic_lora_http import HttpPushBackend
 from agentic_lora_vllm import VllmBackend
 
+from agentic_lora.engines.adapter_backend import RECLAIMED_DIR
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.backends import PublicationTarget
@@ -273,7 +275,7 @@ async def test_a_reclaim_retried_after_a_lost_receipt_never_unloads_twice(push: 
 
 
 @pytest.mark.asyncio
-async def test_a_reclaimed_name_is_never_loaded_again(push: Push) -> None:
+async def test_a_reclaimed_attempt_is_never_loaded_again(push: Push) -> None:
     await push.backend.prepare(push.ref0, TARGET_A, A)
     await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
     # A late request: SGLang would reload a name it loaded once from its cached path (that path
@@ -282,10 +284,79 @@ async def test_a_reclaimed_name_is_never_loaded_again(push: Push) -> None:
     async with httpx.AsyncClient() as client:
         late = await client.post(push.e0.base_url + route, json=body)
     assert late.status_code == push.kind.unknown_name_status
-    # Every later attempt is fenced.
+    # A late prepare of the reclaimed attempt (or an older one) is fenced.
     with pytest.raises(BackendRefusedError, match="fenced"):
-        await push.backend.prepare(push.ref0, PublicationTarget("v1", A.digest, NAME_A, 2), A)
+        await push.backend.prepare(push.ref0, TARGET_A, A)
     assert push.e0.physical_loads[NAME_A] == 1
+    assert not push.stored().exists()
+
+
+@pytest.mark.asyncio
+async def test_a_reclaimed_version_stays_readable_for_a_rollback_and_reloads_as_a_new_attempt(
+    push: Push,
+) -> None:
+    await push.backend.prepare(push.ref0, TARGET_A, A)
+    await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1")
+    # Out of the engine's reach, but kept whole for a rollback (verified against its digest).
+    assert not push.stored().exists()
+    assert (push.store / RECLAIMED_DIR / NAME_A).is_dir()
+    stored = await push.backend.stored_snapshot(NAME_A, A.digest)  # type: ignore[attr-defined]
+    assert stored is not None
+    assert stored.digest == A.digest
+    assert await push.backend.stored_snapshot(NAME_A, B.digest) is None  # type: ignore[attr-defined]
+    # A rollback's reload is a newer attempt of the same content under the same name.
+    reload = PublicationTarget("v1", A.digest, NAME_A, 2)
+    receipt = await push.backend.prepare(push.ref0, reload, stored)
+    assert (receipt.attempt, push.e0.held_digest(NAME_A)) == (2, A.digest)
+    assert push.e0.physical_loads[NAME_A] == 2
+    # Reclaimed again, under the new reclaim id: unloaded once more.
+    await push.backend.reclaim(push.ref0, lora_name=NAME_A, reclaim_id="r1.1")
+    assert push.e0.physical_unloads[NAME_A] == 2
+    assert (push.store / RECLAIMED_DIR / NAME_A).is_dir()
+
+
+@contextlib.asynccontextmanager
+async def http_push(
+    store: Path, **options: Any
+) -> AsyncIterator[tuple[HttpPushBackend, EngineRef]]:
+    """An HTTP push backend with ``options`` on one scripted SGLang engine."""
+    engine = sglang_engines(("e0",))[0]
+    with respx.mock(assert_all_called=False) as router:
+        engine.mount(router)
+        backend = HttpPushBackend(store, **options)
+        try:
+            yield backend, EngineRef("e0", engine.base_url)
+        finally:
+            await backend.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_reclaimed_store_keeps_the_newest_versions_only(tmp_path: Path) -> None:
+    async with http_push(tmp_path / "store", keep_reclaimed=2) as (backend, ref):
+        names = []
+        for i in range(1, 5):
+            snapshot = tiny_snapshot(i)
+            name = make_lora_name("policy_lora", 0, f"v{i}", snapshot.digest)
+            await backend.prepare(
+                ref, PublicationTarget(f"v{i}", snapshot.digest, name, 1), snapshot
+            )
+            await backend.reclaim(ref, lora_name=name, reclaim_id=f"r{i}")
+            names.append(name)
+    assert sorted(p.name for p in (tmp_path / "store" / RECLAIMED_DIR).iterdir()) == sorted(
+        names[2:]
+    )
+    with pytest.raises(ConfigurationError) as err:
+        HttpPushBackend(tmp_path / "store", keep_reclaimed=-1)
+    assert err.value.details["check"] == "keep_reclaimed"
+
+
+@pytest.mark.asyncio
+async def test_without_a_reclaimed_store_a_reclaim_removes_the_copy(tmp_path: Path) -> None:
+    async with http_push(tmp_path / "store", keep_reclaimed=0) as (backend, ref):
+        await backend.prepare(ref, TARGET_A, A)
+        await backend.reclaim(ref, lora_name=NAME_A, reclaim_id="r1")
+        assert await backend.stored_snapshot(NAME_A, A.digest) is None
+    assert not (tmp_path / "store" / RECLAIMED_DIR).exists()
 
 
 # --- incarnation ----------------------------------------------------------------------------

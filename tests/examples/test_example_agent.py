@@ -281,6 +281,7 @@ async def test_policy_supplies_the_calls_and_every_turn_goes_out_pinned(tmp_path
         "digest": digest,
         "lora_name": w.a_name,
         "default_revision_at_bind": 1,
+        "rolled_back_from": None,
         "lags": [0, 0, 0, 0],
         "turns": 4,
         "too_stale_lag": None,

@@ -220,3 +220,23 @@ def test_refusals_are_tallied_by_code_and_the_recent_ones_kept_newest_first() ->
     assert "session-secret" not in repr(log.recent())  # a code, never a message
     with pytest.raises(ValueError, match="positive"):
         RefusalLog(keep=0)
+
+
+def test_a_rollback_is_its_own_operation_whichever_way_it_goes() -> None:
+    clock = Clock()
+    log = OperationLog(clock=clock)
+    # To a RETIRED version: observes (as a repair's would start), then the rollback step.
+    for engine in ("e0", "e1"):
+        phase(log, clock, "A", engine, Phase.OBSERVE)
+    phase(log, clock, "A", None, Phase.ROLLBACK, seconds=0.01)
+    # To a RECLAIMED version: its reload, then the commit that is the rollback.
+    phase(log, clock, "B", None, Phase.RESERVE_ROLLBACK, seconds=0.01)
+    for engine in ("e0", "e1"):
+        phase(log, clock, "B", engine, Phase.PREPARE, seconds=1.0)
+    phase(log, clock, "B", None, Phase.COMMIT, seconds=0.01)
+    b, a = log.recent()
+    assert (a.version_id, a.kind, a.final) == ("A", OperationKind.ROLLBACK, "rolled back")
+    assert (b.version_id, b.kind, b.final) == ("B", OperationKind.ROLLBACK, "rolled back")
+    assert [s.phase for s in a.steps] == [Phase.OBSERVE, Phase.OBSERVE, Phase.ROLLBACK]
+    log.observe_publication(result("B", PublicationOutcome.PUBLISHED))
+    assert log.recent()[0].final == "published"

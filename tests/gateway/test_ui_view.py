@@ -104,6 +104,7 @@ def test_the_summary_and_the_default_version_row() -> None:
     assert view["summary"] == {
         "default_version": "v4",
         "default_revision": 5,
+        "rolled_back_from": None,
         "pending_version": None,
         "capacity": 2,
         "slots_in_use": 2,

@@ -752,6 +752,7 @@ class _Handle:
         self.call = _Method(actor.call, self, False)
         self.call_batch = _Method(actor.call_batch, self, False)
         self.read = _Method(actor.read, self, True)
+        self.start = _Method(actor.start, self, False)
 
 
 async def test_the_ray_client_cache_learns_a_restart_from_a_refused_dispatch_and_a_refresh() -> (

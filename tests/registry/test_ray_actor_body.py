@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 
 from agentic_lora.errors import AgenticLoRAError
+from agentic_lora.errors import RollbackRefusedError
 from agentic_lora.errors import SessionStillBoundError
 from agentic_lora.errors import UnknownVersionError
 from agentic_lora.registry.ray_actor import RayRegistryClient
 from agentic_lora.registry.ray_actor import RegistryActor
 from agentic_lora.registry.types import ReadyReceipt
+from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import new_request_id
 
@@ -47,6 +49,7 @@ class _Handle:
         self.call = _Method(actor.call, lose)
         self.call_batch = _Method(actor.call_batch, lose)
         self.read = _Method(actor.read, [])
+        self.start = _Method(actor.start, [])
 
 
 @pytest.mark.parametrize("coalesce", [True, False])
@@ -83,6 +86,37 @@ async def test_every_verb_round_trips_through_the_wire_form(tmp_path: Path, coal
     assert (await reg.release(request_id=new_request_id(), session_key="s")).released_now
     assert await reg.forget_sessions(request_id=new_request_id(), session_keys=["s"]) == 1
     claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    for e in (E0, E1):
+        await reg.confirm_reclaim(
+            request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e
+        )
+    # Rollbacks: to A (RECLAIMED) by a reload, then to B (RETIRED) in one step; the receipts, bindings and refusals cross the wire typed.
+    with pytest.raises(RollbackRefusedError) as refused:
+        await reg.rollback(
+            request_id=new_request_id(), version_id="B", attempt=1, expected_default_revision=2
+        )
+    assert refused.value.details["reason"] == "current_default"
+    reload = await reg.reserve_rollback(request_id=new_request_id(), version_id="A")
+    assert (reload.outcome, reload.attempt) == (ReserveOutcome.RELOAD_STARTED, 2)
+    for e in (E0, E1):
+        await reg.record_ready(
+            request_id=new_request_id(), receipt=ReadyReceipt(e, reload.ref, "i")
+        )
+    back = await reg.commit(
+        request_id=new_request_id(), version_id="A", attempt=2, expected_default_revision=2
+    )
+    assert (back.rollback, back.previous_default, back.default_revision) == (True, "B", 3)
+    bound = await reg.bind_first(request_id=new_request_id(), session_key="after")
+    assert (bound.version_id, bound.rolled_back_from) == ("A", "B")
+    again = await reg.rollback(
+        request_id=new_request_id(), version_id="B", attempt=1, expected_default_revision=3
+    )
+    assert (again.rollback, again.previous_default) == (True, "A")
+    assert (await reg.status()).rolled_back_from == "A"
+    await reg.begin_close(request_id=new_request_id(), session_key="after")
+    await reg.release(request_id=new_request_id(), session_key="after")
+    claim = await reg.claim_reclaim(request_id=new_request_id(), version_id="A")
+    assert claim.reclaim_id.endswith(".1")  # a reloaded version's reclaim gets its own id
     for e in (E0, E1):
         await reg.confirm_reclaim(
             request_id=new_request_id(), version_id="A", reclaim_id=claim.reclaim_id, engine=e
@@ -128,3 +162,24 @@ async def test_a_lost_batch_reply_fails_every_caller_and_a_replay_gets_the_first
     )
     assert {b.version_id for b in replayed} == {"A"}
     assert (await reg.version("A")).session_refs == 5  # the lost batch ran once, not twice
+
+
+async def test_a_restarted_actor_sweeps_what_it_replayed_once_started_or_read(
+    tmp_path: Path,
+) -> None:
+    config = {"engines": [E0], "capacity": 2, "journal_path": str(tmp_path / "j.sqlite")}
+    first = RegistryActor(config)
+    await first.call(
+        "open_lease", new_request_id(), {"owner": "w", "incarnation": "i1", "ttl": 30.0}
+    )
+    await first.flush()
+    # What Ray's max_restarts does: a new actor body replays the journal in its constructor.
+    restarted = RegistryActor(config)
+    assert not restarted._registry.sweeping
+    await RayRegistryClient(_Handle(restarted, [])).start()  # what Deployment.start does
+    assert restarted._registry.sweeping
+    await restarted.flush()
+    read_only = RegistryActor(config)
+    await RayRegistryClient(_Handle(read_only, [])).status()
+    assert read_only._registry.sweeping  # the actor is the host: any use starts its duties
+    await read_only.flush()

@@ -1,11 +1,15 @@
 """The registry against a small reference model, under every interleaving hypothesis finds.
 
-Rules cover publication (reserve/ready/commit/abort/cleanup), Sessions (bind with or without an
+Rules cover publication (reserve/ready/commit/abort/cleanup), rollback (to a RETIRED version in
+one step; to a RECLAIMED one by a reload attempt that is prepared, committed, or aborted and
+cleaned like any other), Sessions (bind with or without an
 owner lease, close/release/forget), durable Session names, owner leases (open, renew, owner
 restart with release or adopt, close, time passing, the expiry sweep), reclaim (claim/confirm),
 engine restarts and repairs, registry restarts (journal replay, then the lease grace before the
-first call), lost replies (apply, drop the answer, replay later with the same request id) and
-duplicate delivery. Time is a fake clock the machine moves. After every step the invariants of
+first call, or at once when the host is started), the registry host's own background sweeper
+(gated: it sweeps when a rule lets it, whatever this process opened), lost replies (apply, drop
+the answer, replay later with the same request id) and duplicate delivery. Time is a fake clock
+the machine moves. After every step the invariants of
 the design are checked against the real registry, most of them without the model's help.
 """
 
@@ -42,6 +46,7 @@ from agentic_lora.registry.types import from_wire
 from agentic_lora.registry.types import new_request_id
 
 from .util import FakeClock
+from .util import SweepGate
 from .util import digest_of
 
 ENGINES = ("e0", "e1")
@@ -125,6 +130,28 @@ class Model:
         self.name_of: dict[str, str] = {}
         #: Set by a registry restart with live leases: the next call first resumes them.
         self.resume_pending = False
+        #: While the default is one a rollback brought back: the version it replaced.
+        self.rolled_back_from: str | None = None
+
+    def make_default(self, vid: str) -> None:
+        """``vid`` becomes the default (a commit, or a rollback); a version committed before
+        comes back by a rollback, and the model remembers where from."""
+        v = self.versions[vid]
+        rollback = v.committed_attempt is not None
+        if self.default is not None:
+            self.versions[self.default].state = "RETIRED"
+        self.rolled_back_from = self.default if rollback else None
+        v.state, v.committed_attempt = "PUBLISHED", v.attempt
+        self.default, self.pending = vid, None
+        self.revision += 1
+
+    def cleaned_everywhere(self, vid: str) -> None:
+        """Every engine confirmed the aborted attempt's cleanup: a reload of a version committed
+        before is RECLAIMED again, anything else FAILED_CLEAN; the slot is free either way."""
+        v = self.versions[vid]
+        v.state = "RECLAIMED" if v.committed_attempt is not None else "FAILED_CLEAN"
+        if self.pending == vid:
+            self.pending = None
 
     def slots(self) -> int:
         return sum(1 for v in self.versions.values() if v.state in HOLDS_SLOT)
@@ -196,6 +223,26 @@ class Model:
             for rec in self.names.values()
         )
 
+    def sweep(self, t: float) -> SweepResult:
+        self.tick(t)
+        expired = sorted(lid for lid, lease in self.leases.items() if lease.expires_at <= t)
+        sessions: list[str] = []
+        for lid in expired:
+            sessions.extend(self.end_lease(lid, "expired"))
+        stale = [
+            n
+            for n, rec in self.names.items()
+            if rec.closed_at is not None and rec.closed_at + NAME_TTL <= t
+        ]
+        for name in stale:
+            rec = self.names.pop(name)
+            if self.name_of.get(rec.key) == name:
+                del self.name_of[rec.key]
+        return SweepResult(tuple(expired), tuple(sessions), len(stale))
+
+    def holds_deadlines(self) -> bool:
+        return bool(self.leases) or bool(self.names)
+
 
 class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
@@ -208,21 +255,30 @@ class RegistryMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="lora-registry-", dir=where))
         self.loop = asyncio.new_event_loop()
         self.clock = FakeClock(0.0)
+        self.gate = SweepGate()
+        #: Whether this registry's host was started or called since it was opened (the sweeper
+        #: may run only then: nothing runs in a registry nobody uses).
+        self.active = False
         self.reg = self._open()
         self.model = Model()
         #: Every version a Binding ever named per Session key (reset only when it is forgotten).
         self.bound_versions: dict[str, set[str]] = {}
         #: Names seen tombstoned, with their key: a tombstone never revives nor changes its key.
         self.tombstoned: dict[str, str] = {}
+        #: Each version id's identity as first seen: a rollback never changes it.
+        self.identities: dict[str, tuple[str, str]] = {}
 
     def _open(self) -> LocalRegistry:
+        self.gate = SweepGate()  # a fresh gate: the old sweeper was cancelled with its registry
+        self.active = False
         return LocalRegistry(
             engines=ENGINES,
             capacity=CAPACITY,
             journal_path=self.dir / "j.sqlite",
             compact_every=11,
             clock=self.clock,
-            sweep_interval=None,
+            sweep_interval=1.0,  # real seconds never pass here: the gate alone wakes it
+            sleep=self.gate.sleep,
             name_ttl=NAME_TTL,
         )
 
@@ -263,8 +319,8 @@ class RegistryMachine(RuleBasedStateMachine):
                 assert second.code == first.code
             else:
                 assert second == first, (verb, first, second)
-        if verb != "commit":
-            # The default changes only at a commit.
+        if verb not in ("commit", "rollback"):
+            # The default changes only at a commit or a rollback.
             assert self.reg.core.default_version == default_before
         binding = first.binding if isinstance(first, NamedSession) else first
         if isinstance(binding, Binding):
@@ -272,6 +328,7 @@ class RegistryMachine(RuleBasedStateMachine):
         return first
 
     def _attempt(self, verb: str, rid: str, args: dict[str, Any]) -> Any:
+        self.active = True
         try:
             return self.loop.run_until_complete(getattr(self.reg, verb)(request_id=rid, **args))
         except AgenticLoRAError as exc:
@@ -316,8 +373,8 @@ class RegistryMachine(RuleBasedStateMachine):
             code = admit
         elif v.content != content:
             code = "VERSION_CONFLICT"
-        elif v.state == "ABORTED":
-            code = "PUBLICATION_BLOCKED"
+        elif v.state == "ABORTED" or (v.state == "LOADING" and v.committed_attempt is not None):
+            code = "PUBLICATION_BLOCKED"  # aborted and uncleaned, or a rollback's reload
         elif v.state == "FAILED_CLEAN":
             code = admit
         else:
@@ -372,11 +429,7 @@ class RegistryMachine(RuleBasedStateMachine):
             delivery, "commit", version_id=vid, attempt=1, expected_default_revision=m.revision
         )
         self._expect(result, None)
-        if m.default is not None:
-            m.versions[m.default].state = "RETIRED"
-        v.state, v.committed_attempt = "PUBLISHED", 1
-        m.default, m.pending = vid, None
-        m.revision += 1
+        m.make_default(vid)
         assert result.default_revision == m.revision
 
     def _receipt(
@@ -395,7 +448,9 @@ class RegistryMachine(RuleBasedStateMachine):
         v = m.versions[m.pending]
         attempt = v.attempt - 1 if stale and v.attempt > 1 else v.attempt
         inc = m.incarnation[engine]
-        if v.state != "LOADING":
+        if v.state != "LOADING" and attempt == v.committed_attempt:
+            code = None  # an aborted reload: the committed attempt's READY is a late duplicate
+        elif v.state != "LOADING":
             code = "STALE_ATTEMPT" if attempt < v.attempt else "INVALID_STATE"
         elif attempt != v.attempt:
             code = "STALE_ATTEMPT"
@@ -404,7 +459,7 @@ class RegistryMachine(RuleBasedStateMachine):
         result = self._do(
             delivery, "record_ready", receipt=self._receipt(m.pending, engine, attempt, inc)
         )
-        if self._expect(result, code):
+        if self._expect(result, code) and v.state == "LOADING":
             v.ready[engine] = inc
             m.known[engine] = True
 
@@ -436,12 +491,11 @@ class RegistryMachine(RuleBasedStateMachine):
         if not self._expect(result, code):
             assert self.reg.core.default_version == before
             return
-        if m.default is not None:
-            m.versions[m.default].state = "RETIRED"
-        v.state, v.committed_attempt = "PUBLISHED", v.attempt
-        m.default, m.pending = vid, None
-        m.revision += 1
+        rollback, previous = v.committed_attempt is not None, m.default
+        m.make_default(vid)
         assert result.default_revision == m.revision
+        # The commit of a reload is the rollback; a first publication's is not.
+        assert (result.rollback, result.previous_default) == (rollback, previous)
 
     @precondition(lambda self: self.model.pending is not None)
     @rule(delivery=DELIVERY)
@@ -466,8 +520,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self._expect(result, None)
         v.cleaned.add(engine)
         if v.cleaned == set(ENGINES):
-            v.state = "FAILED_CLEAN"
-            self.model.pending = None
+            self.model.cleaned_everywhere(vid)
 
     @rule(engine=st.sampled_from(ENGINES), delivery=DELIVERY)
     def engine_restart(self, engine: str, delivery: str) -> None:
@@ -494,9 +547,7 @@ class RegistryMachine(RuleBasedStateMachine):
             elif v.state == "ABORTED":  # the restart proves the cleanup
                 v.cleaned.add(engine)
                 if v.cleaned == set(ENGINES):
-                    v.state = "FAILED_CLEAN"
-                    if m.pending == vid:
-                        m.pending = None
+                    m.cleaned_everywhere(vid)
             elif v.state == "RECLAIMING":  # nothing reloads a reclaiming version
                 v.reclaimed.add(engine)
                 if v.reclaimed == set(ENGINES):
@@ -523,8 +574,10 @@ class RegistryMachine(RuleBasedStateMachine):
         inc = current - 1 if stale and current > 0 else current
         if v.state in ("PUBLISHED", "RETIRED"):
             code = "ENGINE_RESTARTED" if inc != current else None
+        elif v.state == "LOADING":
+            code = "STALE_ATTEMPT"  # a rollback reloads it: the reclaimed attempt is superseded
         else:
-            code = None  # RECLAIMING/RECLAIMED: a late duplicate, nothing changes
+            code = None  # RECLAIMING/RECLAIMED/ABORTED: a late duplicate, nothing changes
         result = self._do(
             delivery,
             "record_ready",
@@ -532,6 +585,198 @@ class RegistryMachine(RuleBasedStateMachine):
         )
         if self._expect(result, code) and v.state in ("PUBLISHED", "RETIRED"):
             v.ready[engine] = inc
+
+    # --- rollback ------------------------------------------------------------------------------
+
+    def _rollback_target(self, pick: int) -> str:
+        """A version id; small picks land on versions a rollback may reach (RETIRED, RECLAIMED)."""
+        m = self.model
+        likely = [k for k, v in m.versions.items() if v.state in ("RETIRED", "RECLAIMED")]
+        candidates = [*likely, *m.versions, "v-unknown"]
+        return candidates[pick % len(candidates)]
+
+    def _rollback_refusal(self, vid: str) -> str | None:
+        """The refusal every rollback verb shares, or None."""
+        m = self.model
+        v = m.versions.get(vid)
+        if v is None:
+            return "UNKNOWN_VERSION"
+        if v.state == "ABORTED" or v.committed_attempt is None or m.default == vid:
+            return "ROLLBACK_REFUSED"
+        if m.pending is not None and m.pending != vid:
+            return "PUBLICATION_BLOCKED"
+        return None
+
+    @rule(
+        pick=st.integers(0, 2 * len(VERSION_IDS)),
+        stale=st.booleans(),
+        stale_revision=st.booleans(),
+        delivery=DELIVERY,
+    )
+    def rollback(self, pick: int, stale: bool, stale_revision: bool, delivery: str) -> None:
+        """Make a RETIRED version the default again, in one step, once every engine holds it."""
+        self._begin()
+        m = self.model
+        vid = self._rollback_target(pick)
+        v = m.versions.get(vid)
+        attempt = (v.attempt - 1 if stale and v.attempt > 1 else v.attempt) if v else 1
+        revision = m.revision - 1 if stale_revision and m.revision > 0 else m.revision
+        by_rollback = v is not None and m.default == vid and m.rolled_back_from is not None
+        if by_rollback:
+            # Still the default that rollback made it: the same receipt back, nothing moves.
+            code = None if attempt == v.attempt else "ROLLBACK_REFUSED"  # type: ignore[union-attr]
+        elif (code := self._rollback_refusal(vid)) is not None:
+            pass
+        elif v is None or v.state != "RETIRED":
+            code = "INVALID_STATE"
+        elif attempt != v.attempt:
+            code = "STALE_ATTEMPT"
+        elif revision != m.revision:
+            code = "REVISION_CONFLICT"
+        elif any(v.ready.get(e) != m.incarnation[e] for e in ENGINES):
+            code = "NOT_READY"
+        revision_before = m.revision
+        result = self._do(
+            delivery,
+            "rollback",
+            version_id=vid,
+            attempt=attempt,
+            expected_default_revision=revision,
+        )
+        if not self._expect(result, code):
+            return
+        if by_rollback:
+            assert result.default_revision == revision_before
+        else:
+            previous = m.default
+            m.make_default(vid)
+            assert (result.default_revision, result.previous_default) == (m.revision, previous)
+        assert result.rollback
+        assert self.reg.core.status().rolled_back_from == m.rolled_back_from is not None
+
+    @rule(pick=st.integers(0, 2 * len(VERSION_IDS)), delivery=DELIVERY)
+    def reserve_rollback(self, pick: int, delivery: str) -> None:
+        """Start a rollback to a RECLAIMED version: a new attempt of the same content, its slot
+        admitted first (the attempt is then prepared, committed or aborted by the rules above)."""
+        self._reserve_rollback(self._rollback_target(pick), delivery)
+
+    def _reserve_rollback(self, vid: str, delivery: str) -> None:
+        self._begin()
+        m = self.model
+        v = m.versions.get(vid)
+        code = self._rollback_refusal(vid)
+        if code is None:
+            assert v is not None
+            if v.state == "LOADING":
+                code = None  # its reload is running: joined
+            elif v.state != "RECLAIMED":
+                code = "INVALID_STATE"
+            elif m.slots() >= CAPACITY:
+                code = "CAPACITY_ERROR"
+        result = self._do(delivery, "reserve_rollback", version_id=vid)
+        if not self._expect(result, code):
+            return
+        assert v is not None
+        if v.state == "LOADING":
+            assert result.outcome == "IN_PROGRESS"
+        else:
+            v.state, v.attempt, v.ready, v.cleaned = "LOADING", v.attempt + 1, {}, set()
+            v.reclaimed = set()
+            m.pending = vid
+            assert result.outcome == "RELOAD_STARTED"
+        assert result.attempt == v.attempt
+
+    @precondition(lambda self: self.model.in_state("RETIRED") and self.model.pending is None)
+    @rule(delivery=DELIVERY)
+    def rollback_to_a_retired_version(self, delivery: str) -> None:
+        """What a rollback's driver does for a RETIRED version, in one step: load it back (the
+        committed attempt's READY) onto every engine that restarted since, then roll back."""
+        m = self.model
+        vid, v = m.first_in("RETIRED")
+        for engine in ENGINES:
+            inc = m.incarnation[engine]
+            if v.ready.get(engine) != inc:
+                assert v.committed_attempt is not None
+                self._begin()
+                receipt = self._receipt(vid, engine, v.committed_attempt, inc)
+                self._expect(self._do(delivery, "record_ready", receipt=receipt), None)
+                v.ready[engine] = inc
+                m.known[engine] = True
+        self._begin()
+        self._rolled_back(vid, "rollback", delivery)
+
+    @precondition(lambda self: self.model.in_state("RETIRED"))
+    @rule(delivery=DELIVERY)
+    def drain_and_reclaim(self, delivery: str) -> None:
+        """The oldest RETIRED version's Sessions close, it is claimed and every engine confirms:
+        RECLAIMED, the state a rollback reloads from."""
+        m = self.model
+        vid = next(k for k, v in m.versions.items() if v.state == "RETIRED")
+        self.drain_and_claim(delivery)
+        if m.versions[vid].state == "RECLAIMING":
+            for engine in ENGINES:
+                self.confirm_reclaim(engine, delivery)
+
+    @precondition(
+        lambda self: (
+            self.model.in_state("RECLAIMED")
+            and self.model.pending is None
+            and self.model.slots() < CAPACITY
+        )
+    )
+    @rule(clean=st.booleans(), delivery=DELIVERY)
+    def a_reload_fails(self, clean: bool, delivery: str) -> None:
+        """A rollback's reload is aborted (an engine refused it), and with ``clean`` every engine
+        confirms its cleanup: the version is RECLAIMED again, never FAILED_CLEAN (else its cleanup
+        is left to the fine-grained rules, engine restarts included)."""
+        m = self.model
+        vid, v = m.first_in("RECLAIMED")
+        self._reserve_rollback(vid, delivery)
+        assert (v.state, m.pending) == ("LOADING", vid)
+        self.abort(delivery)
+        if clean:
+            for engine in ENGINES:
+                self.confirm_cleanup(engine, delivery)
+            assert v.state == "RECLAIMED"
+
+    @precondition(lambda self: self.model.in_state("RECLAIMED") and self.model.pending is None)
+    @rule(delivery=DELIVERY)
+    def rollback_to_a_reclaimed_version(self, delivery: str) -> None:
+        """reserve_rollback, READY from every engine, commit: a whole reload in one step, so that
+        rolled-back versions meet Sessions, reclaim and restarts often (the fine-grained rules
+        cover the interleavings inside it)."""
+        m = self.model
+        if m.slots() >= CAPACITY:
+            return
+        vid, v = m.first_in("RECLAIMED")
+        self._begin()
+        r = self._do(delivery, "reserve_rollback", version_id=vid)
+        self._expect(r, None)
+        v.state, v.attempt, v.ready, v.cleaned = "LOADING", v.attempt + 1, {}, set()
+        v.reclaimed = set()
+        m.pending = vid
+        for engine in ENGINES:
+            inc = m.incarnation[engine]
+            receipt = self._receipt(vid, engine, v.attempt, inc)
+            self._expect(self._do(delivery, "record_ready", receipt=receipt), None)
+            v.ready[engine] = inc
+            m.known[engine] = True
+        self._rolled_back(vid, "commit", delivery)
+
+    def _rolled_back(self, vid: str, verb: str, delivery: str) -> None:
+        """``verb`` (``rollback``, or ``commit`` of a reload) makes ``vid`` the default again."""
+        m = self.model
+        previous = m.default
+        result = self._do(
+            delivery,
+            verb,
+            version_id=vid,
+            attempt=m.versions[vid].attempt,
+            expected_default_revision=m.revision,
+        )
+        self._expect(result, None)
+        m.make_default(vid)
+        assert (result.rollback, result.previous_default) == (True, previous)
 
     # --- Sessions ------------------------------------------------------------------------------
 
@@ -583,6 +828,10 @@ class RegistryMachine(RuleBasedStateMachine):
             if under is not None:
                 m.leases[under].sessions.add(session)
             assert result.version_id == m.default
+            assert (result.default_revision, result.rolled_back_from) == (
+                m.revision,
+                m.rolled_back_from,
+            )
         else:
             assert result.version_id == s.version  # bound at most once: the first answer forever
 
@@ -845,24 +1094,32 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(delivery=DELIVERY)
     def sweep(self, delivery: str) -> None:
         t = self._begin()
-        m = self.model
         result = self._do(delivery, "sweep", name_ttl=NAME_TTL)
         self._expect(result, None)
-        m.tick(t)
-        expired = sorted(lid for lid, lease in m.leases.items() if lease.expires_at <= t)
-        sessions: list[str] = []
-        for lid in expired:
-            sessions.extend(m.end_lease(lid, "expired"))
-        stale = [
-            n
-            for n, rec in m.names.items()
-            if rec.closed_at is not None and rec.closed_at + NAME_TTL <= t
-        ]
-        for name in stale:
-            rec = m.names.pop(name)
-            if m.name_of.get(rec.key) == name:
-                del m.name_of[rec.key]
-        assert result == SweepResult(tuple(expired), tuple(sessions), len(stale))
+        assert result == self.model.sweep(t)
+
+    @precondition(lambda self: self.reg.sweeping and self.model.leases)
+    @rule()
+    def the_host_sweeps_at_the_next_deadline(self) -> None:
+        """Time moves to the next deadline and the host's sweeper runs right then (whether the
+        lease was opened before the last restart or after it)."""
+        self.time_passes(None)
+        self.the_host_sweeps()
+
+    @precondition(lambda self: self.reg.sweeping)
+    @rule()
+    def the_host_sweeps(self) -> None:
+        """One round of the registry host's own background sweeper at the current time: it
+        expires every lease the registry holds, whoever opened it and whether or not anything
+        was opened since the last restart."""
+        t = self._begin()
+        m = self.model
+        due = m.sweep_due(t)
+        seq = self.reg.core.seq
+        self.loop.run_until_complete(self.gate.round())
+        if due:
+            m.sweep(t)
+        assert self.reg.core.seq == seq + (1 if due else 0)  # a sweep is journaled only when due
 
     # --- reclaim -------------------------------------------------------------------------------
 
@@ -924,15 +1181,24 @@ class RegistryMachine(RuleBasedStateMachine):
 
     # --- the registry itself restarts ----------------------------------------------------------
 
-    @rule(downtime=st.sampled_from([0.0, 30.0]))
-    def registry_restart(self, downtime: float) -> None:
+    @rule(downtime=st.sampled_from([0.0, 30.0]), start=st.booleans())
+    def registry_restart(self, downtime: float, start: bool) -> None:
+        """The registry host restarts on its journal. With ``start`` its process takes up the
+        host's duties at once (a Deployment starts it); else only at its first call. Either way
+        it never opens a lease of its own: the leases it sweeps are the ones it replayed."""
         before = self.reg.core.to_state()
         self.loop.run_until_complete(self.reg.aclose())
         self.clock.t += downtime  # owners could not renew meanwhile
         self.reg = self._open()
         # The journal rebuilds everything exactly, clock included; nothing has run yet.
         assert self.reg.core.to_state() == before
+        assert not self.reg.sweeping
         self.model.resume_pending = bool(self.model.leases)
+        if start:
+            self._begin()  # the lease grace runs now, not at the first call
+            self.loop.run_until_complete(self.reg.start())
+            self.active = True
+            assert self.reg.sweeping
 
     # --- invariants ----------------------------------------------------------------------------
 
@@ -947,6 +1213,7 @@ class RegistryMachine(RuleBasedStateMachine):
         assert st_.default_version == m.default
         assert st_.default_revision == m.revision
         assert st_.pending_version == m.pending
+        assert st_.rolled_back_from == m.rolled_back_from
         assert st_.slots_in_use == m.slots() <= CAPACITY
         for vid, v in m.versions.items():
             got = core.version(vid)
@@ -1038,6 +1305,12 @@ class RegistryMachine(RuleBasedStateMachine):
                     assert s == (SessionState.BOUND, lz), (name, key, s)
 
     @invariant()
+    def a_version_id_always_names_the_same_bytes(self) -> None:
+        for v in self.reg.core.status().versions:
+            seen = self.identities.setdefault(v.version_id, (v.digest, v.lora_name))
+            assert (v.digest, v.lora_name) == seen, (v, seen)
+
+    @invariant()
     def a_session_never_changes_version(self) -> None:
         core = self.reg.core
         for key, versions in self.bound_versions.items():
@@ -1070,6 +1343,16 @@ class RegistryMachine(RuleBasedStateMachine):
         for name, (key, closed_at) in names.items():
             if closed_at is not None:
                 self.tombstoned.setdefault(name, key)
+
+    @invariant()
+    def the_host_sweeps_whatever_it_holds(self) -> None:
+        """Once the registry is in use, it sweeps as soon as it holds anything that expires
+        (whoever opened it); before that, nothing runs."""
+        assert self.reg.core.holds_deadlines() == self.model.holds_deadlines()
+        if self.active and self.model.holds_deadlines():
+            assert self.reg.sweeping
+        if not self.active:
+            assert not self.reg.sweeping
 
     @invariant()
     def sweep_due_agrees_with_the_model(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from agentic_lora.registry.core import RegistryCore
@@ -114,3 +116,32 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
+
+
+class SweepGate:
+    """A registry sweeper's ``sleep``: it returns only when :meth:`round` lets it, once per round,
+    so a test (or machine rule) decides exactly when the registry host sweeps."""
+
+    def __init__(self) -> None:
+        self._pending: asyncio.Future[None] | None = None
+        self._asleep = asyncio.Event()
+        self.delays: list[float] = []
+
+    def sleep(self, delay: float) -> Awaitable[None]:
+        self.delays.append(delay)
+        self._pending = asyncio.get_running_loop().create_future()
+        self._asleep.set()
+        return self._pending
+
+    async def asleep(self) -> None:
+        """Return once the sweeper waits on this gate."""
+        async with asyncio.timeout(30):  # a hang guard only
+            await self._asleep.wait()
+
+    async def round(self) -> None:
+        """Wake the sweeper for one round; return once it sleeps again (that round is done)."""
+        await self.asleep()
+        assert self._pending is not None
+        self._asleep.clear()
+        self._pending.set_result(None)
+        await self.asleep()

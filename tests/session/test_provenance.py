@@ -13,6 +13,7 @@ import pytest
 
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import load_settings
+from agentic_lora.errors import AccessDeniedError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.gateway.app import PROVENANCE_FIELD
@@ -25,6 +26,7 @@ from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
 from agentic_lora.testing.sglang_engine import Fault
 from agentic_lora.testing.sglang_engine import FaultKind
+from tests.gateway.test_gateway import ADMIN_TOKEN
 from tests.gateway.test_gateway import BASE_MODEL
 from tests.gateway.test_gateway import gateway_stack
 from tests.gateway.test_gateway import lora_name
@@ -53,6 +55,7 @@ async def test_every_reply_carries_its_turn_and_the_session_keeps_each_lag(
                 "digest": None,
                 "lora_name": None,
                 "default_revision_at_bind": None,
+                "rolled_back_from": None,
                 "lags": [],
                 "turns": 0,
                 "too_stale_lag": None,
@@ -91,6 +94,7 @@ async def test_every_reply_carries_its_turn_and_the_session_keeps_each_lag(
                 "digest": binding.digest,
                 "lora_name": binding.lora_name,
                 "default_revision_at_bind": 1,
+                "rolled_back_from": None,
                 "lags": [0, 1, 1],
                 "turns": 3,
                 "too_stale_lag": None,
@@ -128,6 +132,7 @@ async def test_turn_provenance_is_json_for_the_wire() -> None:
         "lora_name": "policy_lora@0-v7-" + "ab" * 8,
         "default_revision_at_bind": 4,
         "lag": 2,
+        "rolled_back_from": None,
     }
 
 
@@ -161,6 +166,7 @@ async def test_gateway_replies_carry_provenance_headers_and_an_extension_field(
             "lora_name": a_name,
             "default_revision_at_bind": 1,
             "lag": 0,
+            "rolled_back_from": None,
         }
         # The OpenAI SDK still parses the reply (the extension field is an extra key).
         completion = raw.parse()
@@ -219,3 +225,39 @@ async def test_gateway_refuses_a_too_stale_session_with_409_and_lets_it_close(
         assert stack.fleet.calls(EngineOp.GENERATE) == sent
         closed = await http.post("/v1/sessions/old/close", headers={"x-agentic-session": "old"})
         assert closed.status_code == 200
+
+
+async def test_after_a_rollback_new_sessions_say_where_their_version_came_back_from(
+    tmp_path: Path,
+) -> None:
+    async with gateway_stack(tmp_path, published="A") as stack:
+        http = stack.http()
+        old = {"x-agentic-session": "on-b"}
+        await stack.publish("B", 2)
+        assert (await http.post("/generate", json={"text": "t0"}, headers=old)).is_success
+        with pytest.raises(AccessDeniedError):
+            await stack.admin(None).rollback("A")
+        relative = await http.post(
+            "/admin/rollback",
+            json={"version_id": "A", "adapter_dir": "adapters/a"},
+            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+        assert (relative.status_code, relative.json()["error"]["code"]) == (400, "INVALID_REQUEST")
+
+        result = await stack.admin().rollback("A")
+
+        assert (result["outcome"], result["commit"]["previous_default"]) == ("PUBLISHED", "B")
+        fresh = await http.post(
+            "/generate", json={"text": "t0"}, headers={"x-agentic-session": "new"}
+        )
+        assert fresh.headers["x-agentic-version"] == "A"
+        assert fresh.headers["x-agentic-revision-at-bind"] == "3"
+        assert fresh.headers["x-agentic-rolled-back-from"] == "B"
+        assert fresh.json()[PROVENANCE_FIELD]["rolled_back_from"] == "B"
+        # A Session bound to B keeps it; by the rule of lags, one move of the default behind.
+        kept = await http.post("/generate", json={"text": "t1"}, headers=old)
+        assert _provenance_headers(kept.headers)[::2] == ("B", "2")
+        assert kept.headers["x-agentic-version-lag"] == "1"
+        assert "x-agentic-rolled-back-from" not in kept.headers
+        status = (await stack.admin().status())["registry"]
+        assert (status["default_version"], status["rolled_back_from"]) == ("A", "B")

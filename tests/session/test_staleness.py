@@ -310,6 +310,7 @@ class _Handle:
         self.call = _Method(actor.call)
         self.call_batch = _Method(actor.call_batch)
         self.read = _Method(actor.read)
+        self.start = _Method(actor.start)
 
 
 async def test_a_ray_client_reads_a_cached_revision_that_can_only_under_estimate_a_lag(

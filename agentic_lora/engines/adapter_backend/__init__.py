@@ -10,6 +10,8 @@
 * :class:`IncarnationTracker`: engine incarnations from a fingerprint and lost adapters.
 """
 
+from agentic_lora.engines.adapter_backend.base import DEFAULT_KEEP_RECLAIMED
+from agentic_lora.engines.adapter_backend.base import RECLAIMED_DIR
 from agentic_lora.engines.adapter_backend.base import AdapterAdmin
 from agentic_lora.engines.adapter_backend.base import AdapterDirectoryBackend
 from agentic_lora.engines.adapter_backend.base import DrainHook
@@ -18,6 +20,8 @@ from agentic_lora.engines.adapter_backend.fences import Verdict
 from agentic_lora.engines.adapter_backend.incarnation import IncarnationTracker
 
 __all__ = [
+    "DEFAULT_KEEP_RECLAIMED",
+    "RECLAIMED_DIR",
     "AdapterAdmin",
     "AdapterDirectoryBackend",
     "AttemptFences",

@@ -10,9 +10,11 @@ Per engine:
 * ``cleanup``: unload the name, then remove its store directory, so a late request that would
   make the engine re-read the path finds nothing to load. "Does not exist" means absent:
   confirmed.
-* ``reclaim``: the same unload and removal, once per reclaim id, after an engine-specific wait
+* ``reclaim``: the same unload, once per reclaim id, after an engine-specific wait
   (:meth:`AdapterDirectoryBackend._before_reclaim_unload`) where the engine's own unload does not
-  wait for in-flight requests.
+  wait for in-flight requests; its store directory is moved out of the engine's reach into
+  ``<store_root>/.reclaimed`` (the newest ``keep_reclaimed`` versions are kept there), so a
+  rollback can load the version again (:meth:`AdapterDirectoryBackend.stored_snapshot` reads it).
 
 Classification follows :mod:`agentic_lora.engines.backends`: a prepare the engine provably did not act on
 is :class:`~agentic_lora.errors.BackendRefusedError`; anything that may have left the adapter
@@ -61,7 +63,13 @@ from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.http_limits import engine_limits
 from agentic_lora.registry.types import ReadyReceipt
 
-__all__ = ["AdapterAdmin", "AdapterDirectoryBackend", "DrainHook"]
+__all__ = [
+    "DEFAULT_KEEP_RECLAIMED",
+    "RECLAIMED_DIR",
+    "AdapterAdmin",
+    "AdapterDirectoryBackend",
+    "DrainHook",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +82,11 @@ What a backend for an engine whose unload does not wait for in-flight requests (
 """
 
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: Where reclaimed versions' directories go, under ``store_root`` (no engine name starts with a
+#: dot, so no engine is ever given a path in it).
+RECLAIMED_DIR = ".reclaimed"
+#: How many reclaimed versions the store keeps for a rollback, by default.
+DEFAULT_KEEP_RECLAIMED = 8
 
 
 class AdapterAdmin(Protocol):
@@ -102,7 +115,8 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
 
     ``store_root`` is an absolute directory the engines can read (each engine gets
     ``<store_root>/<engine name>/<lora name>``). ``client`` may be shared; otherwise one is created
-    and closed by :meth:`aclose`.
+    and closed by :meth:`aclose`. ``keep_reclaimed`` (default 8; 0: none) is how many reclaimed
+    versions' content the store keeps for a rollback, newest first.
     """
 
     def __init__(
@@ -111,6 +125,7 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         *,
         timeouts: AdminTimeouts | None = None,
         client: httpx.AsyncClient | None = None,
+        keep_reclaimed: int = DEFAULT_KEEP_RECLAIMED,
     ) -> None:
         root = Path(store_root)
         if not root.is_absolute():
@@ -118,7 +133,18 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                 f"store_root must be an absolute path the engines can read: {root}",
                 store_root=str(root),
             )
+        if (
+            isinstance(keep_reclaimed, bool)
+            or not isinstance(keep_reclaimed, int)
+            or keep_reclaimed < 0
+        ):
+            raise ConfigurationError(
+                f"keep_reclaimed must be a whole number of versions, 0 or more: {keep_reclaimed!r}",
+                check="keep_reclaimed",
+            )
         self.store_root = root
+        self.keep_reclaimed = keep_reclaimed
+        self._reclaimed_store_lock = asyncio.Lock()
         self.timeouts = timeouts or AdminTimeouts()
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
@@ -271,20 +297,25 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             self._reclaimed.add(key)
 
     async def stored_snapshot(self, lora_name: str, digest: str) -> AdapterSnapshot | None:
-        """``lora_name``'s content rebuilt from any engine's store directory, or None.
+        """``lora_name``'s content rebuilt from any engine's store directory, or from the
+        reclaimed versions kept for a rollback, or None.
 
         The store is immutable and every copy is verified (marker and content hash) against
-        ``digest``, so whichever engine's copy is read is the version's content. This is how a
-        restarted publisher, which no longer has the snapshot in memory, loads a version onto a
-        restarted engine again (see :mod:`agentic_lora.publication.repair`).
+        ``digest``, so whichever copy is read is the version's content. This is how a restarted
+        publisher, which no longer has the snapshot in memory, loads a version onto a restarted
+        engine again (see :mod:`agentic_lora.publication.repair`), and how a rollback loads a
+        reclaimed version again.
         """
         return await asyncio.to_thread(self._stored_snapshot_sync, lora_name, digest)
 
     def _stored_snapshot_sync(self, lora_name: str, digest: str) -> AdapterSnapshot | None:
         if not self.store_root.is_dir():
             return None
-        for child in sorted(self.store_root.iterdir()):
-            if not child.is_dir() or not _ENGINE_NAME.match(child.name):
+        children = sorted(self.store_root.iterdir())
+        for child in [*children, self.store_root / RECLAIMED_DIR]:
+            if not child.is_dir() or not (
+                _ENGINE_NAME.match(child.name) or child.name == RECLAIMED_DIR
+            ):
                 continue
             try:
                 return AdapterStore(child).read_sync(lora_name, digest)
@@ -338,12 +369,23 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             ) from exc
         logger.info("%s of %s on %s: %s", op, lora_name, engine.name, outcome.value, extra=extra)
         try:
-            await self._store(engine).remove(lora_name)
+            if op == "reclaim" and self.keep_reclaimed:
+                await self._keep_reclaimed(engine, lora_name)
+            else:
+                await self._store(engine).remove(lora_name)
         except OSError:
             # The engine no longer serves the name; a leftover directory is disk, not state.
             logger.exception(
                 "could not remove the stored %s for %s", lora_name, engine.name, extra=extra
             )
+
+    async def _keep_reclaimed(self, engine: EngineRef, lora_name: str) -> None:
+        """Move the engine's copy of ``lora_name`` out of its reach, into the reclaimed store
+        (one copy per name is kept; the oldest beyond ``keep_reclaimed`` go)."""
+        async with self._reclaimed_store_lock:  # the engines' reclaims run concurrently
+            kept = AdapterStore(self.store_root / RECLAIMED_DIR)
+            await asyncio.to_thread(self._store(engine).move_sync, lora_name, kept)
+            await asyncio.to_thread(kept.keep_newest_sync, self.keep_reclaimed)
 
     def _admin(self, engine: EngineRef) -> AdminT:
         admin = self._admins.get(engine.name)

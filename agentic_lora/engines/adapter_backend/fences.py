@@ -7,7 +7,10 @@ old attempt's messages from a newer attempt's. The fences below make that distin
   arrives after it (a cleanup that overtook its prepare) is refused, so it never loads anything;
 * a prepare of attempt *k* records "prepared up to *k*"; a cleanup of an older attempt that arrives
   late is stale and does nothing, so it never unloads what the newer attempt loaded;
-* a reclaimed name is fenced for good: a published version never gets another attempt.
+* a reclaim fences every attempt up to the newest one this process prepared or cleaned for the
+  name: a late prepare of the reclaimed attempt never loads it again. Only a strictly newer
+  attempt may: a rollback's reload of the version, which the registry numbers above every attempt
+  before it (and which loads the very same content under the same name).
 
 The fences live in the backend's process; they cover duplicates and reordering among the calls it
 makes, not calls made by another process.
@@ -25,7 +28,7 @@ class Verdict(enum.StrEnum):
     """What a fence says about one prepare or cleanup."""
 
     GO = "GO"
-    FENCED = "FENCED"  # prepare after its cleanup, or of a reclaimed name: refuse, touch nothing
+    FENCED = "FENCED"  # prepare after its cleanup, or of a reclaimed attempt: refuse, touch nothing
     STALE = "STALE"  # cleanup of an attempt a newer one superseded: confirm, touch nothing
 
 
@@ -33,7 +36,7 @@ class Verdict(enum.StrEnum):
 class _Marks:
     prepared: int = 0
     cleaned: int = 0
-    reclaimed: bool = False
+    reclaimed: int = 0  # attempts up to this one are reclaimed (0: none)
 
 
 class AttemptFences:
@@ -48,7 +51,7 @@ class AttemptFences:
     def begin_prepare(self, engine: str, lora_name: str, attempt: int) -> Verdict:
         """Admit a prepare of ``attempt`` (and record it) or fence it."""
         marks = self._get(engine, lora_name)
-        if marks.reclaimed or attempt <= marks.cleaned or attempt < marks.prepared:
+        if attempt <= marks.reclaimed or attempt <= marks.cleaned or attempt < marks.prepared:
             return Verdict.FENCED
         marks.prepared = attempt
         return Verdict.GO
@@ -62,5 +65,7 @@ class AttemptFences:
         return Verdict.GO
 
     def mark_reclaimed(self, engine: str, lora_name: str) -> None:
-        """Fence ``lora_name`` on ``engine`` for good."""
-        self._get(engine, lora_name).reclaimed = True
+        """Fence every attempt of ``lora_name`` on ``engine`` this process has seen (at least the
+        first): only a newer attempt, a rollback's reload, may load it again."""
+        marks = self._get(engine, lora_name)
+        marks.reclaimed = max(marks.reclaimed, marks.prepared, marks.cleaned, 1)

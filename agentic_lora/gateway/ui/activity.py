@@ -6,7 +6,7 @@ Two bounded, I/O-free records fill that gap, fed by hooks the gateway already ha
 * :class:`OperationLog` hears every :class:`~agentic_lora.foundation.phases.PhaseEvent` (the
   gateway's :class:`~agentic_lora.gateway.progress.ProgressHub`) and groups them into the
   operations they belong to: a publication (reserve, per-engine observe / prepare / ready, commit
-  or abort and cleanup), a reclaim, a resolve or a repair reload, each stamped with wall-clock
+  or abort and cleanup), a rollback, a reclaim, a resolve or a repair reload, each stamped with wall-clock
   times. It keeps the last ``max_operations`` operations and at most ``max_steps`` steps each.
 * :class:`RefusalLog` hears every failed generation request (its stable error code, outcome and
   route): a tally per code since start and a ring of the most recent ones.
@@ -54,6 +54,7 @@ class OperationKind(enum.StrEnum):
     RECLAIM = "reclaim"  # claim_reclaim / reclaim / confirm_reclaim
     RESOLVE = "resolve"  # abort or cleanup of a version no publication here was running
     REPAIR = "repair"  # a reload of a committed version (an engine restarted)
+    ROLLBACK = "rollback"  # a version committed before made the default again
 
 
 _KIND_OF_FIRST_PHASE: dict[Phase, OperationKind] = {
@@ -64,7 +65,12 @@ _KIND_OF_FIRST_PHASE: dict[Phase, OperationKind] = {
     Phase.ABORT: OperationKind.RESOLVE,
     Phase.CLEANUP: OperationKind.RESOLVE,
     Phase.CONFIRM_CLEANUP: OperationKind.RESOLVE,
+    Phase.RESERVE_ROLLBACK: OperationKind.ROLLBACK,
 }
+
+
+#: Operations whose result the gateway hears (a publication's, a rollback's).
+_RESULT_KINDS = frozenset({OperationKind.PUBLISH, OperationKind.ROLLBACK})
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +157,9 @@ class OperationLog:
         now = self._clock()
         op = self._operation_for(event, now)
         op.updated_at = now
+        if event.phase in (Phase.RESERVE_ROLLBACK, Phase.ROLLBACK):
+            # A rollback to a RETIRED version starts with observes, as a repair would.
+            op.kind = OperationKind.ROLLBACK
         key = (event.phase, event.engine)
         if event.status is PhaseStatus.STARTED:
             self._add_step(op, Step(event.phase, event.engine, event.status, now), key)
@@ -167,15 +176,17 @@ class OperationLog:
             if event.status is PhaseStatus.FAILED:
                 op.error_code = op.error_code or event.error_code
         if event.engine is None and event.status is not PhaseStatus.STARTED:
-            if event.phase is Phase.COMMIT and event.status is PhaseStatus.DONE:
-                op.final = "committed"
+            if event.phase is Phase.ROLLBACK and event.status is PhaseStatus.DONE:
+                op.final = "rolled back"
+            elif event.phase is Phase.COMMIT and event.status is PhaseStatus.DONE:
+                op.final = "rolled back" if op.kind is OperationKind.ROLLBACK else "committed"
             elif event.phase is Phase.RESERVE and event.status is PhaseStatus.FAILED:
                 op.final = "failed"
 
     def observe_publication(self, result: PublicationResult) -> None:
         """A publication's result: its outcome becomes the operation's final one."""
         for op in reversed(self._ops):
-            if op.version_id == result.version_id and op.kind is OperationKind.PUBLISH:
+            if op.version_id == result.version_id and op.kind in _RESULT_KINDS:
                 op.final = result.outcome.value.lower()
                 op.updated_at = self._clock()
                 return

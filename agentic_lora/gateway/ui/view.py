@@ -173,6 +173,7 @@ def _summary(status: RegistryStatus, gateway: GatewayFacts) -> dict[str, Any]:
     return {
         "default_version": status.default_version,
         "default_revision": status.default_revision,
+        "rolled_back_from": status.rolled_back_from,
         "pending_version": status.pending_version,
         "capacity": status.capacity,
         "slots_in_use": status.slots_in_use,

@@ -215,7 +215,9 @@ function renderSummary(s) {
   pill.textContent = s.ready ? "ready" : `not ready: ${s.reasons.join(", ")}`;
   pill.className = s.ready ? "pill ok" : "pill bad";
   $("summary").replaceChildren(
-    card("default version", s.default_version ?? "none", "default-version", `revision ${s.default_revision}`),
+    card("default version", s.default_version ?? "none", "default-version",
+      `revision ${s.default_revision}` +
+        (s.rolled_back_from ? `, rolled back from ${s.rolled_back_from}` : "")),
     card("publishing", s.pending_version ?? "nothing", "pending-version", null),
     card("capacity", `${s.slots_in_use} / ${s.capacity}`, "capacity", "slots in use"),
     card("Sessions", String(s.registry_sessions), "registry-sessions",
