@@ -12,6 +12,8 @@ import pytest
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.gateway.session_header import API_KEYS_ENV
 from agentic_lora.gateway.session_header import SessionHeaders
+from agentic_lora.gateway.tokens import TurnTokens
+from agentic_lora.gateway.tokens import turn_tokens
 from tests.gateway.test_gateway import ADMIN_TOKEN
 from tests.gateway.test_gateway import BASE_MODEL
 from tests.gateway.test_gateway import gateway_stack
@@ -177,3 +179,27 @@ async def test_logprobs_and_token_id_requests_reach_the_engine_as_sent(
         assert completion.status_code == 200
         assert stack.routes.sent[-1][2]["logprobs"] == 2
         assert stack.routes.sent[-1][2]["return_token_ids"] is True
+
+
+async def test_turn_tokens_reads_sglangs_chat_and_completion_replies() -> None:
+    chat_reply = {
+        "choices": [
+            {
+                "prompt_token_ids": [1, 2, 3],
+                "response_token_ids": [7, 8],
+                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.25}]},
+            }
+        ],
+        "agentic_lora": {"version_id": "A"},
+    }
+    assert turn_tokens(chat_reply) == TurnTokens([1, 2, 3], [7, 8], [-0.5, -1.25], "A")
+    completion = {
+        "choices": [
+            {"prompt_token_ids": [4], "token_ids": [9], "logprobs": {"token_logprobs": [-2]}}
+        ]
+    }
+    assert turn_tokens(completion) == TurnTokens([4], [9], [-2.0], None)
+    with pytest.raises(ValueError, match="completion token ids"):
+        turn_tokens({"choices": [{"message": {}}]})
+    with pytest.raises(ValueError, match="logprob per completion token"):
+        turn_tokens({"choices": [{"prompt_token_ids": [1], "token_ids": [2]}]})
