@@ -7,8 +7,8 @@ Rollout frameworks (verifiers, SkyRL) send ``X-Session-ID: <rollout id>`` on eve
 * the ``Bearer`` token must be one of the gateway's API keys (``api_keys``, or
   ``$AGENTIC_LORA_GATEWAY_API_KEYS``, comma-separated), else ACCESS_DENIED;
 * the Session is scoped to that key: its id is ``xsid-`` plus an HMAC of the header under the
-  key, so the same ``X-Session-ID`` under two keys names two Sessions, and no key (nor a bare
-  Session-id bearer, which would have to know the HMAC) reaches another key's Session;
+  key, so the same ``X-Session-ID`` under two keys names two Sessions, and no key reaches another
+  key's Session (nor does a Session-id bearer: ids starting ``xsid-`` are refused as such);
 * one key holds any number of Sessions (one per ``X-Session-ID``);
 * a bearer token that is an API key is never itself a Session id: without ``X-Session-ID`` the
   request is refused, never folded into one Session shared by every rollout of the key.
@@ -22,6 +22,7 @@ error with a stable code and ``details.reason``:
 | header sent together with ``X-Agentic-Session`` | INVALID_REQUEST (400) | ``conflicting_session_headers`` |
 | header without a gateway API key as bearer | ACCESS_DENIED (401) | ``session_header_needs_api_key`` |
 | API key without the header | ACCESS_DENIED (401) | ``missing_session_header`` |
+| a bearer or ``X-Agentic-Session`` id starting ``xsid-`` | ACCESS_DENIED (401) | ``reserved_session_id`` |
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def _check_header(value: str) -> str:
             reason="bad_session_header",
         )
     return value
+
+
+def _refuse_reserved(session_id: str) -> None:
+    # A header-keyed Session is reached through its key only, never by its scoped id.
+    if session_id.startswith(_SCOPED_PREFIX):
+        raise AccessDeniedError(
+            f"Session ids starting with {_SCOPED_PREFIX!r} are reserved for X-Session-ID",
+            reason="reserved_session_id",
+        )
 
 
 class SessionHeaders:
@@ -153,6 +163,7 @@ class SessionHeaders:
         if named is not None:
             return named
         session_id = session_id_from_headers(headers, self._admin_token, missing=missing)
+        _refuse_reserved(session_id)
         return HeaderSession(session_id, session_id)
 
     def for_close(self, session_id: str, headers: Mapping[str, str]) -> HeaderSession | None:
@@ -160,6 +171,9 @@ class SessionHeaders:
         ``X-Session-ID`` under that key (None: the request carries no API key)."""
         key = self._api_key(headers)
         if key is None:
+            _, _, bearer = (headers.get("authorization") or "").partition(" ")
+            for named in (headers.get(SESSION_HEADER) or "", bearer):
+                _refuse_reserved(named.strip())
             return None
         header = _check_header(session_id)
         return HeaderSession(self.scoped(key, header), header)

@@ -126,7 +126,23 @@ async def test_bad_headers_are_refused_before_any_session_exists(
 
 async def test_bearer_session_ids_still_work_next_to_api_keys(tmp_path: Path) -> None:
     async with gateway_stack(tmp_path, published="A", api_keys=[KEY_A]) as stack:
-        assert (await turn(stack.http(), "episode-1", None)).headers["x-agentic-version"] == "A"
+        http = stack.http()
+        assert (await turn(http, "episode-1", None)).headers["x-agentic-version"] == "A"
+        # A header-keyed Session is reached through its key only, never by its scoped id.
+        assert (await turn(http, KEY_A, "r1")).status_code == 200
+        scoped = SessionHeaders([KEY_A], None).session_id(headers(KEY_A, "r1"))
+        for sent in (
+            headers(scoped, None),
+            {"x-agentic-session": scoped},
+            headers(ADMIN_TOKEN, None, **{"x-agentic-session": scoped}),
+        ):
+            bearer = await http.post("/v1/chat/completions", headers=sent, json={})
+            assert bearer.json()["error"]["details"]["reason"] == "reserved_session_id"
+        for auth in (f"Bearer {scoped}", f"bearer {scoped}"):
+            path = f"/v1/sessions/{scoped}/close"
+            closing = await http.post(path, headers={"authorization": auth})
+            assert closing.json()["error"]["details"]["reason"] == "reserved_session_id"
+        assert (await turn(http, KEY_A, "r1")).status_code == 200
 
 
 async def test_without_api_keys_the_header_is_refused(tmp_path: Path) -> None:
