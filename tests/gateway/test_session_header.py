@@ -219,3 +219,25 @@ async def test_turn_tokens_reads_sglangs_chat_and_completion_replies() -> None:
         turn_tokens({"choices": [{"message": {}}]})
     with pytest.raises(ValueError, match="logprob per completion token"):
         turn_tokens({"choices": [{"prompt_token_ids": [1], "token_ids": [2]}]})
+
+
+async def test_an_idle_header_keyed_session_expires_and_its_version_is_released(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    async with gateway_stack(
+        tmp_path, published="A", api_keys=[KEY_A], clock=lambda: now[0]
+    ) as stack:
+        http = stack.http()
+        assert (await turn(http, KEY_A, "idle")).status_code == 200
+        assert (await turn(http, KEY_A, "busy")).status_code == 200
+        registry: Any = stack.gateway.deployment.registry
+        assert registry.peek_version("A").session_refs == 2
+        now[0] = 600.0
+        assert (await turn(http, KEY_A, "busy")).status_code == 200
+        now[0] = 1000.0
+        await stack.gateway.sessions.reap_idle(900.0)  # "idle" unused for 1000 s, "busy" 400 s
+        assert registry.peek_version("A").session_refs == 1
+        expired = await turn(http, KEY_A, "idle")
+        assert (expired.status_code, expired.json()["error"]["code"]) == (409, "SESSION_CLOSED")
+        assert (await turn(http, KEY_A, "busy")).status_code == 200
