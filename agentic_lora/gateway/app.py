@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
@@ -67,7 +68,7 @@ from agentic_lora.gateway.security import SessionTagger
 from agentic_lora.gateway.security import caller_of
 from agentic_lora.gateway.security import check_session_id
 from agentic_lora.gateway.security import install_access_log_redactor
-from agentic_lora.gateway.security import session_id_from_headers
+from agentic_lora.gateway.session_header import SessionHeaders
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSE_MEDIA_TYPE
 from agentic_lora.gateway.ui.routes import StatusPage
@@ -106,6 +107,7 @@ class GatewayOptions(TypedDict, total=False):
     clock: Callable[[], float]
     limits: GatewayLimits | None
     tagger: SessionTagger | None
+    api_keys: Collection[str] | None
 
 
 class Gateway(GenerationRoutes):
@@ -128,6 +130,7 @@ class Gateway(GenerationRoutes):
     * ``tagger``: hashes Session ids for logs and registry keys (default: keyed by
       ``$AGENTIC_LORA_SESSION_HASH_KEY``, else derived from the admin token, else random).
     * ``clock``: measures Session idleness only (default: ``time.monotonic``).
+    * ``api_keys``: keys that name Sessions by ``X-Session-ID`` (:mod:`.session_header`).
 
     ``admin_token``, ``idle_timeout``, ``reuse_closed_ids``, ``limits``, ``tagger`` and ``clock``
     are the :class:`GatewayOptions`.
@@ -175,6 +178,7 @@ class Gateway(GenerationRoutes):
             retry_after=max(1.0, min(retry_after, 60.0)),
         )
         self._admin_token = admin_token
+        self._session_headers = SessionHeaders(options.get("api_keys"), admin_token)
         self.status_page = StatusPage(self, admin_token)
         self._admin = AdminRoutes(
             self, admin_token, on_published=self.status_page.operations.observe_publication
@@ -414,15 +418,15 @@ class Gateway(GenerationRoutes):
     async def _close_own(self, request: Request) -> Response:
         """``POST /v1/sessions/close``: the caller's own Session, named by its credential (so
         no Session id is in the path, and none in the access log). The admin token closes the
-        Session named in ``X-Agentic-Session``."""
-        session_id = session_id_from_headers(
-            request.headers, self._admin_token, missing="name the Session to close"
-        )
-        return await self._close_now(session_id)
+        Session named in ``X-Agentic-Session``; an API key the one in ``X-Session-ID``."""
+        named = self._session_headers.named(request.headers, missing="name the Session to close")
+        return await self._close_now(named.session_id, named.shown)
 
     async def _close(self, session_id: str, request: Request) -> Response:
         """``POST /v1/sessions/{id}/close``: only with that Session's credential or the admin
-        token."""
+        token; with an API key, ``id`` is an ``X-Session-ID`` of that key."""
+        if (named := self._session_headers.for_close(session_id, request.headers)) is not None:
+            return await self._close_now(named.session_id, named.shown)
         check_session_id(session_id, "the path")
         caller = caller_of(request.headers, self._admin_token)
         if not caller.admin and caller.session_id != session_id:
@@ -434,7 +438,7 @@ class Gateway(GenerationRoutes):
             )
         return await self._close_now(session_id)
 
-    async def _close_now(self, session_id: str) -> Response:
+    async def _close_now(self, session_id: str, shown: str | None = None) -> Response:
         result = await self.sessions.close(session_id)
         logger.info(
             "session close requested",
@@ -446,7 +450,7 @@ class Gateway(GenerationRoutes):
         )
         return JSONResponse(
             {
-                "session": session_id,
+                "session": shown if shown is not None else session_id,
                 "found": result is not None,
                 "version_id": result.version_id if result is not None else None,
                 "released_now": result.released_now if result is not None else False,

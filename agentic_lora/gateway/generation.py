@@ -34,7 +34,7 @@ from agentic_lora.gateway.limits import read_body
 from agentic_lora.gateway.schema import RequestModels
 from agentic_lora.gateway.schema import validate_body
 from agentic_lora.gateway.security import SessionTagger
-from agentic_lora.gateway.security import session_id_from_headers
+from agentic_lora.gateway.session_header import SessionHeaders
 from agentic_lora.gateway.sessions import GatewaySessions
 from agentic_lora.gateway.streaming import SSEResponse
 from agentic_lora.gateway.streaming import sse_events
@@ -91,6 +91,7 @@ class GenerationRoutes:
     _models: RequestModels
     _tagger: SessionTagger
     _admin_token: str | None
+    _session_headers: SessionHeaders
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -105,7 +106,7 @@ class GenerationRoutes:
         session_id: str | None = None
         stream: AsyncGenerator[StreamChunk, None] | None = None
         try:
-            session_id = session_id_from_headers(request.headers, self._admin_token)
+            session_id = self._session_headers.session_id(request.headers)
             body = await self._checked_body(route, request)
             # Only a request that passed every check reaches this line: no other may open or
             # hold a Session (a refused one leaves nothing behind).
