@@ -38,6 +38,7 @@ __all__ = [
     "LeaseGrant",
     "LeaseStatus",
     "LeaseTerms",
+    "MemberState",
     "NamedSession",
     "ReadyReceipt",
     "ReclaimClaim",
@@ -78,6 +79,22 @@ class VersionState(enum.StrEnum):
     def dispatchable(self) -> bool:
         """Only these states may receive generation requests (a bound Session's version)."""
         return self in (VersionState.PUBLISHED, VersionState.RETIRED)
+
+
+class MemberState(enum.StrEnum):
+    """An engine's membership of the fleet (see :mod:`~agentic_lora.registry.membership`).
+
+    Only ACTIVE members are routable for new work and count for readiness (the default moves only
+    when every ACTIVE member is READY). A JOINING engine is loading what is dispatchable; a
+    DRAINING one finishes its in-flight requests and takes nothing new; an EJECTED one failed its
+    health probes and waits for a repair. REMOVED is terminal: the engine left the fleet.
+    """
+
+    JOINING = "JOINING"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+    EJECTED = "EJECTED"
+    REMOVED = "REMOVED"
 
 
 class SessionState(enum.StrEnum):
@@ -334,6 +351,7 @@ class DispatchView(NamedTuple):
 class EngineStatus:
     engine: str
     incarnation: str | None
+    membership: MemberState = MemberState.ACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +423,7 @@ _register(
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "state": VersionState,
     "outcome": ReserveOutcome,
+    "membership": MemberState,
 }
 
 
