@@ -56,6 +56,8 @@ from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import VersionConflictError
 from agentic_lora.leases import OnRestart
+from agentic_lora.publication.ejection import Ejections
+from agentic_lora.publication.ejection import Ejector
 from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.publication.reclaimer import Reclaimer
@@ -148,8 +150,15 @@ class Deployment:
             engines = self.fleet.publication_engines
             health = RoleHealth(versioning.health, self.fleet)
         self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
+        #: Engines ejected for failed health probes (see agentic_lora.publication.ejection).
+        self.ejections = Ejections()
         self.publisher = RollbackPublisher(
-            registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
+            registry,
+            backend,
+            engines,
+            reclaimer=self.reclaimer,
+            ejections=self.ejections,
+            on_progress=on_progress,
         )
         # This Deployment's publisher is the registry's only one (see agentic_lora.publication.resolver).
         self.resolver = Resolver(
@@ -166,8 +175,10 @@ class Deployment:
             engines,
             snapshots=self.snapshots,
             probe_interval=settings.probe_interval,
+            probe_timeout=settings.probe_timeout,
             version_locks=self.reclaimer.version_locks,
             health=health,
+            ejector=Ejector(registry, self.ejections, eject_after=settings.eject_after),
             on_progress=on_progress,
         )
         versioning.on_refused.append(self._on_refused)

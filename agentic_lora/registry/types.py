@@ -317,7 +317,10 @@ class VersionStatus:
     ``ready_engines``: while LOADING, the engines whose READY for this attempt counts; once
     PUBLISHED or RETIRED, the engines that hold the version under their *current* incarnation,
     so the only ones a request for it may be routed to (an engine that restarted drops out until
-    the version is loaded onto it again and its READY recorded).
+    the version is loaded onto it again and its READY recorded). Only ACTIVE members are
+    listed: a JOINING, DRAINING or EJECTED engine is routed nothing, whatever it holds.
+    ``held_engines``: every member with a READY recorded for it, whatever its membership (what a
+    repair need not load again).
     """
 
     version_id: str
@@ -331,6 +334,7 @@ class VersionStatus:
     reclaim_id: str | None = None
     reclaimed_engines: tuple[str, ...] = ()
     published_revision: int | None = None
+    held_engines: tuple[str, ...] = ()
 
     @property
     def ref(self) -> VersionRef:
@@ -455,6 +459,9 @@ def from_wire(value: Any, known: RefLookup | None = None) -> Any:
             kwargs[f.name] = raw
         if issubclass(cls, CarriesRef) and "ref" not in value:
             kwargs["ref"] = _flat_ref(value, known)
+        if cls is VersionStatus and "held_engines" not in value:
+            # Written before membership: every engine was ACTIVE, so its holders were these.
+            kwargs["held_engines"] = kwargs.get("ready_engines", ())
         return cls(**kwargs)
     if isinstance(value, list):
         return [from_wire(v, known) for v in value]

@@ -52,6 +52,7 @@ def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
         reclaim_id=v.reclaim_id,
         reclaimed_engines=_in_fleet_order(engines, v.reclaimed),
         published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
+        held_engines=_in_fleet_order(engines, v.ready),
     )
 
 
