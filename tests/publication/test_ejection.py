@@ -169,3 +169,31 @@ async def test_unless_ejected_answers_the_work_or_stops_waiting_for_it() -> None
     assert ejections.is_ejected("e1")
     ejections.mark("e1", False)
     assert not ejections.is_ejected("e1")
+
+
+async def test_drain_remove_and_add_an_engine_through_the_deployment(
+    fleet: ScriptedFleet, tmp_path: Path
+) -> None:
+    clock, gates = Clock(), []
+    async with deployment(fleet, tmp_path, clock, gates) as d:
+        s = d.versioning.open_session("before-drain")
+        await s.generate({"text": "turn 0"})
+        assert await d.drain_engine("e1") is MemberState.DRAINING
+        # No new work on the draining engine; the Session keeps its version on e0.
+        replies = [await s.generate({"text": f"turn {i}"}) for i in range(1, 4)]
+        assert {r.engine for r in replies} == {"e0"}
+        name_a = (await d.registry.version("A")).lora_name
+        assert {r.body["meta_info"]["lora_path"] for r in replies} == {name_a}
+        assert await d.remove_engine("e1") is MemberState.REMOVED
+        assert [e.engine for e in await d.engines()] == ["e0"]
+        # Published while e1 is out: it must get B (and A, still bound) before it is routable.
+        assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
+        e1 = fleet["e1"]
+        assert not e1.holds((await d.registry.version("B")).lora_name)
+        assert await d.add_engine("e1") is MemberState.ACTIVE
+        assert e1.holds((await d.registry.version("B")).lora_name)
+        assert e1.holds((await d.registry.version("A")).lora_name)
+        assert (await d.registry.version("B")).ready_engines == ("e0", "e1")
+        # The Session never changed version: still A, on whichever member holds it.
+        last = await s.generate({"text": "turn 4"})
+        assert last.body["meta_info"]["lora_path"] == name_a
