@@ -24,6 +24,13 @@ Every error the library raises on purpose is an :class:`AgenticLoRAError` with a
     │   ├── UnknownEngineError         UNKNOWN_ENGINE        engine not in the fixed fleet
     │   ├── InvalidStateError          INVALID_STATE         verb not allowed in the version's state
     │   ├── RollbackRefusedError       ROLLBACK_REFUSED      rollback to the default, a version never committed, an aborted one
+    │   ├── MembershipError            (an engine's membership; one subclass per refused event)
+    │   │   ├── EngineAlreadyMemberError ENGINE_ALREADY_MEMBER join of an engine that is a member already
+    │   │   ├── ActivateRefusedError   ACTIVATE_REFUSED      activate of an engine that is not JOINING or EJECTED
+    │   │   ├── MemberNotReadyError    MEMBER_NOT_READY      activate before every dispatchable version is loaded there
+    │   │   ├── DrainRefusedError      DRAIN_REFUSED         drain of an engine not ACTIVE or JOINING, or of the last ACTIVE one
+    │   │   ├── RemoveRefusedError     REMOVE_REFUSED        remove of an engine not DRAINING or EJECTED
+    │   │   └── EjectRefusedError      EJECT_REFUSED         eject of an engine already EJECTED
     │   └── SessionStillBoundError     SESSION_STILL_BOUND   reclaim/forget while a Session holds it
     ├── JournalError                   (the durable journal)
     │   ├── JournalCorruptError        JOURNAL_CORRUPT       unreadable or inconsistent journal
@@ -57,6 +64,7 @@ from typing import ClassVar
 
 __all__ = [
     "AccessDeniedError",
+    "ActivateRefusedError",
     "AdapterMismatchError",
     "AgenticLoRAError",
     "BackendAmbiguousError",
@@ -65,6 +73,9 @@ __all__ = [
     "CapacityError",
     "ConfigurationError",
     "DispatchError",
+    "DrainRefusedError",
+    "EjectRefusedError",
+    "EngineAlreadyMemberError",
     "EngineRestartedError",
     "InvalidAdapterError",
     "InvalidIdentityError",
@@ -75,11 +86,14 @@ __all__ = [
     "JournalForeignError",
     "JournalLockedError",
     "LeaseExpiredError",
+    "MemberNotReadyError",
+    "MembershipError",
     "NoPublishedVersionError",
     "NotReadyError",
     "PublicationBlockedError",
     "ReadyMismatchError",
     "RegistryError",
+    "RemoveRefusedError",
     "RequestIndeterminateError",
     "RequestRefusedError",
     "RequestTooLargeError",
@@ -229,6 +243,40 @@ class RollbackRefusedError(RegistryError):
     error of that state instead (``PUBLICATION_BLOCKED``, ``INVALID_STATE``)."""
 
     code = "ROLLBACK_REFUSED"
+
+
+class MembershipError(RegistryError):
+    """A membership event the engine's state does not allow; nothing changed.
+    ``details``: ``engine``, ``state`` (its membership state), ``event`` and ``allowed_from``."""
+
+    code = "MEMBERSHIP_ERROR"
+
+
+class EngineAlreadyMemberError(MembershipError):
+    code = "ENGINE_ALREADY_MEMBER"
+
+
+class ActivateRefusedError(MembershipError):
+    code = "ACTIVATE_REFUSED"
+
+
+class MemberNotReadyError(MembershipError):
+    """Activation before the engine holds every dispatchable version under its current
+    incarnation; ``details["missing"]`` names the versions."""
+
+    code = "MEMBER_NOT_READY"
+
+
+class DrainRefusedError(MembershipError):
+    code = "DRAIN_REFUSED"
+
+
+class RemoveRefusedError(MembershipError):
+    code = "REMOVE_REFUSED"
+
+
+class EjectRefusedError(MembershipError):
+    code = "EJECT_REFUSED"
 
 
 class JournalError(AgenticLoRAError):

@@ -56,6 +56,8 @@ from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import VersionConflictError
 from agentic_lora.leases import OnRestart
+from agentic_lora.publication.ejection import Ejections
+from agentic_lora.publication.ejection import Ejector
 from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PublicationResult
 from agentic_lora.publication.reclaimer import Reclaimer
@@ -71,12 +73,15 @@ from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.api import refusal_feed
 from agentic_lora.registry.api import registry_host
 from agentic_lora.registry.types import Binding
+from agentic_lora.registry.types import EngineStatus
 from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import ReleaseResult
 from agentic_lora.registry.types import SweepResult
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import VersionStatus
+from agentic_lora.registry.types import new_request_id
 from agentic_lora.session import Session
 from agentic_lora.session import Versioning
 from agentic_lora.session.middleware import Middleware
@@ -148,8 +153,15 @@ class Deployment:
             engines = self.fleet.publication_engines
             health = RoleHealth(versioning.health, self.fleet)
         self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
+        #: Engines ejected for failed health probes (see agentic_lora.publication.ejection).
+        self.ejections = Ejections()
         self.publisher = RollbackPublisher(
-            registry, backend, engines, reclaimer=self.reclaimer, on_progress=on_progress
+            registry,
+            backend,
+            engines,
+            reclaimer=self.reclaimer,
+            ejections=self.ejections,
+            on_progress=on_progress,
         )
         # This Deployment's publisher is the registry's only one (see agentic_lora.publication.resolver).
         self.resolver = Resolver(
@@ -166,8 +178,10 @@ class Deployment:
             engines,
             snapshots=self.snapshots,
             probe_interval=settings.probe_interval,
+            probe_timeout=settings.probe_timeout,
             version_locks=self.reclaimer.version_locks,
             health=health,
+            ejector=Ejector(registry, self.ejections, eject_after=settings.eject_after),
             on_progress=on_progress,
         )
         versioning.on_refused.append(self._on_refused)
@@ -362,6 +376,52 @@ class Deployment:
 
     async def status(self) -> RegistryStatus:
         return await self.registry.status()
+
+    # --- membership (see agentic_lora.registry.membership) -------------------------------------
+
+    async def engines(self) -> tuple[EngineStatus, ...]:
+        """Every member of the registry's fleet with its incarnation and membership state."""
+        return (await self.registry.status()).engines
+
+    async def drain_engine(self, engine: str) -> MemberState:
+        """``engine`` takes no new work from this step on: its Sessions continue on the members
+        that hold their version. Remove it (:meth:`remove_engine`) once its in-flight requests
+        ended (at most ``request_timeout`` later)."""
+        return await self.registry.drain_engine(request_id=new_request_id(), engine=engine)
+
+    async def remove_engine(self, engine: str) -> MemberState:
+        """A DRAINING or EJECTED ``engine`` leaves the fleet; its slots leave the count."""
+        return await self.registry.remove_engine(request_id=new_request_id(), engine=engine)
+
+    async def add_engine(self, engine: str) -> MemberState:
+        """``engine`` (one of this Deployment's configured engines that was removed, drained or
+        ejected) joins: every dispatchable version is loaded onto it, then it becomes ACTIVE.
+
+        Raises ``MEMBER_NOT_READY`` if a version could not be loaded (try again; the repairer
+        keeps loading) and ``CONFIG_ERROR`` for an engine this Deployment has no address for.
+        """
+        if engine not in {e.name for e in self.repairer.engines}:
+            raise ConfigurationError(
+                f"engine {engine!r} is not one of this deployment's engines", check="engine"
+            )
+        members = {e.engine: e.membership for e in await self.engines()}
+        state = members.get(engine, MemberState.REMOVED)
+        if state is MemberState.REMOVED:
+            await self.registry.join_engine(request_id=new_request_id(), engine=engine)
+        elif state is MemberState.DRAINING:
+            raise ConfigurationError(
+                f"engine {engine!r} is draining; remove it before adding it again",
+                check="engine",
+            )
+        await self.repairer.repair_once()  # observes its incarnation, loads what it lacks
+        incarnation = {e.engine: e.incarnation for e in await self.engines()}.get(engine)
+        if state is MemberState.ACTIVE:
+            return state
+        result = await self.registry.activate_engine(
+            request_id=new_request_id(), engine=engine, incarnation=incarnation or "-"
+        )
+        self.ejections.mark(engine, False)
+        return result
 
     def session(self, session_id: str) -> contextlib.AbstractAsyncContextManager[Session]:
         """``async with deployment.session(id) as s``: see :meth:`Versioning.session`."""

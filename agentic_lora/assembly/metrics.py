@@ -403,10 +403,10 @@ class Metrics:
             self.bound_sessions.labels(version_state=state.value.lower()).set(refs[state])
         if engine_health is not None:
             self._engines_up = self._set_each(self.engine_up, self._engines_up, engine_health)
-        # The registry's membership, once it has one (older registries report none).
+        # The registry's membership: each engine's state (a status without one counts none).
         members: Tally[str] = Tally(
             str(getattr(m.state, "value", m.state)).lower() for m in getattr(status, "members", ())
-        )
+        ) or Tally(e.membership.value.lower() for e in status.engines)
         self._member_states = self._set_each(self.engine_members, self._member_states, members)
 
     @staticmethod

@@ -10,10 +10,11 @@ arguments, help), registered from the one table :data:`agentic_lora.cli.main.COM
     agentic-lora reclaim [--json]                            one reclaim round now
     agentic-lora resolve [VERSION] [--json]                  finish blocked publications now
     agentic-lora rollback VERSION [--json]                   make an earlier version the default again
+    agentic-lora engines list|add|drain|remove [ENGINE]      engines join, drain and leave at runtime
     agentic-lora doctor  --config agentic-lora.toml          check every engine against the settings
 
 The registry lives in the ``serve`` process, so ``publish``, ``status``, ``reclaim``,
-``resolve`` and ``rollback`` talk to it over the gateway's admin API (``--server``, ``--admin-token-file``; or
+``resolve``, ``rollback`` and ``engines`` talk to it over the gateway's admin API (``--server``, ``--admin-token-file``; or
 ``AGENTIC_LORA_SERVER`` and ``AGENTIC_LORA_ADMIN_TOKEN``: a token never goes on a command line). ``status --journal PATH`` reads a
 journaled registry without a server, from a consistent copy, never writing to the journal.
 

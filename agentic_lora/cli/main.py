@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from agentic_lora.cli import doctor
+from agentic_lora.cli import engines
 from agentic_lora.cli import publish
 from agentic_lora.cli import reclaim
 from agentic_lora.cli import resolve
@@ -40,6 +41,7 @@ COMMANDS: tuple[Command, ...] = (
     reclaim.COMMAND,
     resolve.COMMAND,
     rollback.COMMAND,
+    engines.COMMAND,
     doctor.COMMAND,
 )
 

@@ -35,6 +35,8 @@ def _engine_cell(version: Mapping[str, Any], engine: str) -> str:
         return "cleaned"
     if engine in version.get("ready_engines", ()):
         return "ready"
+    if engine in version.get("held_engines", ()):
+        return "held"  # loaded on a member that is not ACTIVE: nothing is routed there
     return {
         "LOADING": "loading",
         "RECLAIMING": "unloading",
@@ -58,6 +60,9 @@ def _render(
         f"{status.get('pending_version') or 'none'} | epoch {status.get('deployment_epoch')} | "
         f"Sessions: {sessions}\n"
     )
+    members = [(e["engine"], e.get("membership", "ACTIVE")) for e in status.get("engines", ())]
+    if any(m != "ACTIVE" for _, m in members):
+        out.write("engines: " + ", ".join(f"{e} {m}" for e, m in members) + "\n")
     versions = list(status.get("versions", ()))
     shown = [v for v in versions if show_all or v.get("state") not in _FINAL_STATES]
     header = ["VERSION", "STATE", "DIGEST", "SESSIONS", *engines]

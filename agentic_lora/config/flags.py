@@ -126,6 +126,19 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"type": float, "help": "seconds between engine incarnation/health probes (default 2)"},
     ),
     (
+        "--versioned-lora-probe-timeout",
+        "probe_timeout",
+        {"type": float, "help": "seconds one engine health probe may take (default 5)"},
+    ),
+    (
+        "--versioned-lora-eject-after",
+        "eject_after",
+        {
+            "type": float,
+            "help": "seconds of failed probes before an engine is ejected (default 10)",
+        },
+    ),
+    (
         "--versioned-lora-http-transport",
         "http_transport",
         {"choices": ["aiohttp", "httpx"], "help": "HTTP transport under httpx"},

@@ -89,7 +89,11 @@ class AgenticLoRASettings(BaseSettings):
     ``probe_interval`` is how often (seconds) the repairer (:mod:`agentic_lora.publication.repair`) reads
     every engine's incarnation: an engine that restarted is noticed within it (or at once, when
     it refuses a Session's request) and gets every dispatchable version loaded again; an engine
-    that does not answer is routed around and counts as not ready.
+    that does not answer is routed around and counts as not ready. ``probe_timeout`` bounds one
+    engine's probe (default 5 s). An engine whose probes have failed for ``eject_after`` seconds
+    (default 10; ``None`` turns ejection off) is ejected: it leaves the publication set, so a
+    hung engine never stalls a publication, and rejoins once repaired
+    (:mod:`agentic_lora.publication.ejection`).
 
     ``lease_ttl``, ``lease_renew_interval`` and ``owner_id`` are the rollout worker's owner lease
     (:mod:`agentic_lora.leases`): every Session ref hangs on it, it is renewed every
@@ -148,6 +152,8 @@ class AgenticLoRASettings(BaseSettings):
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     probe_interval: float = 2.0
+    probe_timeout: float = 5.0
+    eject_after: float | None = 10.0
     http_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     resolve_backoff_initial: float = 1.0
     resolve_backoff_max: float = 30.0
@@ -263,6 +269,16 @@ def _validate(s: AgenticLoRASettings) -> None:
         raise _fail(
             "probe_interval",
             f"probe_interval {s.probe_interval} must be a finite number of seconds above 0",
+        )
+    if not 0 < s.probe_timeout < float("inf"):
+        raise _fail(
+            "probe_timeout",
+            f"probe_timeout {s.probe_timeout} must be a finite number of seconds above 0",
+        )
+    if s.eject_after is not None and not 0 < s.eject_after < float("inf"):
+        raise _fail(
+            "eject_after",
+            f"eject_after {s.eject_after} must be a finite number of seconds above 0, or unset",
         )
     if not 0 < s.resolve_backoff_initial <= s.resolve_backoff_max:
         raise _fail(

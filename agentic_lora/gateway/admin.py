@@ -1,5 +1,5 @@
-"""The gateway's admin routes: publish, status, reclaim, resolve, rollback (all behind the admin
-token).
+"""The gateway's admin routes: publish, status, reclaim, resolve, rollback, engines (all behind
+the admin token).
 
 The token is compared in constant time (:func:`agentic_lora.foundation.auth.bearer_matches`); without a
 configured token every admin route answers 401 ``ACCESS_DENIED`` (``reason="admin_disabled"``).
@@ -109,6 +109,18 @@ class AdminRoutes:
         # a whole publication also makes a streamed answer carry only its own progress events.
         self.publish_lock = asyncio.Lock()
         self.background: set[asyncio.Task[Any]] = set()
+
+    def routes(self) -> tuple[tuple[str, Callable[[Request], Awaitable[Response]], str], ...]:
+        """Every admin route as (path, endpoint, method); each endpoint checks the token."""
+        return (
+            ("/admin/publish", self.publish, "POST"),
+            ("/admin/status", self.status, "GET"),
+            ("/admin/reclaim", self.reclaim, "POST"),
+            ("/admin/resolve", self.resolve, "POST"),
+            ("/admin/rollback", self.rollback, "POST"),
+            ("/admin/engines", self.engines, "GET"),
+            ("/admin/engines", self.engines, "POST"),
+        )
 
     def is_admin(self, request: Request) -> bool:
         """Whether ``request`` carries the admin token."""
@@ -286,6 +298,42 @@ class AdminRoutes:
                 },
             }
         )
+
+    async def engines(self, request: Request) -> Response:
+        """``GET /admin/engines``: every member and its membership. ``POST /admin/engines``
+        with ``{"action": "add" | "drain" | "remove", "engine": NAME}`` changes one (see
+        :meth:`Deployment.add_engine`, ``drain_engine``, ``remove_engine``), then answers the
+        same list with ``"membership"``: the engine's state after the action."""
+        self.require_admin(request)
+        deployment = self._gateway.deployment
+        body: dict[str, Any] = {}
+        if request.method == "POST":
+            payload = await self._payload(request)
+            action = _string_field(payload, "action")
+            engine = _string_field(payload, "engine")
+            verbs = {
+                "add": deployment.add_engine,
+                "drain": deployment.drain_engine,
+                "remove": deployment.remove_engine,
+            }
+            verb = verbs.get(action)
+            if verb is None:
+                raise InvalidRequestError(
+                    f"action must be one of {sorted(verbs)}", route="/admin/engines"
+                )
+            # Shielded: a client that goes away must not cut an add (its loads) short.
+            state = await asyncio.shield(verb(engine))
+            logger.warning(
+                "engine membership changed",
+                extra={"engine": engine, "action": action, "membership": state.value},
+            )
+            body = {"engine": engine, "action": action, "membership": state.value}
+        members = await deployment.engines()
+        body["engines"] = [
+            {"engine": e.engine, "incarnation": e.incarnation, "membership": e.membership.value}
+            for e in members
+        ]
+        return JSONResponse(body)
 
     async def reclaim(self, request: Request) -> Response:
         """``POST /admin/reclaim``."""

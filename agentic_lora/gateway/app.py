@@ -8,7 +8,7 @@ Routes (see ``docs/gateway.md`` for the full contract):
 | `GET /v1/models` | agents | the served base model |
 | `POST /v1/sessions/close` | agents, frameworks | end the caller's own Session: drain, release exactly once |
 | `POST /v1/sessions/{id}/close` | frameworks, operators | the same for the Session ``id`` (its own credential or the admin token) |
-| `POST /admin/publish`, `GET /admin/status`, `POST /admin/reclaim`, `POST /admin/resolve`, `POST /admin/rollback` | operators | behind the admin token |
+| `POST /admin/publish`, `GET /admin/status`, `POST /admin/reclaim`, `POST /admin/resolve`, `POST /admin/rollback`, `GET`/`POST /admin/engines` | operators | behind the admin token |
 | `GET /metrics` | monitoring | Prometheus text |
 | `GET /health/live` (alias `GET /health`), `GET /health/ready` | monitoring | liveness; readiness |
 | `GET /openapi.json` | tooling | the OpenAPI document (request models: :mod:`agentic_lora.gateway.schema`) |
@@ -387,11 +387,8 @@ class Gateway(GenerationRoutes):
         add("/v1/models", self._list_models, "GET")
         add("/v1/sessions/close", self._close_own, "POST")
         add("/v1/sessions/{session_id}/close", self._close, "POST")
-        add("/admin/publish", self._admin.publish, "POST")
-        add("/admin/status", self._admin.status, "GET")
-        add("/admin/reclaim", self._admin.reclaim, "POST")
-        add("/admin/resolve", self._admin.resolve, "POST")
-        add("/admin/rollback", self._admin.rollback, "POST")
+        for path, endpoint, method in self._admin.routes():
+            add(path, endpoint, method)
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
         add("/health", self._health, "GET")
         add("/health/live", self._health, "GET")

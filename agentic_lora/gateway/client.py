@@ -95,6 +95,14 @@ class AdminClient:
         body = {} if version_id is None else {"version_id": version_id}
         return await self._call("POST", "/admin/resolve", read_limit=None, payload=body)
 
+    async def engines(self, action: str | None = None, engine: str | None = None) -> dict[str, Any]:
+        """``GET /admin/engines`` (no ``action``), or ``POST /admin/engines`` with ``action``
+        (``add``, ``drain``, ``remove``) on ``engine``: the members and their membership."""
+        if action is None:
+            return await self._call("GET", "/admin/engines", read_limit=self._timeout)
+        body = {"action": action, "engine": engine}
+        return await self._call("POST", "/admin/engines", read_limit=None, payload=body)
+
     async def rollback(self, version_id: str, *, adapter_dir: str | None = None) -> dict[str, Any]:
         """``POST /admin/rollback``: make ``version_id`` the default again; the result (as a
         publication's). ``adapter_dir``: its content, a path on the gateway's host (only for a

@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from collections.abc import Coroutine
 from collections.abc import Sequence
+from typing import Any
 from typing import Protocol
 from typing import Unpack
 
@@ -57,6 +60,8 @@ from agentic_lora.foundation.phases import PhaseStatus
 from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.cleanup import CleanupSteps
+from agentic_lora.publication.ejection import ENGINE_EJECTED
+from agentic_lora.publication.ejection import Ejections
 from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
@@ -126,10 +131,13 @@ class Publisher(CleanupSteps):
         engines: Sequence[EngineRef],
         *,
         reclaimer: ReclaimTrigger | None = None,
+        ejections: Ejections | None = None,
         **options: Unpack[FleetOptions],
     ) -> None:
         super().__init__(registry, backend, engines, **options)
         self.reclaimer = reclaimer
+        #: Engines ejected while a publication waits on them: it stops waiting (see ejection).
+        self.ejections = ejections
         self.resolver: ResolveTrigger | None = None
         self._lock = asyncio.Lock()
         #: Versions a publication of this process left unresolved (BLOCKED, or ended without a
@@ -163,7 +171,7 @@ class Publisher(CleanupSteps):
                 return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
             run.target = reservation.ref
             # A fleet mismatch is for a human: the resolver could not clean that fleet either.
-            self.check_fleet(reservation.engines)
+            run.members = self.members_of(reservation.engines)
             if reservation.outcome is ReserveOutcome.ALREADY_COMPLETED:
                 # Same id, same content, committed before: nothing to load, nothing to switch.
                 return run.result(PublicationOutcome.ALREADY_PUBLISHED)
@@ -261,15 +269,16 @@ class Publisher(CleanupSteps):
         snapshot: AdapterSnapshot,
         revision: int,
     ) -> PublicationResult:
-        reports = await self._each_engine(lambda e: self._prepare_one(run, e, snapshot))
+        members = run.members or self.engines
+        reports = await self._each_member(lambda e: self._prepare_one(run, e, snapshot), members)
         run.reports.update({r.engine: r for r in reports})
         failed = [r for r in reports if not r.ready]
         if failed:
             reason = "; ".join(f"{r.engine}: {r.error_code}" for r in failed)
             return await self._abort_and_clean(run, reason=f"prepare failed ({reason})")
         # Right before commit: an engine that restarted since its READY must not count.
-        restarted = await self._each_engine(lambda e: self._observe(run, e))
-        unreadable = [r for r in restarted if r.error_code is not None]
+        restarted = await self._each_member(lambda e: self._observe(run, e), members)
+        unreadable = [r for r in restarted if r.error_code not in (None, ENGINE_EJECTED)]
         if unreadable:
             for r in unreadable:
                 run.reports[r.engine] = r
@@ -278,6 +287,37 @@ class Publisher(CleanupSteps):
                 run, reason=f"incarnation unknown before commit ({names})"
             )
         return await self._commit(run, revision)
+
+    def members_of(self, names: Sequence[str]) -> tuple[EngineRef, ...]:
+        """This publisher's engines among the registry's ``names`` (a reservation's ACTIVE
+        members), in fleet order; a name it does not know is a deployment mistake."""
+        mine = {e.name for e in self.engines}
+        if not set(names) <= mine:
+            self.check_fleet(names)  # raises ConfigurationError naming both fleets
+        return tuple(e for e in self.engines if e.name in names)
+
+    async def _each_member(
+        self,
+        work: Callable[[EngineRef], Coroutine[Any, Any, EngineReport]],
+        members: Sequence[EngineRef],
+    ) -> list[EngineReport]:
+        """``work`` on each member; one ejected meanwhile stops being waited for (its report:
+        ready, ``error_code=ENGINE_EJECTED``): the registry no longer counts it for readiness."""
+        ejections = self.ejections
+        if ejections is None:
+            return await self._each_engine(work, members)
+
+        async def guarded(engine: EngineRef) -> EngineReport:
+            ejected, report = await ejections.unless_ejected(engine.name, work(engine))
+            if ejected or report is None:
+                logger.warning(
+                    "engine ejected; the publication goes on over the live members",
+                    extra={"engine": engine.name},
+                )
+                return EngineReport(engine.name, ready=True, error_code=ENGINE_EJECTED)
+            return report
+
+        return await self._each_engine(guarded, members)
 
     async def _prepare_one(
         self, run: PublicationRun, engine: EngineRef, snapshot: AdapterSnapshot

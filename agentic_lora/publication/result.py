@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 from dataclasses import field
 
+from agentic_lora.engines.backends import EngineRef
 from agentic_lora.foundation.identity import VersionRef
 from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseRecorder
@@ -83,6 +84,8 @@ class PublicationRun:
     #: The attempt this call publishes or resolves, once known: the result names it.
     target: VersionRef | None = None
     reports: dict[str, EngineReport] = field(default_factory=dict)
+    #: The members it loads on and waits for (a reservation's ACTIVE members); empty: all.
+    members: tuple[EngineRef, ...] = ()
 
     @classmethod
     def of(cls, version: VersionStatus, recorder: PhaseRecorder) -> PublicationRun:

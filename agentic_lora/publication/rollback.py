@@ -43,6 +43,7 @@ import logging
 
 from agentic_lora.errors import CapacityError
 from agentic_lora.foundation.phases import Phase
+from agentic_lora.publication.ejection import ENGINE_EJECTED
 from agentic_lora.publication.publisher import Publisher
 from agentic_lora.publication.repair import SnapshotSource
 from agentic_lora.publication.repair import VersionLocks
@@ -54,6 +55,7 @@ from agentic_lora.publication.steps import attempt_extra
 from agentic_lora.publication.steps import attempt_of
 from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import VersionStatus
@@ -108,19 +110,24 @@ class RollbackPublisher(Publisher):
         """A RETIRED version back as the default; None if it is no longer RETIRED."""
         # Engines that restarted since it retired hold nothing (its repair stops once no Session
         # holds it): observe them all first, so the re-read under the lock knows who lacks it.
-        observed = await self._each_engine(lambda e: self._observe(run, e))
+        status = await self.registry.status()
+        run.members = self.members_of(
+            [e.engine for e in status.engines if e.membership is MemberState.ACTIVE]
+        )
+        observed = await self._each_member(lambda e: self._observe(run, e), run.members)
         v = await self.registry.version(run.version_id)
         if v.state is not VersionState.RETIRED:
             return None
         run.target = v.ref
-        unreadable = [r for r in observed if r.error_code is not None]
+        unreadable = [r for r in observed if r.error_code not in (None, ENGINE_EJECTED)]
         if unreadable:
             return self._unreadable(run, unreadable)
-        lacking = [e for e in self.engines if e.name not in v.ready_engines]
+        # The ACTIVE members: the set whose READY the rollback needs.
+        lacking = [e for e in run.members if e.name not in v.ready_engines]
         if lacking:
             # Load the committed attempt back onto them, as a repair would.
             snapshot = await snapshots.snapshot(v)
-            reports = await self._each_engine(
+            reports = await self._each_member(
                 lambda e: self._prepare_one(run, e, snapshot), lacking
             )
             run.reports.update({r.engine: r for r in reports})
@@ -132,8 +139,8 @@ class RollbackPublisher(Publisher):
                 )
             # Right before the default moves: an engine that restarted during the loads must
             # not count (without loads, the observes above were right before it already).
-            restarted = await self._each_engine(lambda e: self._observe(run, e))
-            unreadable = [r for r in restarted if r.error_code is not None]
+            restarted = await self._each_member(lambda e: self._observe(run, e), run.members)
+            unreadable = [r for r in restarted if r.error_code not in (None, ENGINE_EJECTED)]
             if unreadable:
                 return self._unreadable(run, unreadable)
         receipt = await self._rollback_step(run, v, revision)
@@ -176,7 +183,7 @@ class RollbackPublisher(Publisher):
         if reservation is None:
             return run.result(PublicationOutcome.SKIPPED, reason=CapacityError.code)
         run.target = reservation.ref
-        self.check_fleet(reservation.engines)
+        run.members = self.members_of(reservation.engines)
         if reservation.outcome is ReserveOutcome.IN_PROGRESS:
             logger.info(
                 "resuming the reload of %s (attempt %d)",

@@ -89,14 +89,16 @@ class FleetWorker:
         return PhaseRecorder(self._clock, self.on_progress, version_id)
 
     def check_fleet(self, registry_engines: Iterable[str]) -> None:
-        """Refuse to act for a registry whose fleet is not this worker's: a deployment mistake
-        for a human, since no worker can load on or clean an engine it does not know.
+        """Refuse to act for a registry whose fleet is not within this worker's (a mistake
+        for a human): no worker can load on or clean an engine it does not know.
 
         Raises :class:`~agentic_lora.errors.ConfigurationError` (``check="fleet"``, details
         ``role``, ``engines``: this worker's, ``registry``: the registry's)."""
         mine = sorted(e.name for e in self.engines)
         theirs = sorted(registry_engines)
-        if mine != theirs:
+        # An engine this worker knows may have left the registry's fleet (removed at runtime);
+        # one the registry names that this worker does not know can never be acted on.
+        if not set(theirs) <= set(mine):
             raise ConfigurationError(
                 f"{self.role} fleet {mine} is not the registry's {theirs}",
                 check="fleet",

@@ -46,6 +46,7 @@ from typing import runtime_checkable
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import CommitReceipt
 from agentic_lora.registry.types import LeaseGrant
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import NamedSession
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.registry.types import ReclaimClaim
@@ -248,6 +249,38 @@ class RegistryAPI(abc.ABC):
         """One engine unloaded the version; all engines -> RECLAIMED, slot freed."""
         args = {"version_id": version_id, "reclaim_id": reclaim_id, "engine": engine}
         return await self._ask(VersionStatus, "confirm_reclaim", request_id, args)
+
+    # --- membership (see agentic_lora.registry.membership) ---------------------------------------
+
+    async def _member(self, verb: str, request_id: str, args: dict[str, Any]) -> MemberState:
+        # A remote registry answers the state's wire form (its value): the same Enum either way.
+        return MemberState(await self._call(verb, request_id, args))
+
+    async def join_engine(self, *, request_id: str, engine: str) -> MemberState:
+        """A new engine joins as JOINING: not routable, not counted for readiness yet."""
+        return await self._member("join_engine", request_id, {"engine": engine})
+
+    async def activate_engine(
+        self, *, request_id: str, engine: str, incarnation: str
+    ) -> MemberState:
+        """JOINING or EJECTED -> ACTIVE once the engine holds every dispatchable version."""
+        args = {"engine": engine, "incarnation": incarnation}
+        return await self._member("activate_engine", request_id, args)
+
+    async def drain_engine(self, *, request_id: str, engine: str) -> MemberState:
+        """ACTIVE or JOINING -> DRAINING: the engine takes no new work."""
+        return await self._member("drain_engine", request_id, {"engine": engine})
+
+    async def eject_engine(
+        self, *, request_id: str, engine: str, incarnation: str | None
+    ) -> MemberState:
+        """-> EJECTED: the engine failed its health probes (fenced by ``incarnation``)."""
+        args = {"engine": engine, "incarnation": incarnation}
+        return await self._member("eject_engine", request_id, args)
+
+    async def remove_engine(self, *, request_id: str, engine: str) -> MemberState:
+        """DRAINING or EJECTED -> REMOVED: the engine leaves the fleet."""
+        return await self._member("remove_engine", request_id, {"engine": engine})
 
 
 def _default_move(version_id: str, attempt: int, expected_default_revision: int) -> dict[str, Any]:

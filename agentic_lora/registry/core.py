@@ -43,6 +43,7 @@ from agentic_lora.foundation.identity import make_lora_name
 from agentic_lora.foundation.identity import validate_version_id
 from agentic_lora.registry import durable_names
 from agentic_lora.registry import engine_incarnations
+from agentic_lora.registry import membership
 from agentic_lora.registry import owner_leases
 from agentic_lora.registry import rollback
 from agentic_lora.registry import session_lifecycle
@@ -59,6 +60,7 @@ from agentic_lora.registry.types import CommitReceipt
 from agentic_lora.registry.types import DispatchView
 from agentic_lora.registry.types import LeaseGrant
 from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import NamedSession
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.registry.types import ReclaimClaim
@@ -105,6 +107,11 @@ MUTATING_VERBS: frozenset[str] = frozenset(
         "open_named",
         "reserve_rollback",
         "rollback",
+        "join_engine",
+        "activate_engine",
+        "drain_engine",
+        "eject_engine",
+        "remove_engine",
     }
 )
 
@@ -287,6 +294,33 @@ class RegistryCore(RegistryState):
         """A rollback to a RETIRED version: it becomes the default again once every engine holds
         ``attempt`` (see :mod:`~agentic_lora.registry.rollback`)."""
         return rollback.rollback(self, version_id, attempt, expected_default_revision)
+
+    # --- membership (rules in membership) -------------------------------------------------------
+
+    def join_engine(self, engine: str) -> MemberState:
+        """A new engine joins the fleet as JOINING: not routable, not counted for readiness."""
+        return membership.join(self, engine)
+
+    def activate_engine(self, engine: str, incarnation: str) -> MemberState:
+        """JOINING or EJECTED -> ACTIVE, once ``engine``'s observed ``incarnation`` holds every
+        dispatchable version (MEMBER_NOT_READY otherwise)."""
+        return membership.activate(self, engine, incarnation)
+
+    def drain_engine(self, engine: str) -> MemberState:
+        """ACTIVE or JOINING -> DRAINING: no new work; removed once its in-flight work ends."""
+        return membership.drain(self, engine)
+
+    def eject_engine(self, engine: str, incarnation: str | None) -> MemberState:
+        """-> EJECTED (failed health probes), fenced by ``incarnation``."""
+        return membership.eject(self, engine, incarnation)
+
+    def remove_engine(self, engine: str) -> MemberState:
+        """DRAINING or EJECTED -> REMOVED: the engine leaves the fleet."""
+        return membership.remove(self, engine)
+
+    def member_state(self, engine: str) -> MemberState:
+        """An engine's membership (a read; REMOVED for an engine not in the fleet)."""
+        return membership.member_state(self, engine)
 
     # --- Sessions (rules in session_lifecycle) -------------------------------------------------
 

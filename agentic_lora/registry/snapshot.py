@@ -16,6 +16,7 @@ from agentic_lora.registry.state import NameRecord
 from agentic_lora.registry.state import RegistryState
 from agentic_lora.registry.state import SessionRecord
 from agentic_lora.registry.state import VersionRecord
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import SessionState
 from agentic_lora.registry.types import VersionState
 from agentic_lora.registry.types import from_wire
@@ -33,6 +34,8 @@ def dump_state(state: RegistryState) -> dict[str, Any]:
         "rolled_back_from": state.rolled_back_from,
         "pending": state._pending,
         "incarnations": state._incarnations,
+        "engines": list(state.engines),
+        "members": {e: m.value for e, m in state._members.items()},
         "versions": [
             {
                 "version_id": v.version_id,
@@ -84,6 +87,12 @@ def load_state(state: RegistryState, image: dict[str, Any]) -> None:
     state.rolled_back_from = image.get("rolled_back_from")
     state._pending = image["pending"]
     state._incarnations = dict(image["incarnations"])
+    # Images written before membership existed have neither key: the configured fleet, ACTIVE.
+    state.engines = tuple(image.get("engines", state.engines))
+    state._members = {
+        e: MemberState(image.get("members", {}).get(e, MemberState.ACTIVE.value))
+        for e in state.engines
+    }
     state._versions = {}
 
     def known(version_id: str) -> VersionRef:

@@ -37,6 +37,7 @@ from agentic_lora.registry.transitions import advance
 from agentic_lora.registry.types import Binding
 from agentic_lora.registry.types import CarriesRef
 from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.registry.types import SessionState
 from agentic_lora.registry.types import VersionState
@@ -195,6 +196,8 @@ class RegistryState:
         self.rolled_back_from: str | None = None
         self._pending: str | None = None
         self._incarnations: dict[str, str | None] = dict.fromkeys(self.engines)
+        #: Each engine's membership (see membership); the configured fleet starts ACTIVE.
+        self._members: dict[str, MemberState] = dict.fromkeys(self.engines, MemberState.ACTIVE)
         self._leases: dict[str, LeaseRecord] = {}  # live leases by id
         self._owners: dict[str, str] = {}  # owner -> its current lease id
         self._dead_leases: OrderedDict[str, str] = OrderedDict()  # lease id -> why it ended
@@ -218,6 +221,10 @@ class RegistryState:
             raise UnknownEngineError(
                 f"engine {engine!r} is not in the fleet {list(self.engines)}", engine=engine
             )
+
+    def active_members(self) -> tuple[str, ...]:
+        """The ACTIVE members in fleet order: the routable engines, the ones readiness counts."""
+        return tuple(e for e in self.engines if self._members[e] is MemberState.ACTIVE)
 
     def _slots_in_use(self) -> int:
         return sum(1 for v in self._versions.values() if v.state.holds_slot)
@@ -262,14 +269,16 @@ class RegistryState:
         self.now = max(self.now, now)
 
     def _require_ready(self, v: VersionRecord, attempt: int) -> None:
-        """Refuse (NOT_READY) unless every engine holds ``v``'s current attempt under its current
-        incarnation: the one readiness rule of every move of the default (commit, rollback)."""
+        """Refuse (NOT_READY) unless every ACTIVE member holds ``v``'s current attempt under its
+        current incarnation: the one readiness rule of every move of the default (commit,
+        rollback). With no ACTIVE member at all, nothing is ready."""
+        active = self.active_members()
         missing = [
             e
-            for e in self.engines
+            for e in active
             if (r := v.ready.get(e)) is None or r.incarnation != self._incarnations[e]
         ]
-        if missing:
+        if missing or not active:
             raise NotReadyError(
                 f"{v.version_id!r} attempt {attempt} lacks READY from {missing}",
                 version=v.version_id,
@@ -318,7 +327,14 @@ class RegistryState:
 
     def _cleaned(self, v: VersionRecord, engine: str) -> None:
         v.cleaned.add(engine)
-        if len(v.cleaned) == len(self.engines):
+        self._settle(v)
+
+    def _settle(self, v: VersionRecord) -> None:
+        """Complete ``v``'s cleanup or reclaim once every engine of the fleet confirmed it (after
+        a confirmation, or after an engine that had not confirmed left the fleet)."""
+        if v.state is VersionState.RECLAIMING and v.reclaimed.issuperset(self.engines):
+            v.state = advance(v.version_id, v.state, VersionEvent.ALL_RECLAIMED)
+        elif v.state is VersionState.ABORTED and v.cleaned.issuperset(self.engines):
             # Only now is it proven that no engine holds the candidate: free the slot. An aborted
             # reload of a version committed before is RECLAIMED again (what it was), never
             # FAILED_CLEAN: publishing its id again must stay a no-op.
@@ -329,5 +345,6 @@ class RegistryState:
 
     def _reclaimed(self, v: VersionRecord, engine: str) -> None:
         v.reclaimed.add(engine)
-        if len(v.reclaimed) == len(self.engines):
-            v.state = advance(v.version_id, v.state, VersionEvent.ALL_RECLAIMED)
+        if v.state is not VersionState.RECLAIMING and v.reclaimed.issuperset(self.engines):
+            advance(v.version_id, v.state, VersionEvent.ALL_RECLAIMED)  # raises InvalidStateError
+        self._settle(v)

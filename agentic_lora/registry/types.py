@@ -38,6 +38,7 @@ __all__ = [
     "LeaseGrant",
     "LeaseStatus",
     "LeaseTerms",
+    "MemberState",
     "NamedSession",
     "ReadyReceipt",
     "ReclaimClaim",
@@ -78,6 +79,22 @@ class VersionState(enum.StrEnum):
     def dispatchable(self) -> bool:
         """Only these states may receive generation requests (a bound Session's version)."""
         return self in (VersionState.PUBLISHED, VersionState.RETIRED)
+
+
+class MemberState(enum.StrEnum):
+    """An engine's membership of the fleet (see :mod:`~agentic_lora.registry.membership`).
+
+    Only ACTIVE members are routable for new work and count for readiness (the default moves only
+    when every ACTIVE member is READY). A JOINING engine is loading what is dispatchable; a
+    DRAINING one finishes its in-flight requests and takes nothing new; an EJECTED one failed its
+    health probes and waits for a repair. REMOVED is terminal: the engine left the fleet.
+    """
+
+    JOINING = "JOINING"
+    ACTIVE = "ACTIVE"
+    DRAINING = "DRAINING"
+    EJECTED = "EJECTED"
+    REMOVED = "REMOVED"
 
 
 class SessionState(enum.StrEnum):
@@ -300,7 +317,10 @@ class VersionStatus:
     ``ready_engines``: while LOADING, the engines whose READY for this attempt counts; once
     PUBLISHED or RETIRED, the engines that hold the version under their *current* incarnation,
     so the only ones a request for it may be routed to (an engine that restarted drops out until
-    the version is loaded onto it again and its READY recorded).
+    the version is loaded onto it again and its READY recorded). Only ACTIVE members are
+    listed: a JOINING, DRAINING or EJECTED engine is routed nothing, whatever it holds.
+    ``held_engines``: every member with a READY recorded for it, whatever its membership (what a
+    repair need not load again).
     """
 
     version_id: str
@@ -314,6 +334,7 @@ class VersionStatus:
     reclaim_id: str | None = None
     reclaimed_engines: tuple[str, ...] = ()
     published_revision: int | None = None
+    held_engines: tuple[str, ...] = ()
 
     @property
     def ref(self) -> VersionRef:
@@ -334,6 +355,7 @@ class DispatchView(NamedTuple):
 class EngineStatus:
     engine: str
     incarnation: str | None
+    membership: MemberState = MemberState.ACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +427,7 @@ _register(
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "state": VersionState,
     "outcome": ReserveOutcome,
+    "membership": MemberState,
 }
 
 
@@ -436,6 +459,9 @@ def from_wire(value: Any, known: RefLookup | None = None) -> Any:
             kwargs[f.name] = raw
         if issubclass(cls, CarriesRef) and "ref" not in value:
             kwargs["ref"] = _flat_ref(value, known)
+        if cls is VersionStatus and "held_engines" not in value:
+            # Written before membership: every engine was ACTIVE, so its holders were these.
+            kwargs["held_engines"] = kwargs.get("ready_engines", ())
         return cls(**kwargs)
     if isinstance(value, list):
         return [from_wire(v, known) for v in value]

@@ -18,6 +18,7 @@ from agentic_lora.registry.types import DispatchView
 from agentic_lora.registry.types import EngineStatus
 from agentic_lora.registry.types import LeaseGrant
 from agentic_lora.registry.types import LeaseStatus
+from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import ReclaimClaim
 from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import Reservation
@@ -46,17 +47,29 @@ def version_status(state: RegistryState, v: VersionRecord) -> VersionStatus:
         state=v.state,
         attempt=v.attempt,
         session_refs=v.session_refs,
-        ready_engines=_in_fleet_order(engines, v.ready),
+        ready_engines=_routable(state, v.ready),
         cleaned_engines=_in_fleet_order(engines, v.cleaned),
         reclaim_id=v.reclaim_id,
         reclaimed_engines=_in_fleet_order(engines, v.reclaimed),
         published_revision=v.commit_receipt.default_revision if v.commit_receipt else None,
+        held_engines=_in_fleet_order(engines, v.ready),
     )
 
 
 def dispatch_view(state: RegistryState, v: VersionRecord) -> DispatchView:
     # Read once per dispatch by the in-process guard: three fields, not a whole status.
-    return DispatchView(v.state, v.lora_name, _in_fleet_order(state.engines, v.ready))
+    return DispatchView(v.state, v.lora_name, _routable(state, v.ready))
+
+
+def _routable(state: RegistryState, holders: Collection[str]) -> tuple[str, ...]:
+    """The ACTIVE members among ``holders``, in fleet order: a JOINING, DRAINING or EJECTED
+    engine gets no request routed to it, whatever it holds."""
+    ready = _in_fleet_order(state.engines, holders)
+    if len(state._members) == len(state.engines) and all(
+        m is MemberState.ACTIVE for m in state._members.values()
+    ):
+        return ready
+    return tuple(e for e in ready if state._members[e] is MemberState.ACTIVE)
 
 
 def _in_fleet_order(engines: tuple[str, ...], some: Collection[str]) -> tuple[str, ...]:
@@ -69,7 +82,8 @@ def _in_fleet_order(engines: tuple[str, ...], some: Collection[str]) -> tuple[st
 
 
 def reservation(state: RegistryState, v: VersionRecord, outcome: ReserveOutcome) -> Reservation:
-    return Reservation(ref=v.ref, outcome=outcome, state=v.state, engines=state.engines)
+    # A publication loads on the ACTIVE members: the set whose READY its commit needs.
+    return Reservation(ref=v.ref, outcome=outcome, state=v.state, engines=state.active_members())
 
 
 def reclaim_claim(state: RegistryState, v: VersionRecord) -> ReclaimClaim:
@@ -109,7 +123,9 @@ def registry_status(state: RegistryState) -> RegistryStatus:
     return RegistryStatus(
         deployment_epoch=state.deployment_epoch,
         capacity=state.capacity,
-        engines=tuple(EngineStatus(e, state._incarnations[e]) for e in state.engines),
+        engines=tuple(
+            EngineStatus(e, state._incarnations[e], state._members[e]) for e in state.engines
+        ),
         default_version=state.default_version,
         default_revision=state.default_revision,
         slots_in_use=state._slots_in_use(),

@@ -107,8 +107,9 @@ async def test_a_gateway_scrape_shows_failed_requests_timed_dispatches_and_engin
     assert value(m, f"{HIST}_count", **ok) == 1
     assert value(m, "agentic_lora_engine_up", engine="e0") == 1
     assert value(m, "agentic_lora_engine_up", engine="e1") == 1
-    # No membership in this registry: no membership series.
-    assert not [name for name, _ in m if name == "agentic_lora_engine_members"]
+    # The registry's membership: both engines ACTIVE, and no series for a state nobody is in.
+    assert value(m, "agentic_lora_engine_members", member_state="active") == 2
+    assert ("agentic_lora_engine_members", frozenset({("member_state", "ejected")})) not in m
 
 
 class Clock:

@@ -81,3 +81,21 @@ async def test_sqlite_files_that_are_not_registry_journals_are_refused_read_only
         assert (code, out) == (cli.EXIT_ERROR, ""), path.name
         assert only_line(err) == f"error: JOURNAL_FOREIGN: {path} {problem}"
         assert fingerprint(path) == before  # same bytes, and no -wal or -shm beside it
+
+
+@pytest.mark.asyncio
+async def test_status_shows_engines_that_are_not_active_and_what_they_hold(tmp_path: Path) -> None:
+    from agentic_lora.registry.local import LocalRegistry
+    from agentic_lora.registry.types import new_request_id
+    from agentic_lora.testing.publish import publish_by_verbs
+
+    journal = tmp_path / "registry.sqlite"
+    reg = LocalRegistry(engines=("e0", "e1"), capacity=2, journal_path=journal)
+    await publish_by_verbs(reg, "A", ("e0", "e1"))
+    await reg.eject_engine(request_id=new_request_id(), engine="e1", incarnation=None)
+    await reg.aclose()
+    code, out, _ = await run_cli("status", "--journal", str(journal))
+    assert code == 0
+    assert "engines: e0 ACTIVE, e1 EJECTED" in out
+    [row] = [line.split() for line in out.splitlines() if line.startswith("A")]
+    assert row[-2:] == ["ready", "held"]  # e1 holds A, but nothing is routed there

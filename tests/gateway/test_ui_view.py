@@ -166,6 +166,7 @@ def test_engines_show_their_health_and_the_adapters_they_hold() -> None:
     )
     assert [a["version_id"] for a in e0["adapters"]] == ["v0", "v1", "v2"]
     assert (e1["healthy"], e1["slots_used"], e1["extra"]) == (False, 1, {})
+    assert (e0["membership"], e1["membership"]) == ("ACTIVE", "ACTIVE")
 
 
 class Member(enum.StrEnum):

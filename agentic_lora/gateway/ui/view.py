@@ -51,7 +51,7 @@ _RECENT_OPERATIONS = 8
 _DETAILED_OPERATIONS = 3
 #: Fields an engine row has in its own columns; any other field of the registry's engine or
 #: member status (membership state, fence, ...) is shown as it comes, under ``extra``.
-_ENGINE_CORE_FIELDS = frozenset({"engine", "incarnation", "base_url"})
+_ENGINE_CORE_FIELDS = frozenset({"engine", "incarnation", "base_url", "membership"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +238,10 @@ def _engines(status: RegistryStatus, health: Mapping[str, bool]) -> list[dict[st
         sources = [s for s in (engines.get(name), members.get(name)) if s is not None]
         extra: dict[str, Any] = {}
         incarnation = None
+        membership = None
         for source in sources:
             incarnation = incarnation or getattr(source, "incarnation", None)
+            membership = membership or _plain(getattr(source, "membership", None))
             for f in dataclasses.fields(source):
                 if f.name not in _ENGINE_CORE_FIELDS:
                     extra[f.name] = _plain(getattr(source, f.name))
@@ -251,6 +253,7 @@ def _engines(status: RegistryStatus, health: Mapping[str, bool]) -> list[dict[st
                 "healthy": health.get(name),
                 "slots_used": len(held),
                 "adapters": [{"version_id": v.version_id, "state": v.state.value} for v in held],
+                "membership": membership,
                 "extra": extra,
             }
         )
@@ -260,7 +263,7 @@ def _engines(status: RegistryStatus, health: Mapping[str, bool]) -> list[dict[st
 def _holders(v: VersionStatus) -> tuple[str, ...]:
     """The engines holding ``v``: every member with a current READY when the registry says
     (``held_by``), else the engines a request may be routed to."""
-    held_by: tuple[str, ...] = getattr(v, "held_by", ())
+    held_by: tuple[str, ...] = getattr(v, "held_by", ()) or v.held_engines
     return held_by or v.ready_engines
 
 

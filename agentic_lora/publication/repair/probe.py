@@ -118,6 +118,8 @@ class EngineProbe:
             return ProbeResult(incarnations, None, frozenset(), ())
         self.worker.check_fleet(e.engine for e in status.engines)
         known = {e.engine: e.incarnation for e in status.engines}
+        # An engine removed from the registry's fleet is probed for nothing.
+        incarnations = {e: inc for e, inc in incarnations.items() if e in known}
         observed = {e for e, inc in incarnations.items() if inc is not None and known[e] == inc}
         changed = [
             (e, inc) for e, inc in incarnations.items() if inc is not None and e not in observed

@@ -34,6 +34,7 @@ from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseEvent
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseStatus
+from agentic_lora.publication.ejection import Ejector
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair.locks import VersionLocks
 from agentic_lora.publication.repair.probe import EngineProbe
@@ -140,6 +141,7 @@ class Repairer(FleetWorker, BackgroundLoop):
         version_locks: VersionLocks | None = None,
         health: EngineHealth | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        ejector: Ejector | None = None,
         **options: Unpack[FleetOptions],
     ) -> None:
         if not probe_interval > 0:
@@ -148,6 +150,9 @@ class Repairer(FleetWorker, BackgroundLoop):
             raise ConfigurationError("probe_timeout must be above 0", check="probe_timeout")
         super().__init__(registry, backend, engines, **options)
         self.snapshots = snapshots
+        #: Told every probe round's reads: ejects engines that fail them, reactivates repaired
+        #: ones (see agentic_lora.publication.ejection).
+        self.ejector = ejector
         self.version_locks = version_locks if version_locks is not None else VersionLocks()
         #: Every repair's outcome so far, counted (for metrics and tests).
         self.outcomes: Counter[RepairOutcome] = Counter()
@@ -191,7 +196,12 @@ class Repairer(FleetWorker, BackgroundLoop):
     async def probe_once(self) -> ProbeResult:
         """Read every engine's incarnation and tell the registry about the ones that changed."""
         cache = self.snapshots if isinstance(self.snapshots, SnapshotCache) else None
-        return await self._probe.probe_once(cache)
+        if self.ejector is None:
+            return await self._probe.probe_once(cache)
+        started = self.ejector.round_started()
+        probe = await self._probe.probe_once(cache)
+        await self.ejector.observe(started, probe.incarnations, probe.status)
+        return probe
 
     # --- background -----------------------------------------------------------------------------
 
@@ -248,7 +258,7 @@ class Repairer(FleetWorker, BackgroundLoop):
             lacking = [
                 by_name[e]
                 for e in probe.observed
-                if e not in v.ready_engines and probe.incarnations.get(e) is not None
+                if e not in v.held_engines and probe.incarnations.get(e) is not None
             ]
             if not lacking:
                 self._unavailable.discard(v.version_id)
@@ -293,7 +303,7 @@ class Repairer(FleetWorker, BackgroundLoop):
                 )
             if not repairable(v):
                 return []
-            todo = [e for e in engines if e.name not in v.ready_engines]
+            todo = [e for e in engines if e.name not in v.held_engines]
             if not todo:
                 return []
             try:
@@ -373,7 +383,7 @@ class Repairer(FleetWorker, BackgroundLoop):
                 "repair READY of %s on %s unconfirmed", target.version_id, engine.name, extra=extra
             )
             return RepairResult(target.version_id, engine.name, RepairOutcome.FAILED, code)
-        if engine.name not in status.ready_engines:
+        if engine.name not in status.held_engines:
             # The registry takes a late READY of a committed attempt without counting it once the
             # version is on its way out (RECLAIMING/RECLAIMED): for this copy that is a refusal.
             return await self._refused(recorder, engine, target, InvalidStateError.code, None)

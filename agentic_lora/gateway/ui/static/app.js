@@ -267,7 +267,7 @@ function renderEngines(engines) {
       el("td", { class: "mono" }, e.incarnation ?? "–"),
       el("td", { class: "num" }, String(e.slots_used)),
       el("td", {}, e.adapters.map((a) => `${a.version_id} (${a.state.toLowerCase()})`).join(", ") || "–"),
-      el("td", {}, extra.join("; ") || "–"));
+      el("td", { dataset: { col: "membership" } }, [e.membership, ...extra].filter(Boolean).join("; ") || "–"));
   });
   fill($("engines").tBodies[0], rows, "no engine", 6);
 }
