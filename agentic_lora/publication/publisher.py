@@ -244,17 +244,17 @@ class Publisher(CleanupSteps):
             return await step()
         except CapacityError as exc:
             if self.reclaimer is None:
-                self._skip(run, exc)
+                await self._skip(run, exc)
                 return None
         # Capacity is full: one reclaim round may free a retired version's slot.
         await self.reclaimer.reclaim_once()
         try:
             return await step()
         except CapacityError as exc:
-            self._skip(run, exc)
+            await self._skip(run, exc)
             return None
 
-    def _skip(self, run: PublicationRun, exc: CapacityError) -> None:
+    async def _skip(self, run: PublicationRun, exc: CapacityError) -> None:
         if run.bootstrap:
             raise exc
         logger.warning(
@@ -262,6 +262,10 @@ class Publisher(CleanupSteps):
             run.version_id,
             extra={"version": run.version_id},
         )
+        # A refusal by an in-process registry suspends nowhere. Yield once, or a caller that
+        # publishes in a loop starves the very Sessions and reclaimer that would free a slot:
+        # a livelock, every publication skipped and nothing else running.
+        await asyncio.sleep(0)
 
     async def _prepare_and_commit(
         self,

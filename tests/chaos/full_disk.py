@@ -15,8 +15,8 @@ is its own:
 
 In the child, a :class:`~agentic_lora.assembly.deployment.Deployment` (its journal on that
 filesystem, scripted engines at the HTTP edge) runs eight agent loops (open a Session, two
-turns, close) and a publication every round, recording every write the product acknowledged
-(a binding returned, a release returned, a publication PUBLISHED). Then the disk fills up. The
+turns, close) and a publication every round of eight closes, recording every write the product
+acknowledged (a binding returned, a release returned, a publication PUBLISHED). Then the disk fills up. The
 registry must fail-stop at its next journal write: every later call raises ``JOURNAL_ERROR`` and
 readiness says ``registry_failed``. The process is then "restarted" (the failed registry is
 closed without another write, the rest abandoned), space is freed, and a new Deployment opens
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import faulthandler
 import json
 import os
 import resource
@@ -162,11 +163,21 @@ async def _child(workdir: Path, mode: str, prefix: list[str]) -> DiskReport | No
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        out, err = await asyncio.wait_for(child.communicate(), PATIENCE * 3)
+        out, err = await asyncio.wait_for(
+            asyncio.shield(communicating := asyncio.ensure_future(child.communicate())),
+            PATIENCE * 3,
+        )
     except TimeoutError:
+        # A hung child: ask it for every task's stack (see _dump_tasks), then kill it, and say
+        # where it hung.
+        child.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(communicating), 10)
         child.kill()
-        await child.wait()
-        raise
+        out, err = await communicating
+        raise RuntimeError(
+            f"the full-disk child hung ({mode}); its tasks:\n{err.decode()[-20000:]}"
+        ) from None
     lines = [line for line in out.decode().splitlines() if line.startswith("{")]
     if not lines:
         if prefix:
@@ -188,12 +199,39 @@ class Ledger:
         self.failed: dict[str, int] = {}
         self.warm = asyncio.Event()
         self.stopped = asyncio.Event()
+        #: Set on every acknowledged close and on the stop: what the publisher's cadence waits on.
+        self.progress = asyncio.Event()
+
+    def close_acknowledged(self, key: str) -> None:
+        self.closed.add(key)
+        if len(self.closed) >= WARMUP_CLOSES:
+            self.warm.set()
+        self.progress.set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.progress.set()
 
     def failure(self, exc: BaseException) -> None:
         code = error_code(exc)
         self.failed[code] = self.failed.get(code, 0) + 1
         if code == JournalError.code or isinstance(exc.__cause__, JournalError):
-            self.stopped.set()
+            self.stop()
+
+    async def next_round(self) -> bool:
+        """Wait until the agents closed another round of Sessions (one each, on average); False
+        once the registry stopped.
+
+        The publisher's cadence. Publishing back to back instead livelocks: once every version
+        slot is held by open Sessions, each publication is refused at once without a real
+        suspension, so the loop never lets those Sessions close or the reclaimer run (seen under
+        CI load, where a slow start fills the slots before the warm-up ends).
+        """
+        target = len(self.closed) + AGENTS
+        while len(self.closed) < target and not self.stopped.is_set():
+            self.progress.clear()
+            await self.progress.wait()
+        return not self.stopped.is_set()
 
 
 async def _agent(d: Deployment, ledger: Ledger, n: int) -> None:
@@ -207,9 +245,7 @@ async def _agent(d: Deployment, ledger: Ledger, n: int) -> None:
                 if s.binding is not None:
                     ledger.bound[s.key] = s.binding.version_id
             await s.close()
-            ledger.closed.add(s.key)
-            if len(ledger.closed) >= WARMUP_CLOSES:
-                ledger.warm.set()
+            ledger.close_acknowledged(s.key)
         except AgenticLoRAError as exc:
             ledger.failure(exc)
             await asyncio.sleep(0)  # a refused turn costs nothing: let the others run
@@ -217,7 +253,7 @@ async def _agent(d: Deployment, ledger: Ledger, n: int) -> None:
 
 async def _publisher(d: Deployment, ledger: Ledger) -> None:
     seed = 10
-    while not ledger.stopped.is_set():
+    while await ledger.next_round():
         seed += 1
         try:
             result = await d.publish(f"v{seed}", tiny_snapshot(seed))
@@ -230,7 +266,7 @@ async def _publisher(d: Deployment, ledger: Ledger) -> None:
             code = f"{result.outcome.value}:{result.reason}"
             ledger.failed[code] = ledger.failed.get(code, 0) + 1
             if "JOURNAL_ERROR" in (result.reason or "") or "JournalError" in (result.reason or ""):
-                ledger.stopped.set()
+                ledger.stop()
 
 
 def _largest_file(directory: Path) -> int:
@@ -369,6 +405,30 @@ async def _run(workdir: Path, disk: Path, report: DiskReport) -> None:
             await d2.aclose()
 
 
+def _dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """On SIGUSR1 (the parent's hang guard): the running stack and every task's await chain to
+    stderr, then exit. A plain signal handler, not the loop's: a loop starved by a task that
+    never suspends would never run the loop's own handler (nor any ``wait_for`` timeout)."""
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    for task in asyncio.all_tasks(loop):
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        awaited: Any = task.get_coro()
+        while awaited is not None:  # the whole await chain, not only the task's own frame
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                print(f"  {where}", file=sys.stderr)
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    sys.stderr.flush()
+    os._exit(70)
+
+
+async def _main(workdir: Path, disk: Path, report: DiskReport) -> None:
+    loop = asyncio.get_running_loop()
+    signal.signal(signal.SIGUSR1, lambda _signum, _frame: _dump_tasks(loop))
+    await _run(workdir, disk, report)
+
+
 def _child_main(workdir: Path, mode: str) -> None:
     report = DiskReport(mode=mode)
     disk = workdir / "disk"
@@ -386,7 +446,7 @@ def _child_main(workdir: Path, mode: str) -> None:
     else:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, not death
     try:
-        asyncio.run(_run(workdir, disk, report))
+        asyncio.run(_main(workdir, disk, report))
     except Exception as exc:
         report.error = f"{type(exc).__name__}: {exc}"[:500]
     print(json.dumps(report.as_dict()), flush=True)

@@ -488,6 +488,35 @@ async def test_capacity_refusal_after_bootstrap_is_a_skip_with_zero_engine_calls
     assert world.registry.peek_version("v3") is None  # the registry never saw it
 
 
+async def test_a_skipped_publication_yields_so_a_publishing_loop_cannot_starve_the_rest(
+    world: World,
+) -> None:
+    # A trainer publishing back to back while every slot is held must still let the Sessions
+    # that hold the slots (and the reclaimer) run, or no slot is ever freed: a livelock.
+    await publish(world, "v1", A)
+    await world.bind("s_a")
+    await publish(world, "v2", B)
+    turns = 0
+
+    async def other_work() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    await asyncio.sleep(0)  # the other task starts: turns == 1
+    before = turns
+    for n in range(3):
+        result = await world.publisher.publish(f"v{3 + n}", C)
+        assert result.outcome is PublicationOutcome.SKIPPED
+        assert turns > before, "a skipped publication returned without yielding"
+        before = turns
+    other.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await other
+
+
 # --- progress and timings ---------------------------------------------------------------------
 
 
