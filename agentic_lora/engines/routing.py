@@ -83,6 +83,8 @@ class EngineHealth:
     def __init__(self, engines: Iterable[str]) -> None:
         self._fleet = tuple(engines)
         self._unhealthy: set[str] = set()
+        # Read on every dispatch, changed only on a health event: kept, not rebuilt per read.
+        self._healthy = self._fleet
 
     def _known(self, engine: str) -> None:
         if engine not in self._fleet:
@@ -94,11 +96,16 @@ class EngineHealth:
         """Stop routing new dispatches to ``engine``."""
         self._known(engine)
         self._unhealthy.add(engine)
+        self._refresh()
 
     def mark_healthy(self, engine: str) -> None:
         """Route to ``engine`` again."""
         self._known(engine)
         self._unhealthy.discard(engine)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._healthy = tuple(e for e in self._fleet if e not in self._unhealthy)
 
     def is_healthy(self, engine: str) -> bool:
         """Whether ``engine`` may receive new dispatches."""
@@ -106,7 +113,7 @@ class EngineHealth:
 
     def healthy(self) -> tuple[str, ...]:
         """The healthy engines, in fleet order."""
-        return tuple(e for e in self._fleet if e not in self._unhealthy)
+        return self._healthy
 
 
 def available_routers() -> tuple[str, ...]:

@@ -365,7 +365,12 @@ class RegistryBinder:
             )
             self._bind_task = task
         # shield: a waiter cancelled here leaves the shared bind running for the others.
-        return await asyncio.shield(task)
+        binding = await asyncio.shield(task)
+        if self._bind_task is task:
+            # Bound for good (the next turn returns above): an open Session keeps no finished
+            # task, which would hold several hundred bytes per Session for its whole life.
+            self._bind_task = None
+        return binding
 
     def _check_lag(self, binding: Binding) -> int | None:
         cfg = self._cfg

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncGenerator
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Coroutine
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -139,18 +140,20 @@ class Session:
             )
 
     # --- dispatch --------------------------------------------------------------------------------
+    # The per-route methods hand back :meth:`dispatch`'s own coroutine (awaited by the caller):
+    # no frame of their own on a path every turn takes.
 
-    async def generate(self, request: RequestLike) -> EngineReply:
+    def generate(self, request: RequestLike) -> Coroutine[Any, Any, EngineReply]:
         """SGLang ``/generate`` with this Session's version (binds on the first call)."""
-        return await self.dispatch(Route.GENERATE, request)
+        return self.dispatch(Route.GENERATE, request)
 
-    async def chat_completions(self, request: RequestLike) -> EngineReply:
+    def chat_completions(self, request: RequestLike) -> Coroutine[Any, Any, EngineReply]:
         """OpenAI ``/v1/chat/completions`` with this Session's version."""
-        return await self.dispatch(Route.CHAT_COMPLETIONS, request)
+        return self.dispatch(Route.CHAT_COMPLETIONS, request)
 
-    async def completions(self, request: RequestLike) -> EngineReply:
+    def completions(self, request: RequestLike) -> Coroutine[Any, Any, EngineReply]:
         """OpenAI ``/v1/completions`` with this Session's version."""
-        return await self.dispatch(Route.COMPLETIONS, request)
+        return self.dispatch(Route.COMPLETIONS, request)
 
     def _body(self, route: Route, request: RequestLike) -> dict[str, Any]:
         # The fields this Session reads are checked (a one-shot and a streamed turn alike);
