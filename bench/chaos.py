@@ -28,7 +28,7 @@ to another engine behind the caller's back; the table counts them apart. "The ow
 the moment the restarted worker opens its new lease (its process start, interpreter and Ray
 included, is printed too).
 
-Three more kinds are not kills (issue 25), and report their own figures:
+Four more kinds are not kills (issue 25), and report their own figures:
 
 * **rollback**: a rollback in the middle of agent load (``tests/chaos/rollback_scenario.py``),
   first to a RETIRED version, then to a RECLAIMED one: the trainer-visible time of each
@@ -39,13 +39,22 @@ Three more kinds are not kills (issue 25), and report their own figures:
   normal once space is freed (reopen and replay, then a publication and a Session served);
 * **reopen**: a dead worker's journal reopened by a process that opens no Session
   (``tests/leases/dead_worker.py``; no engines): when its refs were released (goal: within
-  TTL + sweep interval + 5 s of the reopen) and when the next publication committed.
+  TTL + sweep interval + 5 s of the reopen) and when the next publication committed;
+* **hung-engine**: one engine stopped (SIGSTOP) during dispatch, then a publication
+  (``tests/chaos/hung_engine.py``, at the documented probe and ejection defaults): the
+  trainer-visible publication time (goal: under 30 s), the ejection time, the failed requests
+  (in flight at the stop, sent after it) and, after SIGCONT, the time back to normal.
+
+Kinds listed in ``SCENARIO_FAULTS`` are run and printed by their scenario module
+(``bench_run(fleet, workdir, rng, name=...)`` returns the run's record, naming its extra times in
+``bench_times``; ``bench_line(summary, cell)`` is its line of the report).
 
 Prints a table and writes ``bench/out/chaos.json`` (``bench/plot.py`` draws
 ``docs/img/recovery.png`` from it).
 
 Usage: python bench/chaos.py [--repeat 3]
-       [--faults engine,gateway,registry-host,worker,registry-actor,rollback,disk-full,reopen]
+       [--faults engine,gateway,registry-host,worker,registry-actor,rollback,disk-full,reopen,
+                 hung-engine]
        [--seed N]
        python bench/chaos.py --rescore bench/out/chaos.json   # print (and rewrite) a recorded run
 """
@@ -62,9 +71,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from chaos_journal import journal_fault
 from common import REPO_ROOT
 from common import add_example_agents_to_path
 from common import engine_log_dir
@@ -86,7 +97,10 @@ FAULTS = (
     "rollback",
     "disk-full",
     "reopen",
+    "hung-engine",
 )
+#: Kinds their scenario module runs and reports (see the module docstring).
+SCENARIO_FAULTS = {"hung-engine": "tests.chaos.hung_engine"}
 RAY_FAULTS = frozenset({"worker", "registry-actor"})
 #: Kinds that need no engine fleet (their scenarios bring scripted engines of their own).
 FLEETLESS_FAULTS = frozenset({"disk-full", "reopen"})
@@ -116,9 +130,13 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
     rng = scenario_rng(f"bench-{kind}-{index}", seed)
     started = time.monotonic()
     if kind in ("disk-full", "reopen"):
-        out = await _journal_fault(kind, workdir, index)
+        out = await journal_fault(kind, workdir, index)
         out["wall_s"] = round(time.monotonic() - started, 1)
         return out
+    if kind in SCENARIO_FAULTS:
+        scenario = import_module(SCENARIO_FAULTS[kind])
+        out = await scenario.bench_run(fleet, workdir, rng, name=f"{kind}-{index}")
+        return {**out, "kind": kind, "wall_s": round(time.monotonic() - started, 1)}
     if kind == "rollback":
         from tests.chaos.rollback_scenario import rollback_under_load
 
@@ -151,70 +169,6 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
         if key in report.times:
             out[key] = report.times[key]
     return out
-
-
-async def _journal_fault(kind: str, workdir: Path, index: int) -> dict[str, Any]:
-    """A run of ``disk-full`` or ``reopen`` (no engine fleet) in the shape of the others."""
-    if kind == "disk-full":
-        from tests.chaos.full_disk import full_disk_journal
-        from tests.chaos.full_disk import problems_of
-
-        disk = await full_disk_journal(workdir, "tmpfs")
-        failed = sum(disk.failed_requests.values())
-        return _run_of(
-            kind,
-            index,
-            choices={"mode": disk.mode, "fill_error": disk.fill_error},
-            back_s=disk.back_to_normal_s,
-            first_publication_s=disk.back_to_normal_s,
-            stopped_after_full_s=disk.stopped_after_full_s,
-            reopen_s=disk.reopen_s,
-            back_to_normal_s=disk.back_to_normal_s,
-            times={"failed_while_stopped": float(failed)},
-            requests=sum(disk.acknowledged.values()) + failed,
-            failures={"while_stopped": [f"{k} x{n}" for k, n in disk.failed_requests.items()]},
-            goals={
-                "fail-stop with JOURNAL_ERROR": disk.failed_code == "JOURNAL_ERROR",
-                "no acknowledged write lost": not disk.lost,
-                "reopens cleanly once space is freed": disk.publication_after == "PUBLISHED",
-            },
-            problems=problems_of(disk),
-            acknowledged=disk.acknowledged,
-        )
-    from tests.leases.dead_worker import dead_worker_reopened
-    from tests.leases.dead_worker import problems_of as reopen_problems
-
-    reopened = await dead_worker_reopened(workdir)
-    bound = reopened.ttl + reopened.sweep_interval + 5.0
-    return _run_of(
-        kind,
-        index,
-        choices={"ttl": reopened.ttl, "sweep_interval": reopened.sweep_interval},
-        back_s=reopened.released_s,
-        first_publication_s=reopened.published_s,
-        refs_released_s=reopened.released_s,
-        published_s=reopened.published_s,
-        goals={
-            f"refs released within TTL + sweep + 5 s ({bound:.0f} s) of the reopen": (
-                reopened.released_s <= bound
-            ),
-            "the next publication commits": reopened.later_publication == "PUBLISHED",
-        },
-        problems=reopen_problems(reopened),
-    )
-
-
-def _run_of(kind: str, index: int, **fields: Any) -> dict[str, Any]:
-    """A run's record with every key the summary reads (``fields`` win)."""
-    base: dict[str, Any] = {
-        "kind": kind,
-        "seed_name": f"{kind}-{index}",
-        "first_affected_generation_s": None,
-        "times": {},
-        "requests": 0,
-        "failures": {},
-    }
-    return {**base, **fields}
 
 
 def _stats(values: list[float]) -> dict[str, float | int | None]:
@@ -281,7 +235,10 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 goals.setdefault(goal, []).append(bool(held))
         out[kind] = {
             "runs": len(mine),
-            **{t: _stats([r[t] for r in mine if r.get(t) is not None]) for t in TIMES},
+            **{
+                t: _stats([r[t] for r in mine if r.get(t) is not None])
+                for t in (*TIMES, *dict.fromkeys(t for r in mine for t in r.get("bench_times", ())))
+            },
             "engine_start_s": _stats(
                 [r["engine_start_s"] for r in mine if r.get("engine_start_s")]
             ),
@@ -370,6 +327,9 @@ def report(summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
             f"{e['failed_after_fault']}, after the dead engine was out of routing "
             f"{e['failed_after_detection']}"
         )
+    for kind, module in SCENARIO_FAULTS.items():
+        if kind in summary:
+            print(import_module(module).bench_line(summary[kind], cell))
     print("\n== goals (runs that held / runs) ==")
     for kind, s in summary.items():
         for goal, held in s["goals"].items():
@@ -469,6 +429,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--rescore", type=Path, help="re-summarize a recorded run's JSON (no engines started)"
     )
     a = p.parse_args(argv)
+    # The scenarios live with the chaos tests, so the benchmark measures what the tests check.
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    add_example_agents_to_path()
     if a.rescore is not None:
         import json
 
@@ -483,10 +447,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = sorted(set(a.faults) - set(FAULTS))
     if unknown or a.repeat < 1:
         p.error(f"unknown faults {unknown}" if unknown else "--repeat must be positive")
-    # The scenarios live with the chaos tests, so the benchmark measures what the tests check.
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    add_example_agents_to_path()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     result = asyncio.run(main_async(a))
     report(result["summary"], result["runs"])

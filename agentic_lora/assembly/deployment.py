@@ -152,9 +152,11 @@ class Deployment:
         if self.fleet.has_groups:
             engines = self.fleet.publication_engines
             health = RoleHealth(versioning.health, self.fleet)
-        self.reclaimer = Reclaimer(registry, backend, engines, on_progress=on_progress)
         #: Engines ejected for failed health probes (see agentic_lora.publication.ejection).
         self.ejections = Ejections()
+        self.reclaimer = Reclaimer(
+            registry, backend, engines, ejections=self.ejections, on_progress=on_progress
+        )
         self.publisher = RollbackPublisher(
             registry,
             backend,

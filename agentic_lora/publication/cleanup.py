@@ -4,6 +4,11 @@ A publication that cannot commit is aborted in the registry, then cleaned on eve
 its prepare did; the slot is freed (FAILED_CLEAN) only when every engine confirmed, and anything
 unconfirmed keeps it (BLOCKED). :class:`~agentic_lora.publication.publisher.Publisher` inherits these steps
 from :class:`CleanupSteps`; see :mod:`agentic_lora.publication.publisher` for the rules they keep.
+
+An engine ejected for failing its health probes (:mod:`agentic_lora.publication.ejection`) is not
+waited for: its cleanup stops being waited for once it is ejected, and none is sent while it
+stays ejected. It stays unconfirmed (the result is BLOCKED, the slot held: the engine may hold
+the candidate), and the resolver cleans it there once it answers again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from agentic_lora.engines.backends import EngineRef
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
+from agentic_lora.publication.ejection import ENGINE_EJECTED
+from agentic_lora.publication.ejection import Ejections
 from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
@@ -38,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 class CleanupSteps(FleetWorker):
     """Observe, fan out over the fleet, abort and clean: the steps a publisher shares."""
+
+    #: Engines ejected for failed probes: a cleanup is not waited for on one (see above).
+    ejections: Ejections | None = None
 
     async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> None:
         async with run.recorder.phase(engine.name, Phase.OBSERVE):
@@ -86,7 +96,9 @@ class CleanupSteps(FleetWorker):
             )
         skipped = skip or set()
         todo = [e for e in self.engines if e.name not in skipped]
-        cleaned = await self._each_engine(lambda e: self._clean_one(run, e, observe_first), todo)
+        cleaned = await self._each_engine(
+            lambda e: self._clean_unless_ejected(run, e, observe_first), todo
+        )
         for report in cleaned:
             previous = run.reports.get(report.engine)
             run.reports[report.engine] = EngineReport(
@@ -113,6 +125,27 @@ class CleanupSteps(FleetWorker):
             PublicationOutcome.FAILED_CLEAN,
             reason=reason,
         )
+
+    async def _clean_unless_ejected(
+        self, run: PublicationRun, engine: EngineRef, observe_first: bool
+    ) -> EngineReport:
+        if self.ejections is None:
+            return await self._clean_one(run, engine, observe_first)
+        ejected, report = await self.ejections.unless_ejected(
+            engine.name, self._clean_one(run, engine, observe_first)
+        )
+        if ejected or report is None:
+            logger.warning(
+                "cleanup not waited for on an ejected engine; resolved once it answers again",
+                extra=attempt_extra(run.attempt, engine.name),
+            )
+            return EngineReport(
+                engine.name,
+                cleaned=False,
+                error_code=ENGINE_EJECTED,
+                error="engine ejected: its cleanup is retried once it answers again",
+            )
+        return report
 
     async def _clean_one(
         self, run: PublicationRun, engine: EngineRef, observe_first: bool = False

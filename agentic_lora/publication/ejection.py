@@ -8,7 +8,10 @@ The repairer's probe reads every engine's incarnation each ``probe_interval`` (b
   more is ejected in the registry (``eject_engine``, fenced by the incarnation the registry
   holds for it), and then marked in :class:`Ejections`, which a running publication waits on:
   the publisher stops waiting for an ejected engine's load and commits over the live members
-  (the registry no longer counts it for readiness);
+  (the registry no longer counts it for readiness), and a reclaim or a publication's cleanup
+  stops waiting for its unload (the version stays RECLAIMING or ABORTED, its slot held, and is
+  finished there once the engine answers again), so no call on a hung engine holds the trainer
+  for its timeout;
 * an EJECTED engine that answers again rejoins only after repair: the repairer loads every
   dispatchable version onto it (it answers, so it is repaired like a restarted engine), and
   ``activate_engine`` with its observed incarnation succeeds only once it holds them all

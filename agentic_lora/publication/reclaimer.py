@@ -57,6 +57,8 @@ from agentic_lora.foundation.background import delay_after
 from agentic_lora.foundation.phases import Phase
 from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseTiming
+from agentic_lora.publication.ejection import ENGINE_EJECTED
+from agentic_lora.publication.ejection import Ejections
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair import VersionLocks
 from agentic_lora.publication.steps import FleetOptions
@@ -123,9 +125,12 @@ class Reclaimer(FleetWorker, BackgroundLoop):
         *,
         backoff: wait_base | None = None,
         version_locks: VersionLocks | None = None,
+        ejections: Ejections | None = None,
         **options: Unpack[FleetOptions],
     ) -> None:
         super().__init__(registry, backend, engines, **options)
+        #: Engines ejected for failed probes: their unloads are not waited for (see above).
+        self.ejections = ejections
         #: Wait before the background loop retries a version left unconfirmed (per version).
         self.backoff = backoff if backoff is not None else default_backoff()
         #: Shared with the Repairer: a claim never overlaps a repair of the same version.
@@ -284,7 +289,24 @@ class Reclaimer(FleetWorker, BackgroundLoop):
     async def _reclaim_on(
         self, recorder: PhaseRecorder, engine: EngineRef, claim: ReclaimClaim
     ) -> VersionStatus | str:
-        """The registry's status after this engine's confirmation, or the failure's code."""
+        """The registry's status after this engine's confirmation, or the failure's code
+        (``ENGINE_EJECTED`` for an engine ejected before or while it was asked)."""
+        if self.ejections is None:
+            return await self._unload_on(recorder, engine, claim)
+        ejected, result = await self.ejections.unless_ejected(
+            engine.name, self._unload_on(recorder, engine, claim)
+        )
+        if ejected or result is None:
+            logger.warning(
+                "reclaim not waited for on an ejected engine; retried once it rejoins",
+                extra={"engine": engine.name, "version": claim.version_id},
+            )
+            return ENGINE_EJECTED
+        return result
+
+    async def _unload_on(
+        self, recorder: PhaseRecorder, engine: EngineRef, claim: ReclaimClaim
+    ) -> VersionStatus | str:
         extra = {"engine": engine.name, "version": claim.version_id}
 
         async def confirm(rid: str) -> VersionStatus:

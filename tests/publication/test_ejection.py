@@ -25,6 +25,7 @@ from agentic_lora.publication.ejection import Ejector
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import RegistryStatus
+from agentic_lora.registry.types import VersionState
 from agentic_lora.testing.adapters import tiny_snapshot
 from agentic_lora.testing.fleet import ScriptedFleet
 from agentic_lora.testing.sglang_engine import EngineOp
@@ -34,7 +35,7 @@ from agentic_lora.testing.sglang_engine import ScriptedSGLangEngine
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-A, B = tiny_snapshot(1), tiny_snapshot(2)
+A, B, C = tiny_snapshot(1), tiny_snapshot(2), tiny_snapshot(3)
 NO_TICK = 3600.0
 EJECT_AFTER = 10.0
 
@@ -118,6 +119,76 @@ async def test_a_publication_waiting_on_a_hung_engine_commits_over_the_live_memb
         s = d.versioning.open_session("agent")
         replies = [await s.generate({"text": f"turn {i}"}) for i in range(4)]
         assert {r.engine for r in replies} == {"e0"}
+
+
+async def test_a_reclaim_hung_on_an_engine_stops_waiting_once_it_is_ejected_so_publish_never_stalls(
+    fleet: ScriptedFleet, tmp_path: Path
+) -> None:
+    clock, gates = Clock(), []
+    async with deployment(fleet, tmp_path, clock, gates) as d:
+        s = d.versioning.open_session("on-a")
+        await s.generate({"text": "turn 0"})
+        assert (await d.publish("B", B)).outcome is PublicationOutcome.PUBLISHED
+        e1 = fleet["e1"]
+        gate, reached = asyncio.Event(), asyncio.Event()
+        e1.script(EngineOp.UNLOAD, Fault.waiting_for(gate, reached))
+        gates.append(gate)
+        await s.close()  # A's last Session: the reclaimer unloads A, and e1's unload hangs
+        await reached.wait()
+        # Both slots are held (B, and A RECLAIMING): C needs A's, so its publication joins the
+        # reclaim hung on e1, and stops waiting once e1 is ejected.
+        publishing = asyncio.create_task(d.publish("C", C))
+        _probes_fail(e1, 2)
+        await d.repairer.probe_once()
+        clock.t = EJECT_AFTER
+        await d.repairer.probe_once()
+        result = await asyncio.wait_for(publishing, 30)  # a hang guard: the gate is never set
+        assert result.outcome is PublicationOutcome.SKIPPED
+        assert not gate.is_set()
+        a = await d.registry.version("A")
+        assert a.state is VersionState.RECLAIMING
+        assert a.reclaimed_engines == ("e0",)
+        # e1 answers again: it holds B, so it rejoins at once; the next publication's reclaim
+        # round unloads A from it, frees the slot, and C commits on both members.
+        await d.repairer.repair_once()
+        assert (await _members(d))["e1"] is MemberState.ACTIVE
+        assert (await d.publish("C", C)).outcome is PublicationOutcome.PUBLISHED
+        assert (await d.registry.version("A")).state is VersionState.RECLAIMED
+        assert not e1.holds(a.lora_name)
+        assert (await d.registry.version("C")).ready_engines == ("e0", "e1")
+
+
+async def test_a_cleanup_never_waits_for_a_hung_engine_once_it_is_ejected(
+    fleet: ScriptedFleet, tmp_path: Path
+) -> None:
+    clock, gates = Clock(), []
+    async with deployment(fleet, tmp_path, clock, gates) as d:
+        e0, e1 = fleet["e0"], fleet["e1"]
+        reached = _hang(e1, gates)  # B's load on e1 hangs ...
+        e0.script(EngineOp.LOAD, Fault(FaultKind.REFUSE))  # ... and e0 refuses it: abort, clean
+        unload_gate, unload_reached = asyncio.Event(), asyncio.Event()
+        e1.script(EngineOp.UNLOAD, Fault.waiting_for(unload_gate, unload_reached))
+        gates.append(unload_gate)
+        publishing = asyncio.create_task(d.publish("B", B))
+        await reached.wait()
+        _probes_fail(e1, 2)
+        await d.repairer.probe_once()
+        clock.t = EJECT_AFTER
+        await d.repairer.probe_once()
+        result = await asyncio.wait_for(publishing, 30)  # a hang guard: no gate is ever set
+        assert result.outcome is PublicationOutcome.BLOCKED
+        reports = {r.engine: r for r in result.engines}
+        assert reports["e0"].cleaned is True
+        assert reports["e1"].cleaned is False
+        assert reports["e1"].error_code == ENGINE_EJECTED
+        assert not unload_reached.is_set()  # nothing was sent to the ejected engine
+        assert (await d.registry.version("B")).state is VersionState.ABORTED
+        # e1 answers again: it rejoins (it holds A), and the cleanup is resolved there.
+        await d.repairer.repair_once()
+        assert (await _members(d))["e1"] is MemberState.ACTIVE
+        unload_gate.set()
+        assert (await d.resolve("B")).blocked == ()
+        assert (await d.registry.version("B")).state is VersionState.FAILED_CLEAN
 
 
 async def test_an_ejected_engine_rejoins_only_after_repair_loaded_every_dispatchable_version(
