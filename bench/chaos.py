@@ -41,12 +41,8 @@ Three more kinds are not kills (issue 25), and report their own figures:
   (``tests/leases/dead_worker.py``; no engines): when its refs were released (goal: within
   TTL + sweep interval + 5 s of the reopen) and when the next publication committed.
 
-Prints a table and writes ``bench/out/chaos.json`` (``bench/plot.py`` draws
-``docs/img/recovery.png`` from it).
-
-Usage: python bench/chaos.py [--repeat 3]
-       [--faults engine,gateway,registry-host,worker,registry-actor,rollback,disk-full,reopen]
-       [--seed N]
+Prints a table, writes ``bench/out/chaos.json`` (``bench/plot.py`` draws ``docs/img/recovery.png``).
+Usage: python bench/chaos.py [--repeat 3] [--faults KIND,...] [--seed N]   # kinds: FAULTS
        python bench/chaos.py --rescore bench/out/chaos.json   # print (and rewrite) a recorded run
 """
 
@@ -86,6 +82,8 @@ FAULTS = (
     "rollback",
     "disk-full",
     "reopen",
+    "engine-add",
+    "engine-drain",
 )
 RAY_FAULTS = frozenset({"worker", "registry-actor"})
 #: Kinds that need no engine fleet (their scenarios bring scripted engines of their own).
@@ -115,6 +113,10 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
 
     rng = scenario_rng(f"bench-{kind}-{index}", seed)
     started = time.monotonic()
+    if kind in ("engine-add", "engine-drain"):  # tests/chaos/membership_load.py, goals there
+        from tests.chaos.membership_load import membership_fault
+
+        return await membership_fault(kind, fleet, workdir, rng, f"{kind}-{index}", started)
     if kind in ("disk-full", "reopen"):
         out = await _journal_fault(kind, workdir, index)
         out["wall_s"] = round(time.monotonic() - started, 1)
