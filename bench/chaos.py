@@ -28,7 +28,7 @@ to another engine behind the caller's back; the table counts them apart. "The ow
 the moment the restarted worker opens its new lease (its process start, interpreter and Ray
 included, is printed too).
 
-Four more kinds are not kills (issue 25), and report their own figures:
+Six more kinds are not kills (issue 25), and report their own figures:
 
 * **rollback**: a rollback in the middle of agent load (``tests/chaos/rollback_scenario.py``),
   first to a RETIRED version, then to a RECLAIMED one: the trainer-visible time of each
@@ -43,19 +43,17 @@ Four more kinds are not kills (issue 25), and report their own figures:
 * **hung-engine**: one engine stopped (SIGSTOP) during dispatch, then a publication
   (``tests/chaos/hung_engine.py``, at the documented probe and ejection defaults): the
   trainer-visible publication time (goal: under 30 s), the ejection time, the failed requests
-  (in flight at the stop, sent after it) and, after SIGCONT, the time back to normal.
+  (in flight at the stop, sent after it) and, after SIGCONT, the time back to normal;
+* **engine-add**, **engine-drain**: an engine joins, or one drains, under agent load with a
+  publication during the change (``tests/chaos/membership_load.py``): back to normal (ACTIVE and
+  serving; REMOVED), the failed requests (goal: none) and the publication's time.
 
 Kinds listed in ``SCENARIO_FAULTS`` are run and printed by their scenario module
 (``bench_run(fleet, workdir, rng, name=...)`` returns the run's record, naming its extra times in
 ``bench_times``; ``bench_line(summary, cell)`` is its line of the report).
 
-Prints a table and writes ``bench/out/chaos.json`` (``bench/plot.py`` draws
-``docs/img/recovery.png`` from it).
-
-Usage: python bench/chaos.py [--repeat 3]
-       [--faults engine,gateway,registry-host,worker,registry-actor,rollback,disk-full,reopen,
-                 hung-engine]
-       [--seed N]
+Prints a table, writes ``bench/out/chaos.json`` (``bench/plot.py`` draws ``docs/img/recovery.png``).
+Usage: python bench/chaos.py [--repeat 3] [--faults KIND,...] [--seed N]   # kinds: FAULTS
        python bench/chaos.py --rescore bench/out/chaos.json   # print (and rewrite) a recorded run
 """
 
@@ -98,6 +96,8 @@ FAULTS = (
     "disk-full",
     "reopen",
     "hung-engine",
+    "engine-add",
+    "engine-drain",
 )
 #: Kinds their scenario module runs and reports (see the module docstring).
 SCENARIO_FAULTS = {"hung-engine": "tests.chaos.hung_engine"}
@@ -129,6 +129,10 @@ async def run_fault(kind: str, fleet: Any, workdir: Path, seed: int, index: int)
 
     rng = scenario_rng(f"bench-{kind}-{index}", seed)
     started = time.monotonic()
+    if kind in ("engine-add", "engine-drain"):  # tests/chaos/membership_load.py, goals there
+        from tests.chaos.membership_load import membership_fault
+
+        return await membership_fault(kind, fleet, workdir, rng, f"{kind}-{index}", started)
     if kind in ("disk-full", "reopen"):
         out = await journal_fault(kind, workdir, index)
         out["wall_s"] = round(time.monotonic() - started, 1)

@@ -44,6 +44,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.membership import DRAIN_GRACE
+from agentic_lora.assembly.membership import DrainResult
+from agentic_lora.assembly.membership import drain_engine as drain_member
+from agentic_lora.assembly.membership import join_engine as join_member
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.engines.adapter_backend import DrainHook
 from agentic_lora.engines.backends import Backend
@@ -385,43 +389,53 @@ class Deployment:
         """Every member of the registry's fleet with its incarnation and membership state."""
         return (await self.registry.status()).engines
 
-    async def drain_engine(self, engine: str) -> MemberState:
-        """``engine`` takes no new work from this step on: its Sessions continue on the members
-        that hold their version. Remove it (:meth:`remove_engine`) once its in-flight requests
-        ended (at most ``request_timeout`` later)."""
-        return await self.registry.drain_engine(request_id=new_request_id(), engine=engine)
+    async def drain_engine(
+        self, engine: str, *, wait_bound: float | None = None, remove: bool = True
+    ) -> DrainResult:
+        """``engine`` takes no new work from this step on (DRAINING): its Sessions continue on
+        the members that hold their version. Then this waits until no request of this process's
+        Sessions is in flight on it, and removes it (REMOVED: its slots leave the count).
+
+        ``wait_bound`` bounds the wait (default ``request_timeout`` + :data:`DRAIN_GRACE` seconds);
+        past it the engine stays DRAINING and the outcome is TIMED_OUT (drain it again to wait
+        again, or :meth:`remove_engine` it regardless). ``remove=False`` stops after the wait
+        (outcome DRAINED). Raises ``DRAIN_REFUSED`` for the last ACTIVE member or an EJECTED
+        engine. See :mod:`agentic_lora.assembly.membership`."""
+        bound = self.settings.request_timeout + DRAIN_GRACE if wait_bound is None else wait_bound
+        # A PD role server is reached through the group it serves in.
+        routed = self.fleet.member_of().get(engine, engine)
+        return await drain_member(
+            self.registry,
+            self.versioning,
+            self.publisher,
+            engine,
+            routed=(routed,),
+            wait_bound=bound,
+            remove=remove,
+        )
 
     async def remove_engine(self, engine: str) -> MemberState:
-        """A DRAINING or EJECTED ``engine`` leaves the fleet; its slots leave the count."""
-        return await self.registry.remove_engine(request_id=new_request_id(), engine=engine)
+        """A DRAINING or EJECTED ``engine`` leaves the fleet now, without waiting for anything
+        (:meth:`drain_engine` removes a drained engine itself); its slots leave the count."""
+        async with self.publisher.exclusive():
+            return await self.registry.remove_engine(request_id=new_request_id(), engine=engine)
 
     async def add_engine(self, engine: str) -> MemberState:
         """``engine`` (one of this Deployment's configured engines that was removed, drained or
-        ejected) joins: every dispatchable version is loaded onto it, then it becomes ACTIVE.
+        ejected) joins: every dispatchable version (the default, and every version Sessions are
+        bound to) is loaded onto it, then it becomes ACTIVE: routable, and counted for readiness.
+        Publications go on meanwhile; one that starts during the last step waits for it (see
+        :mod:`agentic_lora.assembly.membership`).
 
         Raises ``MEMBER_NOT_READY`` if a version could not be loaded (try again; the repairer
-        keeps loading) and ``CONFIG_ERROR`` for an engine this Deployment has no address for.
+        keeps loading) and ``CONFIG_ERROR`` for an engine this Deployment has no address for, or
+        one still draining.
         """
         if engine not in {e.name for e in self.repairer.engines}:
             raise ConfigurationError(
                 f"engine {engine!r} is not one of this deployment's engines", check="engine"
             )
-        members = {e.engine: e.membership for e in await self.engines()}
-        state = members.get(engine, MemberState.REMOVED)
-        if state is MemberState.REMOVED:
-            await self.registry.join_engine(request_id=new_request_id(), engine=engine)
-        elif state is MemberState.DRAINING:
-            raise ConfigurationError(
-                f"engine {engine!r} is draining; remove it before adding it again",
-                check="engine",
-            )
-        await self.repairer.repair_once()  # observes its incarnation, loads what it lacks
-        incarnation = {e.engine: e.incarnation for e in await self.engines()}.get(engine)
-        if state is MemberState.ACTIVE:
-            return state
-        result = await self.registry.activate_engine(
-            request_id=new_request_id(), engine=engine, incarnation=incarnation or "-"
-        )
+        result = await join_member(self.registry, self.repairer, self.publisher, engine)
         self.ejections.mark(engine, False)
         return result
 

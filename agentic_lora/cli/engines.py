@@ -30,6 +30,12 @@ async def run(args: argparse.Namespace, out: IO[str]) -> int:
         return EXIT_OK
     if action is not None:
         out.write(f"{report.get('engine')}: {report.get('membership')}\n")
+        drain = report.get("drain")
+        if isinstance(drain, dict):
+            out.write(
+                f"drain {drain.get('outcome')}: {drain.get('in_flight_at_drain')} in flight at "
+                f"the drain, {drain.get('in_flight')} left, waited {drain.get('waited_s')} s\n"
+            )
     for e in report.get("engines") or ():
         out.write(f"{e.get('engine')}  {e.get('membership')}  {e.get('incarnation') or '-'}\n")
     return EXIT_OK

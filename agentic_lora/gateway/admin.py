@@ -28,6 +28,7 @@ from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
+from agentic_lora.assembly.membership import DrainResult
 from agentic_lora.errors import AccessDeniedError
 from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import InvalidRequestError
@@ -44,6 +45,7 @@ from agentic_lora.gateway.wire import resolve_report_json
 from agentic_lora.gateway.wire import status_json
 from agentic_lora.publication.publisher import PhaseEvent
 from agentic_lora.publication.publisher import PublicationResult
+from agentic_lora.registry.types import MemberState
 
 if TYPE_CHECKING:
     from agentic_lora.assembly.deployment import Deployment
@@ -303,7 +305,9 @@ class AdminRoutes:
         """``GET /admin/engines``: every member and its membership. ``POST /admin/engines``
         with ``{"action": "add" | "drain" | "remove", "engine": NAME}`` changes one (see
         :meth:`Deployment.add_engine`, ``drain_engine``, ``remove_engine``), then answers the
-        same list with ``"membership"``: the engine's state after the action."""
+        same list with ``"membership"``: the engine's state after the action. A drain answers
+        once the engine's in-flight requests ended and it was removed (or its wait timed out),
+        with ``"drain"``: the :class:`~agentic_lora.assembly.membership.DrainResult`."""
         self.require_admin(request)
         deployment = self._gateway.deployment
         body: dict[str, Any] = {}
@@ -311,7 +315,7 @@ class AdminRoutes:
             payload = await self._payload(request)
             action = _string_field(payload, "action")
             engine = _string_field(payload, "engine")
-            verbs = {
+            verbs: dict[str, Callable[[str], Awaitable[MemberState | DrainResult]]] = {
                 "add": deployment.add_engine,
                 "drain": deployment.drain_engine,
                 "remove": deployment.remove_engine,
@@ -321,13 +325,18 @@ class AdminRoutes:
                 raise InvalidRequestError(
                     f"action must be one of {sorted(verbs)}", route="/admin/engines"
                 )
-            # Shielded: a client that goes away must not cut an add (its loads) short.
-            state = await asyncio.shield(verb(engine))
+            # Shielded: a client that goes away must not cut an add (its loads) or a drain (its
+            # wait for the engine's in-flight requests, then the removal) short.
+            done = await asyncio.shield(verb(engine))
+            drain = done if isinstance(done, DrainResult) else None
+            state = done.membership if isinstance(done, DrainResult) else done
             logger.warning(
                 "engine membership changed",
                 extra={"engine": engine, "action": action, "membership": state.value},
             )
             body = {"engine": engine, "action": action, "membership": state.value}
+            if drain is not None:
+                body["drain"] = drain.as_json()
         members = await deployment.engines()
         body["engines"] = [
             {"engine": e.engine, "incarnation": e.incarnation, "membership": e.membership.value}

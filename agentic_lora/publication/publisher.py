@@ -36,7 +36,9 @@ Rules this module keeps, and what each one prevents:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from collections.abc import Callable
 from collections.abc import Coroutine
 from collections.abc import Sequence
@@ -149,6 +151,15 @@ class Publisher(CleanupSteps):
     def busy(self) -> bool:
         """A publication or a resolve holds the publisher right now."""
         return self._lock.locked()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the publisher: a publication, rollback or resolve of this process running now
+        ends first, and none starts until the block ends. A membership change uses it for its
+        last step (an engine's activation, a drained engine's removal), so no publication's
+        set of engines changes under it (see :meth:`agentic_lora.assembly.deployment.Deployment.add_engine`)."""
+        async with self._lock:
+            yield
 
     # --- public verbs -------------------------------------------------------------------------
 

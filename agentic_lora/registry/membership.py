@@ -19,15 +19,19 @@ fleet was configured with start ACTIVE.
   count for readiness until it is activated.
 * **activate**: JOINING (or EJECTED, after a repair) becomes ACTIVE only once the engine's current
   incarnation has been observed and it holds every dispatchable version (the default and every
-  version Sessions are bound to) and the pending publication's candidate, each under that
-  incarnation. Otherwise ``MEMBER_NOT_READY`` names what is missing.
+  version Sessions are bound to: :func:`needed_by_members`) and the pending publication's
+  candidate, each under that incarnation. Otherwise ``MEMBER_NOT_READY`` names what is missing.
 * **drain**: an ACTIVE or JOINING engine takes no new work. The last ACTIVE member cannot be
   drained (``DRAIN_REFUSED``): the fleet would have nowhere to route.
 * **eject**: an engine that failed its health probes leaves the publication set, fenced by its
   incarnation: an ejection decided against an older process of the engine than the registry's
   current one is refused (``ENGINE_RESTARTED``).
 * **remove**: a DRAINING (its in-flight requests ended) or EJECTED engine leaves the fleet, with
-  everything recorded against it; a cleanup or reclaim that only waited for it completes.
+  everything recorded against it (it holds no slot of any version any more); a cleanup or
+  reclaim that only waited for it completes.
+
+The I/O around these steps (loading the versions onto a joining engine, waiting for a draining
+engine's in-flight requests) is :mod:`agentic_lora.assembly.membership`'s.
 
 Every function runs inside one atomic step of :class:`~agentic_lora.registry.core.RegistryCore`
 (each is a journaled verb, so a replay restores membership exactly).
@@ -46,6 +50,7 @@ from agentic_lora.errors import MemberNotReadyError
 from agentic_lora.errors import MembershipError
 from agentic_lora.errors import RemoveRefusedError
 from agentic_lora.registry.state import RegistryState
+from agentic_lora.registry.state import VersionRecord
 from agentic_lora.registry.state import check_token
 from agentic_lora.registry.types import MemberState
 from agentic_lora.registry.types import VersionState
@@ -59,6 +64,7 @@ __all__ = [
     "eject",
     "join",
     "member_state",
+    "needed_by_members",
     "remove",
 ]
 
@@ -112,6 +118,19 @@ def advance(engine: str, state: MemberState, event: MemberEvent) -> MemberState:
         ) from None
 
 
+def needed_by_members(v: VersionRecord) -> bool:
+    """Whether every ACTIVE member must hold ``v``: the default (PUBLISHED), a RETIRED version
+    Sessions are still bound to, and the pending publication's candidate (LOADING). A RETIRED
+    version no Session holds is not: nothing can be routed to it again (a rollback to it loads
+    it onto every ACTIVE member that lacks it first), and its reclaim finds it absent there."""
+    state = v.state
+    return (
+        state is VersionState.PUBLISHED
+        or state is VersionState.LOADING
+        or (state is VersionState.RETIRED and v.session_refs > 0)
+    )
+
+
 def member_state(state: RegistryState, engine: str) -> MemberState:
     """The engine's membership (REMOVED for an engine that is not in the fleet)."""
     return state._members.get(engine, MemberState.REMOVED)
@@ -144,7 +163,7 @@ def activate(state: RegistryState, engine: str, incarnation: str) -> MemberState
     missing = [
         v.version_id
         for v in state._versions.values()
-        if (v.state.dispatchable or v.state is VersionState.LOADING)
+        if needed_by_members(v)
         and ((r := v.ready.get(engine)) is None or r.incarnation != incarnation)
     ]
     if missing:

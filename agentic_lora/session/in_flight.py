@@ -1,5 +1,5 @@
-"""What is in flight: each dispatch while it runs, and the requests per adapter with an
-event-driven wait for one adapter to drain.
+"""What is in flight: each dispatch while it runs, and the requests per adapter (or per engine)
+with an event-driven wait for one of them to drain.
 
 :class:`InFlight` is a Session's record of one dispatch (its request id, then its engine), kept
 until the dispatch ended so that a close can abort it.
@@ -8,6 +8,9 @@ until the dispatch ended so that a close can abort it.
 through; a backend whose engine does not wait for in-flight requests on unload (vLLM) waits for
 the count to reach zero before it unloads a version (see
 :meth:`agentic_lora.session.Versioning.wait_drained`).
+:class:`~agentic_lora.session.middleware.RoutingMiddleware` counts every request it sends per
+engine in a second counter of the same kind; a drained engine is removed once its count reached
+zero (see :meth:`agentic_lora.session.Versioning.wait_engine_drained`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class AdapterInFlight:
     own in-flight requests (vLLM).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, label: str = "version") -> None:
+        #: What a name counted here is (the ``extra=`` key of the wait's log line).
+        self._label = label
         self._counts: dict[str, int] = {}
         # At most one event per busy name, created by the first waiter of a busy period and set
         # when the count returns to zero: a waiter never sees a later busy period's event, so it
@@ -104,7 +109,7 @@ class AdapterInFlight:
         event = self._drained.get(lora_name)
         if event is None:
             event = self._drained[lora_name] = asyncio.Event()
-        extra = {"version": lora_name, "in_flight": in_flight}
+        extra = {self._label: lora_name, "in_flight": in_flight}
         logger.info("waiting for requests on %s to end", lora_name, extra=extra)
         notify(self.on_wait, lora_name, in_flight, logger=logger, what="on_wait", extra=extra)
         await event.wait()

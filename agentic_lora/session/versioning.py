@@ -133,6 +133,7 @@ class Versioning:
         """The engine dialect (its ``name``: ``"sglang"``, ``"vllm"``, ...): routes, adapter naming,
         abort by id."""
         self._adapter_requests = AdapterInFlight()
+        self._engine_requests = AdapterInFlight(label="engine")
         #: Told ``(lora_name, in_flight)`` when a :meth:`wait_drained` starts waiting for this
         #: manager's requests on an adapter (the drain of a reclaim); append listeners any time.
         self.on_drain_wait: list[DrainWaitListener] = self._adapter_requests.on_wait
@@ -215,6 +216,7 @@ class Versioning:
                 router=self.router,
                 health=self.health,
                 on_refused=self.on_refused,
+                in_flight=self._engine_requests,
             )
         )
         self._runtime = SessionRuntime(
@@ -315,6 +317,20 @@ class Versioning:
         so no new request can start on it meanwhile.
         """
         await self._adapter_requests.wait_drained(lora_name)
+
+    def engine_in_flight(self, engine: str) -> int:
+        """Requests of this manager's Sessions in flight on ``engine`` (a routed engine: a plain
+        engine, or a PD group)."""
+        return self._engine_requests.count(engine)
+
+    async def wait_engine_drained(self, engine: str) -> None:
+        """Return once no request of this manager's Sessions is in flight on ``engine``.
+
+        Event-driven, like :meth:`wait_drained`. Await it once ``engine`` can no longer be routed
+        to (no longer an ACTIVE member: a drain): then no request starts on it after the call,
+        and the return means every one sent to it ended. It sees only this process's Sessions.
+        """
+        await self._engine_requests.wait_drained(engine)
 
     @property
     def engines(self) -> tuple[EngineRef, ...]:

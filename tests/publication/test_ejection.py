@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from agentic_lora.assembly.deployment import Deployment
+from agentic_lora.assembly.membership import DrainOutcome
 from agentic_lora.publication.ejection import ENGINE_EJECTED
 from agentic_lora.publication.ejection import Ejections
 from agentic_lora.publication.ejection import Ejector
@@ -249,7 +250,9 @@ async def test_drain_remove_and_add_an_engine_through_the_deployment(
     async with deployment(fleet, tmp_path, clock, gates) as d:
         s = d.versioning.open_session("before-drain")
         await s.generate({"text": "turn 0"})
-        assert await d.drain_engine("e1") is MemberState.DRAINING
+        drained = await d.drain_engine("e1", remove=False)
+        assert (drained.outcome, drained.membership) == (DrainOutcome.DRAINED, MemberState.DRAINING)
+        assert (drained.in_flight_at_drain, drained.in_flight) == (0, 0)
         # No new work on the draining engine; the Session keeps its version on e0.
         replies = [await s.generate({"text": f"turn {i}"}) for i in range(1, 4)]
         assert {r.engine for r in replies} == {"e0"}

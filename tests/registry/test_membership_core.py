@@ -31,6 +31,7 @@ from .util import E0
 from .util import E1
 from .util import bind
 from .util import call
+from .util import close
 from .util import digest_of
 from .util import new_core
 from .util import publish
@@ -106,6 +107,31 @@ def test_a_joining_engine_is_not_routable_until_it_holds_every_dispatchable_vers
     assert core.active_members() == (E0, E1, E2)
 
 
+def test_a_joining_engine_needs_the_default_bound_versions_and_the_candidate_only() -> None:
+    core = new_core(capacity=4, published="v1")
+    bind(core, "s1")  # v1 stays bound
+    publish(core, "v2")  # v2 is RETIRED once v3 commits, and nobody holds it
+    publish(core, "v3")
+    r = call(core, "reserve", version_id="v4", digest=digest_of("v4"))  # pending candidate
+    call(core, "join_engine", engine=E2)
+    _observe(core, E2)
+    with pytest.raises(MemberNotReadyError) as err:
+        call(core, "activate_engine", engine=E2, incarnation="inc-1")
+    assert err.value.details["missing"] == ["v1", "v3", "v4"]
+    for version_id in ("v1", "v3"):
+        _ready_for(core, version_id, E2)
+    ready(core, r, E2)
+    assert call(core, "activate_engine", engine=E2, incarnation="inc-1") is M.ACTIVE
+    assert core.dispatch_view("v2").ready_engines == (E0, E1)  # type: ignore[union-attr]
+    # Once s1 is gone, v1 is not needed either: an ejected, restarted member needs v3 and v4.
+    close(core, "s1")
+    call(core, "eject_engine", engine=E2, incarnation="inc-1")
+    _observe(core, E2, "inc-2")
+    with pytest.raises(MemberNotReadyError) as err:
+        call(core, "activate_engine", engine=E2, incarnation="inc-2")
+    assert err.value.details["missing"] == ["v3", "v4"]
+
+
 def test_commit_needs_every_active_member_and_only_those() -> None:
     core = new_core(capacity=3, published="v1")
     call(core, "join_engine", engine=E2)  # joining: not counted
@@ -139,7 +165,8 @@ def test_an_ejected_engine_leaves_the_publication_set_fenced_by_its_incarnation(
     _observe(core, E1, "inc-2")  # it was restarted: holds nothing
     with pytest.raises(MemberNotReadyError) as err:
         call(core, "activate_engine", engine=E1, incarnation="inc-2")
-    assert err.value.details["missing"] == ["v1", "v2"]
+    # v1 is RETIRED and no Session holds it: nothing can be routed to it, so it is not needed.
+    assert err.value.details["missing"] == ["v2"]
     _load_all(core, E1, "inc-2")
     assert call(core, "activate_engine", engine=E1, incarnation="inc-2") is M.ACTIVE
     assert core.dispatch_view("v2").ready_engines == (E0, E1)  # type: ignore[union-attr]

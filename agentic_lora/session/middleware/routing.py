@@ -20,6 +20,7 @@ from agentic_lora.errors import ConfigurationError
 from agentic_lora.errors import RequestRefusedError
 from agentic_lora.errors import VersionUnavailableError
 from agentic_lora.registry.types import Binding
+from agentic_lora.session.in_flight import AdapterInFlight
 from agentic_lora.session.middleware.chain import Dispatch
 from agentic_lora.session.middleware.chain import EngineCall
 
@@ -49,6 +50,12 @@ class RoutingMiddleware:
     request (a 4xx, or unreachable): the cheapest restart detector there is, since a restarted
     SGLang engine answers 400 for an adapter it does not hold. The sequence is read at each
     refusal, so listeners added later (to the same list) are seen.
+
+    ``in_flight``: counts every request per engine from the moment it was routed until it ended
+    (a stream: until the stream ended). Counted in the same step as the dispatch guard's read of
+    the holders (no await between them), so once a membership change that takes an engine out of
+    the holders was applied, no request of this process starts on it, and the count reaching
+    zero means every one sent to it ended (how a drain knows when to remove the engine).
     """
 
     def __init__(
@@ -58,8 +65,10 @@ class RoutingMiddleware:
         router: Router,
         health: EngineHealth,
         on_refused: Sequence[RefusedListener] = (),
+        in_flight: AdapterInFlight | None = None,
     ) -> None:
         self._next = next_dispatch
+        self._in_flight = in_flight
         self._router = router
         self._health = health
         self._on_refused = on_refused
@@ -89,6 +98,9 @@ class RoutingMiddleware:
         if call.ticket is not None:
             call.ticket.engine = engine
         self._router.on_dispatch(engine, call.session_key)
+        counts = self._in_flight
+        if counts is not None:
+            counts.enter(engine)
         try:
             return await self._next(call.routed_to(engine))
         except RequestRefusedError:
@@ -96,6 +108,8 @@ class RoutingMiddleware:
                 self._refused(engine, call.binding)
             raise
         finally:
+            if counts is not None:
+                counts.leave(engine)
             self._router.on_complete(engine, call.session_key)
 
     def _refused(self, engine: str, binding: Binding) -> None:
