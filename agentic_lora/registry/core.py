@@ -395,11 +395,7 @@ class RegistryCore(RegistryState):
             )
         v.state = advance(version_id, v.state, VersionEvent.CLAIM_RECLAIM)
         # From here on no request for this version may be dispatched.
-        # Stable per reclaim; a version a rollback loaded again is reclaimed under a new id (a
-        # backend confirms a reclaim once per id, and must unload it once more).
-        v.reclaim_id = f"reclaim-{self.deployment_epoch}-{version_id}" + (
-            f".{v.reloads}" if v.reloads else ""
-        )
+        v.reclaim_id = self.reclaim_id_of(v)
         return reclaim_claim(self, v)
 
     def confirm_reclaim(self, version_id: str, reclaim_id: str, engine: str) -> VersionStatus:

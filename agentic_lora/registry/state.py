@@ -340,8 +340,22 @@ class RegistryState:
             # FAILED_CLEAN: publishing its id again must stay a no-op.
             event = VersionEvent.RELOAD_CLEANED if v.committed_before else VersionEvent.ALL_CLEANED
             v.state = advance(v.version_id, v.state, event)
+            if event is VersionEvent.RELOAD_CLEANED:
+                # RECLAIMED again, and the cleanup was that reclaim: every engine confirmed it
+                # holds nothing of the attempt. A reclaimer's claim of it (raced with the reload,
+                # or after a restart) must get a settled claim back, not one without an id.
+                v.reclaim_id = self.reclaim_id_of(v)
+                v.reclaimed = set(self.engines)
             if self._pending == v.version_id:
                 self._pending = None
+
+    def reclaim_id_of(self, v: VersionRecord) -> str:
+        """The id ``v``'s current load is reclaimed under: stable per reclaim, and new for a
+        version a rollback loaded again (a backend confirms a reclaim once per id, and must
+        unload it once more)."""
+        return f"reclaim-{self.deployment_epoch}-{v.version_id}" + (
+            f".{v.reloads}" if v.reloads else ""
+        )
 
     def _reclaimed(self, v: VersionRecord, engine: str) -> None:
         v.reclaimed.add(engine)

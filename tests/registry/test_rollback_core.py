@@ -278,6 +278,23 @@ def test_an_aborted_reload_is_reclaimed_again_never_failed_clean() -> None:
     assert (retry.outcome, retry.attempt) == (ReserveOutcome.RELOAD_STARTED, 3)
 
 
+def test_a_claim_of_a_version_whose_reload_was_cleaned_is_settled() -> None:
+    # Found by the state machine: a reclaimer claiming a version RECLAIMED again by its aborted
+    # reload's cleanup got no reclaim id (the reload had cleared it). The cleanup was the
+    # reclaim: the claim comes back with the reload's own id, every engine confirmed.
+    core = reclaimed_a()
+    r = call(core, "reserve_rollback", version_id="A")
+    call(core, "abort", version_id="A", attempt=r.attempt, reason="prepare failed")
+    for engine in (E0, E1):
+        call(core, "confirm_cleanup", version_id="A", attempt=r.attempt, engine=engine)
+    assert core.state_of("A") is S.RECLAIMED
+    claim = call(core, "claim_reclaim", version_id="A")
+    assert (claim.reclaim_id, claim.attempt, claim.confirmed) == ("reclaim-0-A.1", 2, (E0, E1))
+    copy = RegistryCore(engines=(E0, E1), capacity=2)
+    copy.load_state(core.to_state())
+    assert call(copy, "claim_reclaim", version_id="A") == claim
+
+
 def test_the_transition_table_has_the_rollback_edges_and_refuses_the_rest() -> None:
     assert TRANSITIONS[(S.RETIRED, VersionEvent.ROLLBACK)] is S.PUBLISHED
     assert TRANSITIONS[(S.RECLAIMED, VersionEvent.RELOAD)] is S.LOADING
