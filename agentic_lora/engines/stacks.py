@@ -58,14 +58,16 @@ def cached_url(
 class StackAnswer:
     """One answer whose head is in: its status, and how to read, stream and close its body.
 
-    ``close`` releases the answer. One not read to its end closes its connection: that is how an
-    engine without abort by id learns that nobody reads the request any more.
+    ``read`` reading the whole body releases the answer (its connection goes back to the pool),
+    so a caller closes only an answer it did not read in full. ``close`` releases the answer. One
+    not read to its end closes its connection: that is how an engine without abort by id learns
+    that nobody reads the request any more.
     """
 
     status: int
     #: How to decode the body as text (the answer's charset, else UTF-8).
     charset: str
-    #: The whole body.
+    #: The whole body; the answer is released once it is read.
     read: Callable[[], Awaitable[bytes]]
     #: The body, one decoded line at a time (line ends stripped).
     lines: Callable[[], AsyncIterator[str]]

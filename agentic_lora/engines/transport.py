@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,8 +150,7 @@ def _where(engine: str, path: str, rid: object) -> dict[str, Any]:
 
 
 async def _close_quietly(answer: StackAnswer, engine: str, path: str, rid: object) -> None:
-    # Runs after the answer was read in full, or while a failure is being raised: a connection
-    # that fails to close changes neither, so it must not replace them.
+    # Runs at a stream's end or while a failure is raised: a failed close must replace neither.
     try:
         await answer.close()
     except WIRE_ERRORS as exc:
@@ -177,6 +177,20 @@ async def _payloads(answer: StackAnswer, where: Mapping[str, Any]) -> AsyncItera
             error=type(exc).__name__,
             **where,
         ) from exc
+
+
+def _unanswered(
+    exc: BaseException, label: str, engine: str, path: str, rid: object
+) -> DispatchError:
+    """The classified failure of an exchange whose answer never came (see :meth:`_open`)."""
+    outcome = classify_exception(exc)
+    sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
+    return _failure(
+        outcome,
+        f"{label} to {engine}: {type(exc).__name__} ({exc}); the request {sent} and is not resent",
+        error=type(exc).__name__,
+        **_where(engine, path, rid),
+    )
 
 
 def _failure(
@@ -272,15 +286,7 @@ class EngineTransport:
             # Inside the try: a URL that cannot be requested fails here, before sending.
             return await self._stack.open(method, base_url, path, content)
         except WIRE_ERRORS as exc:
-            outcome = classify_exception(exc)
-            sent = "was not sent" if outcome is Outcome.REFUSED else "may have been accepted"
-            raise _failure(
-                outcome,
-                f"{label} to {engine}: {type(exc).__name__} ({exc}); the request {sent} "
-                "and is not resent",
-                error=type(exc).__name__,
-                **_where(engine, path, rid),
-            ) from exc
+            raise _unanswered(exc, label, engine, path, rid) from exc
 
     async def _exchange(
         self,
@@ -294,32 +300,34 @@ class EngineTransport:
     ) -> EngineReply:
         """One HTTP exchange, classified. Raises RequestRefusedError/RequestIndeterminateError
         (``check_status=False``: only for what happened on the wire; any answer is returned)."""
-        answer = await self._open(engine, method, path, content, rid, f"{method} {path}")
+        base_url = self._ref(engine).base_url
+        try:
+            answer = await self._stack.open(method, base_url, path, content)
+        except WIRE_ERRORS as exc:
+            raise _unanswered(exc, f"{method} {path}", engine, path, rid) from exc
         status = answer.status
         try:
-            try:
-                data = await answer.read()
-            except WIRE_ERRORS as exc:
-                # The engine answered, so it has the request: only a 4xx still proves refusal
-                # (a body cut off, or in a content-encoding that cannot be decoded).
-                outcome = classify_status(status) or Outcome.INDETERMINATE
-                if outcome is Outcome.REFUSED:
-                    raise _failure(
-                        outcome,
-                        f"{method} {path} to {engine} refused with HTTP {status}",
-                        status=status,
-                        **_where(engine, path, rid),
-                    ) from exc
-                raise _failure(
-                    Outcome.INDETERMINATE,
-                    f"{method} {path} to {engine}: reply lost while reading it "
-                    f"({type(exc).__name__}); the engine may have run the request",
-                    status=status,
-                    error=type(exc).__name__,
-                    **_where(engine, path, rid),
-                ) from exc
-        finally:
+            # A body read in full releases its answer (the stack's contract): only a read cut
+            # short (a failure, a cancellation) leaves one to close.
+            data = await answer.read()
+        except BaseException as exc:
             await _close_quietly(answer, engine, path, rid)
+            if not isinstance(exc, WIRE_ERRORS):
+                raise
+            # The engine answered, so it has the request: only a 4xx still proves refusal
+            # (a body cut off, or in a content-encoding that cannot be decoded).
+            if classify_status(status) is Outcome.REFUSED:
+                refused = f"{method} {path} to {engine} refused with HTTP {status}"
+                where = _where(engine, path, rid)
+                raise _failure(Outcome.REFUSED, refused, status=status, **where) from exc
+            raise _failure(
+                Outcome.INDETERMINATE,
+                f"{method} {path} to {engine}: reply lost while reading it "
+                f"({type(exc).__name__}); the engine may have run the request",
+                status=status,
+                error=type(exc).__name__,
+                **_where(engine, path, rid),
+            ) from exc
         try:
             body = decode_content(status, data, answer.charset)
         except ReplyTooDeepError as exc:
@@ -344,7 +352,11 @@ class EngineTransport:
             )
         return EngineReply(engine=engine, path=path, status_code=status, body=body, rid=rid)
 
-    async def send(self, engine: str, path: str, body: Mapping[str, Any]) -> EngineReply:
+    # Hands back the exchange's own coroutine (one frame less per generation); a refusal before
+    # anything is sent (closed, a body JSON cannot carry) is raised at the call, as the pin does.
+    def send(
+        self, engine: str, path: str, body: Mapping[str, Any]
+    ) -> Coroutine[Any, Any, EngineReply]:
         """POST one generation to ``engine``: exactly one attempt, failures classified."""
         if self._closed:
             raise RequestRefusedError("the engine transport is closed", engine=engine, path=path)
@@ -352,7 +364,7 @@ class EngineTransport:
         rid = given_rid if isinstance(given_rid, str) else None
         # Exactly one attempt by construction: one call, no loop (GENERATION_STOP is the rule
         # this implements; a retry policy around it cost more CPU than the exchange itself).
-        return await self._exchange(engine, "POST", path, _encode(body), rid)
+        return self._exchange(engine, "POST", path, _encode(body), rid)
 
     @contextlib.asynccontextmanager
     async def open_stream(

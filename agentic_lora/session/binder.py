@@ -79,6 +79,15 @@ class SessionBinder(Protocol):
         """The owner lease binds run under (None: lease-free)."""
         ...
 
+    @property
+    def ready(self) -> bool:
+        """True when :meth:`turn` may stand for :meth:`before_send` (nothing left to await)."""
+        ...
+
+    def turn(self, route: Route, body: dict[str, Any]) -> Turn | None:
+        """:meth:`before_send` without the bind, for a binder that is :attr:`ready`."""
+        ...
+
     async def before_send(
         self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
     ) -> Turn | None:
@@ -117,6 +126,10 @@ class PassThroughBinder:
     validate = False
     binding = None
     lease = None
+    ready = True
+
+    def turn(self, route: Route, body: dict[str, Any]) -> None:
+        return None
 
     async def before_send(
         self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
@@ -221,9 +234,12 @@ class RegistryBinder:
 
     # --- before the send -------------------------------------------------------------------------
 
-    async def before_send(
-        self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
-    ) -> Turn:
+    @property
+    def ready(self) -> bool:
+        # Bound: every later turn is checked and numbered without an await.
+        return self._binding is not None
+
+    def _check_request(self, route: Route, body: dict[str, Any]) -> None:
         # Before the bind, and the only route check of the request: a request the engine cannot
         # serve must not bind the Session.
         self._cfg.dialect.check_route(route)
@@ -235,23 +251,36 @@ class RegistryBinder:
                 route=route.value,
                 reason="stream",
             )
+
+    def turn(self, route: Route, body: dict[str, Any]) -> Turn:
+        binding = self._binding
+        assert binding is not None
+        self._check_request(route, body)
+        return self._start_turn(binding, body)
+
+    async def before_send(
+        self, route: Route, body: dict[str, Any], still_open: Callable[[], None]
+    ) -> Turn:
+        binding = self._binding
+        if binding is not None:
+            return self.turn(route, body)
+        self._check_request(route, body)
         term = self._term
         if term is not None:
             # Before the bind and any engine call: a Session whose lease is lost sends nothing
             # (its ref may be released and its version reclaimed already).
             term.check(session=self._key)
-        binding = self._binding
-        if binding is None:
-            binding = await self._bound()
-            # Close may have started while this request waited for the bind.
-            still_open()
-            term = self._term
-            if term is not None:
-                # The bind, or the wait for it, may have outlasted the lease.
-                term.check(session=self._key)
-        # A Session already bound reaches this line without an await since the caller's and
-        # the lease's checks above, so neither needs repeating (nothing could change between).
+        binding = await self._bound()
+        # Close may have started while this request waited for the bind.
+        still_open()
+        return self._start_turn(binding, body)
+
+    def _start_turn(self, binding: Binding, body: dict[str, Any]) -> Turn:
+        term = self._term
         if term is not None:
+            # Before any engine call, and after the bind (or the wait for it), which may have
+            # outlasted the lease: a Session whose lease is lost sends nothing.
+            term.check(session=self._key)
             term.touch()
         # Only here, at the start of a dispatch: a generation already running is never cut by a
         # publication that lands while it runs (its reply still comes back).

@@ -172,7 +172,11 @@ class Session:
         self._require_dispatchable()
         binder = self._binder
         body = self._body(route, request)
-        turn = await binder.before_send(route, body, self._require_dispatchable)
+        turn = (
+            binder.turn(route, body)
+            if binder.ready
+            else await binder.before_send(route, body, self._require_dispatchable)
+        )
         flight = self._flight_started(body)
         try:
             reply = await self._rt.chain(
