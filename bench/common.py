@@ -263,11 +263,20 @@ def engine_log_dir() -> Path:
 
 
 class InstantEngine:
-    """``bench/instant_engine.py`` in a child process on a free loopback port (see module doc)."""
+    """``bench/instant_engine.py`` in a child process on a free loopback port (see module doc).
 
-    def __init__(self, *, startup_timeout: float = 30.0) -> None:
+    ``command`` replaces the script's argument list (``--port PORT`` is appended): a benchmark
+    that needs more routes serves ``instant_engine.build_app()`` with its own additions.
+    """
+
+    def __init__(
+        self, *, startup_timeout: float = 30.0, command: Sequence[str] | None = None
+    ) -> None:
         self.port = free_port()
         self._startup_timeout = startup_timeout
+        self._command = (
+            list(command) if command is not None else [str(BENCH_DIR / "instant_engine.py")]
+        )
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -283,7 +292,7 @@ class InstantEngine:
     def start(self) -> None:
         """Launch the server and wait (bounded) until ``/health`` answers."""
         self._process = subprocess.Popen(
-            [sys.executable, str(BENCH_DIR / "instant_engine.py"), "--port", str(self.port)],
+            [sys.executable, *self._command, "--port", str(self.port)],
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + self._startup_timeout
