@@ -27,6 +27,7 @@ from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
 from agentic_lora.publication.ejection import ENGINE_EJECTED
 from agentic_lora.publication.ejection import Ejections
+from agentic_lora.publication.ejection import unless_ejected
 from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
@@ -129,12 +130,7 @@ class CleanupSteps(FleetWorker):
     async def _clean_unless_ejected(
         self, run: PublicationRun, engine: EngineRef, observe_first: bool
     ) -> EngineReport:
-        if self.ejections is None:
-            return await self._clean_one(run, engine, observe_first)
-        ejected, report = await self.ejections.unless_ejected(
-            engine.name, self._clean_one(run, engine, observe_first)
-        )
-        if ejected or report is None:
+        def ejected() -> EngineReport:
             logger.warning(
                 "cleanup not waited for on an ejected engine; resolved once it answers again",
                 extra=attempt_extra(run.attempt, engine.name),
@@ -145,7 +141,9 @@ class CleanupSteps(FleetWorker):
                 error_code=ENGINE_EJECTED,
                 error="engine ejected: its cleanup is retried once it answers again",
             )
-        return report
+
+        work = self._clean_one(run, engine, observe_first)
+        return await unless_ejected(self.ejections, engine.name, work, ejected)
 
     async def _clean_one(
         self, run: PublicationRun, engine: EngineRef, observe_first: bool = False

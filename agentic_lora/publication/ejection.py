@@ -71,24 +71,34 @@ class Ejections:
         else:
             self._event(engine).clear()
 
-    async def unless_ejected(self, engine: str, work: Awaitable[T]) -> tuple[bool, T | None]:
-        """``(False, result)`` of ``work``, or ``(True, None)`` (``work`` cancelled) once
-        ``engine`` is ejected first."""
-        ejected = self._event(engine)
+    async def unless_ejected(self, engine: str, work: Awaitable[T], ejected: Callable[[], T]) -> T:
+        """``work``'s answer; or, once ``engine`` is ejected (before ``work`` ends), ``work``
+        cancelled and ``ejected()``'s answer."""
+        flag = self._event(engine)
         task = asyncio.ensure_future(work)
-        if ejected.is_set():
+        if flag.is_set():
             task.cancel()
-            return True, None
-        waiter = asyncio.ensure_future(ejected.wait())
+            return ejected()
+        waiter = asyncio.ensure_future(flag.wait())
         try:
             await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
         if task.done():
-            return False, task.result()
+            return task.result()
         task.cancel()
         await asyncio.wait((task,))  # its end (cancelled, or whatever) is not this call's answer
-        return True, None
+        return ejected()
+
+
+async def unless_ejected(
+    ejections: Ejections | None, engine: str, work: Awaitable[T], ejected: Callable[[], T]
+) -> T:
+    """:meth:`Ejections.unless_ejected`; with no ``ejections`` (ejection off), ``work``'s answer.
+    What publication, cleanup and reclaim share: none of them waits for an ejected engine."""
+    if ejections is None:
+        return await work
+    return await ejections.unless_ejected(engine, work, ejected)
 
 
 class Ejector:

@@ -64,6 +64,7 @@ from agentic_lora.foundation.replay import RegistryRetry
 from agentic_lora.publication.cleanup import CleanupSteps
 from agentic_lora.publication.ejection import ENGINE_EJECTED
 from agentic_lora.publication.ejection import Ejections
+from agentic_lora.publication.ejection import unless_ejected
 from agentic_lora.publication.result import EngineReport
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
@@ -318,19 +319,16 @@ class Publisher(CleanupSteps):
     ) -> list[EngineReport]:
         """``work`` on each member; one ejected meanwhile stops being waited for (its report:
         ready, ``error_code=ENGINE_EJECTED``): the registry no longer counts it for readiness."""
-        ejections = self.ejections
-        if ejections is None:
-            return await self._each_engine(work, members)
 
         async def guarded(engine: EngineRef) -> EngineReport:
-            ejected, report = await ejections.unless_ejected(engine.name, work(engine))
-            if ejected or report is None:
+            def ejected() -> EngineReport:
                 logger.warning(
                     "engine ejected; the publication goes on over the live members",
                     extra={"engine": engine.name},
                 )
                 return EngineReport(engine.name, ready=True, error_code=ENGINE_EJECTED)
-            return report
+
+            return await unless_ejected(self.ejections, engine.name, work(engine), ejected)
 
         return await self._each_engine(guarded, members)
 

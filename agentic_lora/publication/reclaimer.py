@@ -59,6 +59,7 @@ from agentic_lora.foundation.phases import PhaseRecorder
 from agentic_lora.foundation.phases import PhaseTiming
 from agentic_lora.publication.ejection import ENGINE_EJECTED
 from agentic_lora.publication.ejection import Ejections
+from agentic_lora.publication.ejection import unless_ejected
 from agentic_lora.publication.loop import BackgroundLoop
 from agentic_lora.publication.repair import VersionLocks
 from agentic_lora.publication.steps import FleetOptions
@@ -291,18 +292,16 @@ class Reclaimer(FleetWorker, BackgroundLoop):
     ) -> VersionStatus | str:
         """The registry's status after this engine's confirmation, or the failure's code
         (``ENGINE_EJECTED`` for an engine ejected before or while it was asked)."""
-        if self.ejections is None:
-            return await self._unload_on(recorder, engine, claim)
-        ejected, result = await self.ejections.unless_ejected(
-            engine.name, self._unload_on(recorder, engine, claim)
-        )
-        if ejected or result is None:
+
+        def ejected() -> str:
             logger.warning(
                 "reclaim not waited for on an ejected engine; retried once it rejoins",
                 extra={"engine": engine.name, "version": claim.version_id},
             )
             return ENGINE_EJECTED
-        return result
+
+        work = self._unload_on(recorder, engine, claim)
+        return await unless_ejected(self.ejections, engine.name, work, ejected)
 
     async def _unload_on(
         self, recorder: PhaseRecorder, engine: EngineRef, claim: ReclaimClaim

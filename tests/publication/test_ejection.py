@@ -232,12 +232,16 @@ async def test_an_engine_failing_probes_for_less_than_the_threshold_stays_a_memb
 
 async def test_unless_ejected_answers_the_work_or_stops_waiting_for_it() -> None:
     ejections = Ejections()
-    assert await ejections.unless_ejected("e0", asyncio.sleep(0, result=7)) == (False, 7)
+    assert await ejections.unless_ejected("e0", asyncio.sleep(0, result=7), lambda: -1) == 7
     never = asyncio.Event()
-    waiting: Any = asyncio.create_task(ejections.unless_ejected("e1", never.wait()))
+    waiting: Any = asyncio.create_task(
+        ejections.unless_ejected("e1", never.wait(), lambda: "ejected")
+    )
     await asyncio.sleep(0)
     ejections.mark("e1", True)
-    assert await waiting == (True, None)
+    assert await waiting == "ejected"
+    # Already ejected: the work is not waited for at all.
+    assert await ejections.unless_ejected("e1", never.wait(), lambda: "ejected") == "ejected"
     assert ejections.is_ejected("e1")
     ejections.mark("e1", False)
     assert not ejections.is_ejected("e1")
