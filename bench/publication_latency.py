@@ -15,11 +15,12 @@ Goal: publish p50 / direct p50 at most 1.15 (pooled medians; the paired ratio, e
 publish over the same round's direct load, median over rounds, is printed beside it).
 
 The breakdown of ``publish()`` comes from the :class:`PublicationResult`'s own per-engine,
-per-phase timings (reserve, observe incarnation, prepare, record_ready, observe again, commit);
+per-phase timings (reserve, prepare, record_ready, observe incarnation, commit);
 the prepare phase is split further by timing the HTTP push backend's steps from a subclass:
 the store write (the snapshot's files into the engine's store directory), the engine's load
-(``/load_lora_adapter``), the one-token probe, and the engine reads before the load
-(``/server_info`` and the adapter listing: the rest of the phase). HTTP push has no transfer of
+(``/load_lora_adapter``), the one-token probe, and the engine read before the load (the
+adapter listing, plus ``/server_info`` when the listing cannot witness a restart: the rest of
+the phase). HTTP push has no transfer of
 its own: the engine reads the store directory inside its load. Per-engine phases run on all
 engines at once; the slowest engine's figure is shown. A bootstrap publication and one direct
 load run first, unmeasured.
@@ -77,9 +78,12 @@ LETTERS = ("A", "B", "C")
 #: The breakdown's rows, in the order a publication runs them.
 ROWS = (
     ("reserve", "registry: reserve (capacity admitted)"),
-    ("observe", "engine: observe incarnation before prepare"),
+    ("observe", "engine: read again after a READY refused for a restart"),
     ("store_write", "prepare: store write"),
-    ("engine_reads", "prepare: engine reads before the load (/server_info, adapter list)"),
+    (
+        "engine_reads",
+        "prepare: engine read before the load (adapter list; /server_info too if needed)",
+    ),
     ("engine_load", "prepare: engine load (/load_lora_adapter)"),
     ("probe", "prepare: one-token probe"),
     ("record_ready", "registry: record_ready"),
@@ -109,19 +113,22 @@ def breakdown(
 
     ``timings`` are the result's phase timings; ``parts`` the backend's prepare steps per engine
     (``store_write``, ``engine_load``, ``probe``). Per-engine figures take the slowest engine.
-    An engine's first OBSERVE is the one before prepare, its second the one before commit.
+    An engine's last OBSERVE is the one before commit; any before it followed a refused READY.
     """
     per_engine: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     fleet: dict[str, float] = defaultdict(float)
+    observes: dict[str, list[float]] = defaultdict(list)
     for t in timings:
         if t.engine is None:
             fleet[t.phase.value] += t.seconds
-            continue
-        mine = per_engine[t.engine]
-        if t.phase is Phase.OBSERVE:
-            mine["observe_again" if "observe" in mine else "observe"] += t.seconds
+        elif t.phase is Phase.OBSERVE:
+            observes[t.engine].append(t.seconds)
         else:
-            mine[t.phase.value] += t.seconds
+            per_engine[t.engine][t.phase.value] += t.seconds
+    for engine, seconds in observes.items():
+        # The last is the read right before commit; any before it re-read after a refused READY.
+        per_engine[engine]["observe_again"] += seconds[-1]
+        per_engine[engine]["observe"] += sum(seconds[:-1])
     for engine, steps in parts.items():
         mine = per_engine[engine]
         for key, seconds in steps.items():

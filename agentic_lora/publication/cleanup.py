@@ -50,7 +50,8 @@ class CleanupSteps(FleetWorker):
     #: Engines ejected for failed probes: a cleanup is not waited for on one (see above).
     ejections: Ejections | None = None
 
-    async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> None:
+    async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> str:
+        """Read ``engine``'s incarnation and have the registry observe it; return it."""
         async with run.recorder.phase(engine.name, Phase.OBSERVE):
             incarnation = await self.backend.incarnation(engine)
             request_id = new_request_id()
@@ -60,6 +61,7 @@ class CleanupSteps(FleetWorker):
                     request_id=request_id, engine=engine.name, incarnation=incarnation
                 ),
             )
+        return incarnation
 
     async def _each_engine(
         self,

@@ -2,7 +2,7 @@
 
 ::
 
-    reserve ──> per engine, concurrently: observe incarnation -> prepare -> record_ready
+    reserve ──> per engine, concurrently: prepare (reads the incarnation) -> record_ready
                       │ all READY                                   │ any engine failed
                       v                                             v
         observe every incarnation -> commit             abort -> per engine: cleanup -> confirm_cleanup
@@ -53,6 +53,7 @@ from agentic_lora.errors import AgenticLoRAError
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import CapacityError
+from agentic_lora.errors import EngineRestartedError
 from agentic_lora.errors import RegistryError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
@@ -76,6 +77,7 @@ from agentic_lora.publication.steps import record_ready
 from agentic_lora.publication.steps import registry_step
 from agentic_lora.registry.api import RegistryAPI
 from agentic_lora.registry.types import CommitReceipt
+from agentic_lora.registry.types import ReadyReceipt
 from agentic_lora.registry.types import Reservation
 from agentic_lora.registry.types import ReserveOutcome
 from agentic_lora.registry.types import VersionState
@@ -338,9 +340,8 @@ class Publisher(CleanupSteps):
         target = run.attempt
         extra = attempt_extra(target, engine.name)
         try:
-            await self._observe_or_raise(run, engine)
             receipt = await self._prepare_on(run.recorder, engine, target, snapshot)
-            await record_ready(self.registry, self.retry, run.recorder, receipt)
+            await self._record_ready(run, engine, receipt)
         except Exception as exc:
             # Collected, not propagated: the other engines' prepares run to their own end.
             code = error_code(exc)
@@ -348,6 +349,25 @@ class Publisher(CleanupSteps):
             return EngineReport(engine.name, ready=False, error_code=code, error=str(exc))
         logger.info("READY on %s", engine.name, extra=extra)
         return EngineReport(engine.name, ready=True)
+
+    async def _record_ready(
+        self, run: PublicationRun, engine: EngineRef, receipt: ReadyReceipt
+    ) -> None:
+        """Record ``receipt``, the incarnation it carries read by the prepare right before its
+        load (no separate read before the prepare).
+
+        Refused ENGINE_RESTARTED, either the engine restarted after that read (the registry
+        already holds the newer process: the receipt is void) or it restarted before it and
+        nothing has observed the new process yet (the registry holds the old one). A fresh read
+        tells them apart: it is observed, and the READY recorded again only if the receipt's
+        incarnation is the one the engine has now.
+        """
+        try:
+            await record_ready(self.registry, self.retry, run.recorder, receipt)
+        except EngineRestartedError:
+            if await self._observe_or_raise(run, engine) != receipt.incarnation:
+                raise
+            await record_ready(self.registry, self.retry, run.recorder, receipt)
 
     async def _observe(self, run: PublicationRun, engine: EngineRef) -> EngineReport:
         try:

@@ -378,3 +378,31 @@ async def test_a_loaded_adapter_that_vanished_counts_as_a_restart(push: Push) ->
     after = await push.backend.incarnation(push.ref0)
     assert after != receipt.incarnation
     assert await push.backend.incarnation(push.ref0) == after
+
+
+@pytest.mark.asyncio
+async def test_a_prepare_reads_only_the_listing_while_it_names_every_held_adapter(
+    push: Push,
+) -> None:
+    first = await push.backend.prepare(push.ref0, TARGET_A, A)
+    fingerprint_reads = push.e0.count(push.kind.incarnation_read)
+    name_b = make_lora_name("policy_lora", 0, "v2", B.digest)
+    second = await push.backend.prepare(push.ref0, PublicationTarget("v2", B.digest, name_b, 1), B)
+    # A is held and still listed: the listing alone witnesses that no restart happened.
+    assert push.e0.count(push.kind.incarnation_read) == fingerprint_reads
+    assert second.incarnation == first.incarnation
+    # The health probe (and every other incarnation read) still reads the fingerprint.
+    assert await push.backend.incarnation(push.ref0) == first.incarnation
+    assert push.e0.count(push.kind.incarnation_read) == fingerprint_reads + 1
+
+
+@pytest.mark.asyncio
+async def test_a_restart_before_a_prepare_is_seen_through_the_listing(push: Push) -> None:
+    first = await push.backend.prepare(push.ref0, TARGET_A, A)
+    push.e0.restart()
+    name_b = make_lora_name("policy_lora", 0, "v2", B.digest)
+    second = await push.backend.prepare(push.ref0, PublicationTarget("v2", B.digest, name_b, 1), B)
+    # The restarted engine lists nothing of ours: the fingerprint is read and decides.
+    assert second.incarnation != first.incarnation
+    assert second.incarnation == await push.backend.incarnation(push.ref0)
+    assert push.e0.holds(name_b)

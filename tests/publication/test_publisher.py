@@ -355,6 +355,40 @@ async def test_engine_restart_mid_publication_invalidates_its_ready_and_fails_cl
     ] == await world.backend.incarnation(world.fleet.refs[1])
 
 
+async def test_a_restart_nobody_observed_before_the_publication_is_observed_by_it(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    registry_before = {e.engine: e.incarnation for e in (await world.registry.status()).engines}
+    # E1 restarted between publications; no repairer ran, so the registry still holds the old
+    # process. The prepare reads the new one before its load; the READY it carries is refused
+    # once, a fresh read confirms it is current, and the publication goes through.
+    world.fleet["e1"].restart()
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    assert await world.default() == "v2"
+    current = await world.backend.incarnation(world.fleet.refs[1])
+    assert current != registry_before["e1"]
+    status = await world.registry.status()
+    assert {e.engine: e.incarnation for e in status.engines}["e1"] == current
+    assert world.state("v2") is VersionState.PUBLISHED
+    # Only E1 needed the second read: E0's READY was recorded at once.
+    observed = [t.engine for t in result.timings if t.phase is Phase.OBSERVE]
+    assert observed.count("e1") == 2
+    assert observed.count("e0") == 1
+
+
+async def test_a_publication_reads_no_incarnation_before_its_prepare(world: World) -> None:
+    await publish(world, "v1", A)
+    result = await world.publisher.publish("v2", B)
+    assert result.outcome is PublicationOutcome.PUBLISHED
+    # Per engine: prepare, record_ready, then the one observe right before the commit.
+    for engine in ("e0", "e1"):
+        phases = [t.phase for t in result.timings if t.engine == engine]
+        assert phases.index(Phase.PREPARE) < phases.index(Phase.OBSERVE)
+        assert phases.count(Phase.OBSERVE) == 1
+
+
 # --- lost and unknown registry replies ----------------------------------------------------------
 
 

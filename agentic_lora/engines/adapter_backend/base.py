@@ -191,11 +191,38 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
     # --- Backend ----------------------------------------------------------------------------
 
     async def incarnation(self, engine: EngineRef) -> str:
-        """``<fingerprint>.<generation>`` (see :mod:`agentic_lora.engines.adapter_backend.incarnation`)."""
-        admin = self._admin(engine)
+        """``<fingerprint>.<generation>`` (see :mod:`agentic_lora.engines.adapter_backend.incarnation`).
+
+        Always reads the fingerprint: this read is also the repairer's health probe, and SGLang
+        answers ``/server_info`` from its scheduler, so a hung scheduler fails it, while the
+        adapter listing is answered without the scheduler.
+        """
+        incarnation, _ = await self._full_read(engine, self._admin(engine))
+        return incarnation
+
+    async def _full_read(self, engine: EngineRef, admin: AdminT) -> tuple[str, dict[str, str]]:
+        """The fingerprint, then the listing (a restart between them shows in the listing)."""
         fingerprint = await self._fingerprint(engine, admin)
         listed = await admin.list_lora_adapters()
-        return self._incarnations.observe(engine.name, fingerprint, listed)
+        return self._incarnations.observe(engine.name, fingerprint, listed), listed
+
+    async def _read_before_load(
+        self, engine: EngineRef, admin: AdminT
+    ) -> tuple[str, dict[str, str]]:
+        """The engine's incarnation and adapter listing, right before a load.
+
+        One listing read while it still names every adapter this backend holds there (a
+        restarted engine names none); else the fingerprint, read before a fresh listing, decides.
+        No health probe is needed here: the load and the probe that follow go through the
+        scheduler.
+        """
+        tracker = self._incarnations
+        if tracker.holds_any(engine.name):
+            listed = await admin.list_lora_adapters()
+            known = tracker.unchanged(engine.name, listed)
+            if known is not None:
+                return known, listed
+        return await self._full_read(engine, admin)
 
     async def prepare(
         self, engine: EngineRef, target: PublicationTarget, snapshot: AdapterSnapshot
@@ -225,8 +252,9 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             path = await self._store_snapshot(engine, target, snapshot)
             admin = self._admin(engine)
             try:
-                fingerprint = await self._fingerprint(engine, admin)
-                listed = await admin.list_lora_adapters()
+                # Read before the load: if the engine restarts after this point, its incarnation
+                # no longer matches this receipt and the registry will not count it.
+                incarnation, listed = await self._read_before_load(engine, admin)
             except BackendError as exc:
                 raise target_refused(
                     engine,
@@ -234,9 +262,6 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
                     f"{engine.name} unreadable before loading: {exc.message}",
                     reason="engine_unreadable",
                 ) from exc
-            # Read before the load: if the engine restarts after this point, its incarnation no
-            # longer matches this receipt and the registry will not count it.
-            incarnation = self._incarnations.observe(engine.name, fingerprint, listed)
             held_at = listed.get(target.lora_name)
             if held_at is None:
                 await self._load(engine, admin, target, path)
