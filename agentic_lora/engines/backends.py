@@ -33,6 +33,7 @@ from agentic_lora.registry.types import ReadyReceipt
 __all__ = [
     "Backend",
     "EngineRef",
+    "IncarnationRecheck",
     "PublicationTarget",
     "load_backend",
     "target_ambiguous",
@@ -94,6 +95,21 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Release clients and sidecar connections."""
+        ...
+
+
+@runtime_checkable
+class IncarnationRecheck(Protocol):
+    """A backend with a cheaper read of an engine's incarnation for a restart check alone.
+
+    :meth:`Backend.incarnation` may double as a health probe (the repairer's); right before a
+    commit only "did it restart since its READY?" is asked, which the backend may answer from a
+    cheaper read (the HTTP push backend: the adapter listing, while it still names every adapter
+    the backend loaded there). The answer is the same id :meth:`Backend.incarnation` would give.
+    """
+
+    async def recheck_incarnation(self, engine: EngineRef) -> str:
+        """``engine``'s incarnation, read as cheaply as still shows a restart."""
         ...
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import IncarnationRecheck
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import error_code
 from agentic_lora.foundation.phases import Phase
@@ -50,10 +51,20 @@ class CleanupSteps(FleetWorker):
     #: Engines ejected for failed probes: a cleanup is not waited for on one (see above).
     ejections: Ejections | None = None
 
-    async def _observe_or_raise(self, run: PublicationRun, engine: EngineRef) -> str:
-        """Read ``engine``'s incarnation and have the registry observe it; return it."""
+    async def _observe_or_raise(
+        self, run: PublicationRun, engine: EngineRef, *, recheck: bool = False
+    ) -> str:
+        """Read ``engine``'s incarnation and have the registry observe it; return it.
+
+        ``recheck``: only a restart matters to the caller (right before a commit), so a backend's
+        cheaper read (:class:`~agentic_lora.engines.backends.IncarnationRecheck`) will do.
+        """
+        backend = self.backend
         async with run.recorder.phase(engine.name, Phase.OBSERVE):
-            incarnation = await self.backend.incarnation(engine)
+            if recheck and isinstance(backend, IncarnationRecheck):
+                incarnation = await backend.recheck_incarnation(engine)
+            else:
+                incarnation = await backend.incarnation(engine)
             request_id = new_request_id()
             await self.retry.call(
                 "observe_incarnation",

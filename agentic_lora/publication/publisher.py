@@ -371,7 +371,7 @@ class Publisher(CleanupSteps):
 
     async def _observe(self, run: PublicationRun, engine: EngineRef) -> EngineReport:
         try:
-            await self._observe_or_raise(run, engine)
+            await self._observe_or_raise(run, engine, recheck=True)
         except Exception as exc:
             code = error_code(exc)
             return EngineReport(engine.name, ready=True, error_code=code, error=str(exc))

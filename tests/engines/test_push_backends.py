@@ -21,6 +21,7 @@ from agentic_lora_vllm import VllmBackend
 from agentic_lora.engines.adapter_backend import RECLAIMED_DIR
 from agentic_lora.engines.backends import Backend
 from agentic_lora.engines.backends import EngineRef
+from agentic_lora.engines.backends import IncarnationRecheck
 from agentic_lora.engines.backends import PublicationTarget
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
@@ -406,3 +407,21 @@ async def test_a_restart_before_a_prepare_is_seen_through_the_listing(push: Push
     assert second.incarnation != first.incarnation
     assert second.incarnation == await push.backend.incarnation(push.ref0)
     assert push.e0.holds(name_b)
+
+
+@pytest.mark.asyncio
+async def test_a_recheck_reads_the_listing_and_still_sees_a_restart(push: Push) -> None:
+    assert isinstance(push.backend, IncarnationRecheck)
+    # Nothing held yet: the listing proves nothing, the fingerprint is read.
+    before = push.e0.count(push.kind.incarnation_read)
+    first = await push.backend.recheck_incarnation(push.ref0)
+    assert push.e0.count(push.kind.incarnation_read) == before + 1
+    receipt = await push.backend.prepare(push.ref0, TARGET_A, A)
+    assert receipt.incarnation == first
+    reads = push.e0.count(push.kind.incarnation_read)
+    assert await push.backend.recheck_incarnation(push.ref0) == receipt.incarnation
+    assert push.e0.count(push.kind.incarnation_read) == reads
+    push.e0.restart()
+    after = await push.backend.recheck_incarnation(push.ref0)
+    assert after != receipt.incarnation
+    assert after == await push.backend.incarnation(push.ref0)

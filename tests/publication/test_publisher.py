@@ -389,6 +389,22 @@ async def test_a_publication_reads_no_incarnation_before_its_prepare(world: Worl
         assert phases.count(Phase.OBSERVE) == 1
 
 
+async def test_the_check_before_commit_reads_the_listing_and_still_catches_a_restart(
+    world: World,
+) -> None:
+    await publish(world, "v1", A)
+    server_info = world.fleet.calls(EngineOp.SERVER_INFO)
+    assert await publish(world, "v2", B) is PublicationOutcome.PUBLISHED
+    # Both engines held v1 and still listed it: neither /server_info was needed.
+    assert world.fleet.calls(EngineOp.SERVER_INFO) == server_info
+    # A restart after E1's READY: the listing lacks what E1 held, so the check reads the
+    # fingerprint, the registry drops the READY and the commit is refused.
+    world.fleet["e1"].script(EngineOp.GENERATE, Fault(FaultKind.RESTART_AFTER))
+    result = await world.publisher.publish("v3", C)
+    assert result.outcome is PublicationOutcome.FAILED_CLEAN
+    assert await world.default() == "v2"
+
+
 # --- lost and unknown registry replies ----------------------------------------------------------
 
 

@@ -206,15 +206,18 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
         listed = await admin.list_lora_adapters()
         return self._incarnations.observe(engine.name, fingerprint, listed), listed
 
-    async def _read_before_load(
-        self, engine: EngineRef, admin: AdminT
-    ) -> tuple[str, dict[str, str]]:
-        """The engine's incarnation and adapter listing, right before a load.
+    async def recheck_incarnation(self, engine: EngineRef) -> str:
+        """The incarnation for a restart check alone (see
+        :class:`~agentic_lora.engines.backends.IncarnationRecheck`): the listing's answer."""
+        incarnation, _ = await self._cheapest_read(engine, self._admin(engine))
+        return incarnation
+
+    async def _cheapest_read(self, engine: EngineRef, admin: AdminT) -> tuple[str, dict[str, str]]:
+        """The engine's incarnation and adapter listing, for a restart check (before a load,
+        before a commit), not a health probe.
 
         One listing read while it still names every adapter this backend holds there (a
         restarted engine names none); else the fingerprint, read before a fresh listing, decides.
-        No health probe is needed here: the load and the probe that follow go through the
-        scheduler.
         """
         tracker = self._incarnations
         if tracker.holds_any(engine.name):
@@ -254,7 +257,7 @@ class AdapterDirectoryBackend(abc.ABC, Generic[AdminT]):
             try:
                 # Read before the load: if the engine restarts after this point, its incarnation
                 # no longer matches this receipt and the registry will not count it.
-                incarnation, listed = await self._read_before_load(engine, admin)
+                incarnation, listed = await self._cheapest_read(engine, admin)
             except BackendError as exc:
                 raise target_refused(
                     engine,
