@@ -4,7 +4,7 @@ A version's directory is written once and never changed:
 
 1. the snapshot is written into a fresh temporary directory beside the final one (same
    filesystem), together with a marker file naming the lora name, the digest and the manifest;
-2. every file and the temporary directory are fsynced;
+2. every file and the temporary directory are fsynced (all at once: one journal commit);
 3. the temporary directory is renamed to ``<root>/<lora_name>`` (atomic), and the root is fsynced.
 
 So a reader (an engine loading ``lora_path``) sees either no directory or a complete one, never a
@@ -34,11 +34,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from agentic_lora.adapters.snapshot import CONFIG_FILE
+from agentic_lora.adapters.snapshot import WEIGHTS_FILE
 from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.errors import InvalidAdapterError
 from agentic_lora.errors import InvalidIdentityError
 from agentic_lora.errors import VersionConflictError
 from agentic_lora.foundation.fsync import fsync_path
+from agentic_lora.foundation.fsync import fsync_paths
 
 __all__ = ["MARKER_FILE", "AdapterStore"]
 
@@ -93,10 +96,10 @@ class AdapterStore:
         tmp = self.root / f"{_TMP_PREFIX}{lora_name}-{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
-            snapshot.write_peft_dir(tmp, fsync=True)
+            snapshot.write_peft_dir(tmp)
             _write_marker(tmp / MARKER_FILE, lora_name, snapshot)
-            fsync_path(tmp / MARKER_FILE)
-            fsync_path(tmp)
+            # Every file and the names in ``tmp`` are on disk before the rename publishes them.
+            fsync_paths([*(tmp / name for name in (CONFIG_FILE, WEIGHTS_FILE, MARKER_FILE)), tmp])
             try:
                 os.rename(tmp, final)
             except OSError as exc:

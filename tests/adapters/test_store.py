@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,34 @@ def test_put_writes_a_loadable_directory_with_a_marker(tmp_path: Path) -> None:
     assert marker["manifest"] == A.manifest.to_dict()
     # Nothing half-written is left beside it.
     assert sorted(p.name for p in store.root.iterdir()) == [NAME_A]
+
+
+def test_put_flushes_every_file_and_name_before_the_rename_publishes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    lock = threading.Lock()
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", os.fspath(src)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    store.put_sync(NAME_A, A)
+    (renamed,) = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    tmp = events[renamed][1]
+    before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    names = ("adapter_config.json", "adapter_model.safetensors", MARKER_FILE)
+    assert before == {tmp, *(os.path.join(tmp, name) for name in names)}
+    assert events[renamed + 1 :] == [("fsync", str(store.root))]
 
 
 def test_relative_root_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
