@@ -12,6 +12,10 @@ Three variants send the same chat completion, interleaved block by block (ABBA) 
   gateway checks the body, dispatches it in the Session (bound at the warm-up, so each measured
   request is a later turn of a bound Session) and answers with the reply and its provenance.
 
+With ``--h11-gateway`` (instant engine) a fourth variant, ``gateway_h11``, is a second gateway
+process whose uvicorn parses HTTP with the pure-Python ``h11`` instead of ``--http``'s parser:
+the parser's share of the gateway's CPU, weighed within one interleaved run.
+
 Each of ``--concurrency`` workers has its own client per variant (one connection each) and its own
 Session; a block is every worker sending ``--requests`` (at 1) or ``--requests-at-scale``
 requests one after the other. Latency is timed around ``chat.completions.create``.
@@ -39,7 +43,7 @@ both. The gateway logs at ``--log-level`` (INFO by default, as ``agentic-lora se
 Real engines: run under ``flock /tmp/agentic-lora-engines.lock``.
 
 Usage: python bench/gateway_overhead.py [--engine instant|sglang|both] [--concurrency 1,64] [--http auto]
-       [--blocks 8] [--requests 50] [--requests-at-scale 4] [--log-level INFO]
+       [--blocks 8] [--requests 50] [--requests-at-scale 4] [--log-level INFO] [--h11-gateway]
 """
 
 from __future__ import annotations
@@ -82,8 +86,9 @@ __all__ = [
 
 P50_RATIO_GOAL = 1.03
 CPU_GOAL_US = 150.0
-VARIANTS = ("direct", "floor", "gateway")
-PROXIES = ("floor", "gateway")  # the variants that run through a process of ours
+VARIANTS = ("direct", "floor", "gateway", "gateway_h11")
+# The variants that run through a process of ours (gateway_h11 with --h11-gateway only).
+PROXIES = ("floor", "gateway", "gateway_h11")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 SERVERS = Path(__file__).resolve().parent / "gateway_overhead_servers.py"
 
@@ -263,6 +268,7 @@ def _clients(target: Target, conc: int) -> dict[str, list[Any]]:
 
     # A gateway client's key is its Session's credential: one Session per worker.
     keys = {"direct": "none", "floor": "none", "gateway": f"bench-{tag}"}
+    keys["gateway_h11"] = f"bench-h11-{tag}"
     bases = {"direct": target.engine_url, **{n: u for n, (u, _) in target.proxies.items()}}
     return {
         name: [make(base, f"{keys[name]}-{w}") for w in range(conc)] for name, base in bases.items()
@@ -319,7 +325,8 @@ async def run_level(
     procs = {name: psutil.Process(pid) for name, (_, pid) in target.proxies.items()}
     clients = _clients(target, conc)
     pinned = f"{target.base_model}:{target.lora_name}"
-    models = {"direct": pinned, "floor": pinned, "gateway": target.base_model}
+    models = {"direct": pinned, "floor": pinned}
+    models["gateway"] = models["gateway_h11"] = target.base_model
     variants = [v for v in VARIANTS if v in clients]
     try:
         for name in variants:
@@ -336,9 +343,10 @@ async def run_level(
 
 @contextlib.asynccontextmanager
 async def instant_target(
-    log_level: str, http: str, profile: str | None = None
+    log_level: str, http: str, profile: str | None = None, h11_gateway: bool = False
 ) -> AsyncIterator[Target]:
-    """The instant chat engine and a gateway in front of it."""
+    """The instant chat engine and a gateway in front of it (with ``h11_gateway``, a second
+    gateway whose uvicorn parses HTTP with h11, as the ``gateway_h11`` variant)."""
     with InstantEngine(command=[str(SERVERS), "--instant-engine"]) as engine:
         spec = {
             "engine_name": "e0",
@@ -350,9 +358,17 @@ async def instant_target(
             "profile": profile,
             "http": http,
         }
-        with proxy_process("gateway", spec) as gw, proxy_process("floor", _floor(spec)) as fl:
+        with contextlib.ExitStack() as stack:
+            gw = stack.enter_context(proxy_process("gateway", spec))
+            proxies = {
+                "gateway": gw,
+                "floor": stack.enter_context(proxy_process("floor", _floor(spec))),
+            }
+            if h11_gateway:
+                h11 = {**_floor(spec), "http": "h11", "profile": None}
+                proxies["gateway_h11"] = stack.enter_context(proxy_process("gateway", h11))
             lora = await _lora_name(gw[0], BASE_MODEL)
-            yield Target(engine.base_url, {"gateway": gw, "floor": fl}, BASE_MODEL, lora)
+            yield Target(engine.base_url, proxies, BASE_MODEL, lora)
 
 
 @contextlib.asynccontextmanager
@@ -390,7 +406,7 @@ async def run_engine(engine: str, a: argparse.Namespace) -> dict[int, dict[str, 
     """Every concurrency level on one engine."""
     levels: dict[int, dict[str, Any]] = {}
     async with (
-        instant_target(a.log_level, a.http, a.profile_gateway)
+        instant_target(a.log_level, a.http, a.profile_gateway, a.h11_gateway)
         if engine == "instant"
         else sglang_target(a.log_level, a.http)
     ) as target:
@@ -411,6 +427,8 @@ async def main_async(a: argparse.Namespace) -> None:
         print_table(TABLE_HEADERS, level_rows(engine, levels))
         for conc, level in levels.items():
             for name in PROXIES:
+                if name not in level["variants"]:
+                    continue
                 v = level["variants"][name]
                 cpu = v["proxy_cpu"]
                 print(
@@ -443,6 +461,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=["auto", "h11", "httptools"],
         default="auto",
         help="both proxies' HTTP parser (uvicorn's; auto: httptools when installed, else h11)",
+    )
+    p.add_argument(
+        "--h11-gateway",
+        action="store_true",
+        help="instant engine: also a second gateway whose uvicorn parses HTTP with h11 "
+        "(variant gateway_h11), to weigh the parser in the same interleaved run",
     )
     p.add_argument(
         "--profile-gateway",

@@ -56,6 +56,7 @@ from agentic_lora.foundation.auth import read_token
 from agentic_lora.foundation.outcomes import DispatchOutcome
 from agentic_lora.foundation.requests import Route
 from agentic_lora.gateway.admin import AdminRoutes
+from agentic_lora.gateway.fast_path import GenerationFastPath
 from agentic_lora.gateway.generation import PROVENANCE_FIELD
 from agentic_lora.gateway.generation import GenerationRoutes
 from agentic_lora.gateway.generation import error_response
@@ -114,9 +115,11 @@ class Gateway(GenerationRoutes):
     """The HTTP face of one :class:`~agentic_lora.assembly.deployment.Deployment`.
 
     Build it with :meth:`from_settings` (it wires metrics and progress into the deployment),
-    or around an existing deployment. ``app`` is the ASGI application. Use ``async with
-    gateway:`` (or :meth:`start` / :meth:`aclose`) around serving it: that runs the background
-    reclaimer and the idle-Session expiry, and closes every Session at the end.
+    or around an existing deployment. ``app`` is the ASGI application: the generation routes on
+    a plain-ASGI path (:mod:`.fast_path`), the rest by ``fastapi``, the FastAPI app that declares
+    every route. Use ``async with gateway:`` (or :meth:`start` / :meth:`aclose`) around serving
+    it: that runs the background reclaimer and the idle-Session expiry, and closes every Session
+    at the end.
 
     * ``admin_token``: the bearer token of the ``/admin`` routes (None: they are disabled).
     * ``metrics``: instruments to serve on ``/metrics`` (their observers must already be hooked
@@ -186,7 +189,8 @@ class Gateway(GenerationRoutes):
         self._owns_deployment = owns_deployment
         self._reaper: asyncio.Task[None] | None = None
         install_access_log_redactor()
-        self.app = self._build_app()
+        self.fastapi = self._build_app()
+        self.app = GenerationFastPath(self.fastapi, self._generate)
 
     @classmethod
     async def from_settings(
@@ -405,12 +409,8 @@ class Gateway(GenerationRoutes):
 
     async def _list_models(self) -> Response:
         base = self.deployment.settings.base_model_name
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": base, "object": "model", "owned_by": "agentic-lora"}],
-            }
-        )
+        model = {"id": base, "object": "model", "owned_by": "agentic-lora"}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def _close_own(self, request: Request) -> Response:
         """``POST /v1/sessions/close``: the caller's own Session, named by its credential (so

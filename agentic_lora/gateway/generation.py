@@ -150,7 +150,7 @@ class GenerationRoutes:
         logger.info(
             "dispatch ok",
             extra={
-                "session": self._tagger.tag(session_id),
+                "session": self.sessions.tag(session_id),
                 "version": binding.version_id,
                 "engine": engine,
                 "attempt": 1,

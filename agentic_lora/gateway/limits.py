@@ -11,6 +11,7 @@ it, and only a request that passed all of this may open a Session.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,17 +92,38 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    # 1e999 is valid JSON that Python reads as infinity, which no strict encoder sends on.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:50]} is out of range for a float")
+    return value
+
+
+# json.loads with hooks builds a decoder per call; this is the same decoder, built once.
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def parse_json(raw: bytes, *, max_depth: int, route: str) -> Any:
     """``raw`` parsed as strict JSON at most ``max_depth`` levels deep, or INVALID_REQUEST."""
     try:
-        value = json.loads(raw, parse_constant=_no_constant)
+        # What json.loads does with bytes (UTF-8, -16 or -32, lone surrogates let through).
+        encoding = json.detect_encoding(raw)
+        value = _STRICT_DECODER.decode(raw.decode(encoding, "surrogatepass"))
     except RecursionError as exc:
         # The C decoder stops at the interpreter's recursion limit: far deeper than any limit.
         raise _bad(f"the body is nested deeper than {max_depth} levels", route, "too_deep") from exc
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many integer digits
         raise _bad(f"the body is not valid JSON: {str(exc)[:200]}", route, "not_json") from exc
-    if _depth_exceeds(value, max_depth):
+    # Every level opens with a bracket, and a bracket's byte is in it in every encoding: a body
+    # with no more bracket bytes than the limit cannot be nested deeper (no walk needed).
+    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth_exceeds(value, max_depth):
         raise _bad(f"the body is nested deeper than {max_depth} levels", route, "too_deep")
+    if encoding == "utf-8" and raw.isascii() and b"\\u" not in raw:
+        # Only a \u escape can put a lone surrogate into ASCII text, and NaN and the
+        # infinities (written, or a float out of range) were refused by the decoder: this
+        # value can be sent on as JSON as it is.
+        return value
     try:
         # What the engine client will do with it: a string JSON cannot carry in UTF-8 (a lone
         # surrogate) must fail here, before a Session exists, not after the bind.

@@ -98,6 +98,8 @@ class _Cached:
     last_used: float
     #: Opened through its durable name (False: a reused lifecycle, or one the Python API opened).
     named: bool
+    #: The keyed hash of its id, computed once (every request's log line names it).
+    tag: str
 
 
 class GatewaySessions:
@@ -233,7 +235,9 @@ class GatewaySessions:
             )
         cached = self._cached.get(session_id)
         if cached is None:  # opened through the Python API on the same Versioning
-            cached = self._cached[session_id] = _Cached(self._clock(), named=False)
+            cached = self._cached[session_id] = _Cached(
+                self._clock(), named=False, tag=self._tag(session_id)
+            )
         refusal = closed_elsewhere(self._core, session_id, session.key) if cached.named else None
         if refusal is not None:
             self._retire(session_id, session)
@@ -296,7 +300,7 @@ class GatewaySessions:
         else:
             key = self._mint(session_id)
         session = self._versioning.open_session(session_id, session_key=key)
-        self._cached[session_id] = _Cached(self._clock(), named=named is not None)
+        self._cached[session_id] = _Cached(self._clock(), named=named is not None, tag=prefix)
         if named is not None and (named.binding is not None or named.adopted):
             logger.info(
                 "session continued from the registry",
@@ -375,7 +379,8 @@ class GatewaySessions:
 
     def tag(self, session_id: str) -> str:
         """The keyed hash that stands for ``session_id`` in logs and registry keys."""
-        return self._tag(session_id)
+        cached = self._cached.get(session_id)
+        return cached.tag if cached is not None else self._tag(session_id)
 
     def live(self) -> int:
         """Sessions this process holds (opened here or adopted) and has not closed yet."""

@@ -142,6 +142,21 @@ async def test_out_of_bounds_fields_are_400s_that_open_no_session(
             b'{"model": "base-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
             "not_json",
         ),
+        # A float out of range is infinity to Python: not JSON an engine can be sent.
+        (
+            b'{"model": "base-model", "messages": [{"role": "user", "content": "x"}], '
+            b'"extra": -1e999}',
+            "not_json",
+        ),
+        # A lone surrogate written as raw bytes, and one escaped in a body that is not ASCII.
+        (
+            b'{"model": "base-model", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+            "not_json",
+        ),
+        (
+            '{"model": "base-model", "messages": [{"role": "user", "content": "\u00e9\\udc00"}]}'.encode(),
+            "not_json",
+        ),
         (b'{"messages": ', "not_json"),
         (b"\xff\xfe\x00", "not_json"),
         (b'"a string"', "not_object"),
