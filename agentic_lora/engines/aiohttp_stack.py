@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from functools import partial
-from types import MappingProxyType
 
 import aiohttp
 import httpx
@@ -31,7 +30,7 @@ from agentic_lora.engines.wire import HttpTransportKind
 
 __all__ = ["AiohttpStack"]
 
-_JSON_HEADERS = MappingProxyType({"Content-Type": "application/json"})
+_JSON = "application/json"
 
 
 def _parse_url(text: str) -> URL:
@@ -96,8 +95,10 @@ class AiohttpStack:
         response = await session.request(
             method,
             cached_url(self._urls, base_url, path, _parse_url),
-            data=content,
-            headers=None if content is None else _JSON_HEADERS,
+            # The body as a payload that names its own content type: aiohttp takes it as it is
+            # and copies its one header, where bytes plus a headers mapping cost a payload-type
+            # lookup and a merge of the mapping into the request's headers on every request.
+            data=None if content is None else aiohttp.BytesPayload(content, content_type=_JSON),
             allow_redirects=False,
         )
         charset = response.charset or "utf-8"

@@ -241,7 +241,13 @@ def decode_content(status: int, content: bytes, charset: str) -> Any:
     if not content:
         return None
     try:
-        return json.loads(content)
+        try:
+            # UTF-8 first, as every engine answers: ``json.loads`` of bytes would first guess
+            # the encoding on every reply. Anything this does not parse (another encoding, a
+            # BOM, not JSON) takes the bytes path below, so the result is ``json.loads``'s.
+            return json.loads(content.decode())
+        except ValueError:
+            return json.loads(content)
     except RecursionError as exc:
         raise ReplyTooDeepError(status) from exc
     except ValueError:

@@ -37,6 +37,7 @@ from agentic_lora.engines.wire import Outcome
 from agentic_lora.engines.wire import ReplyTooDeepError
 from agentic_lora.engines.wire import classify_exception
 from agentic_lora.engines.wire import decode_body
+from agentic_lora.engines.wire import decode_content
 from agentic_lora.errors import BackendAmbiguousError
 from agentic_lora.errors import BackendRefusedError
 from agentic_lora.errors import InvalidRequestError
@@ -471,6 +472,20 @@ def test_decode_body_keeps_non_json_as_text_and_flags_only_depth() -> None:
     with pytest.raises(ReplyTooDeepError) as info:
         decode_body(httpx.Response(502, content=_deep_json(TOO_DEEP)))
     assert info.value.status == 502
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"text": "caf\xc3\xa9"}',
+        '{"text": "café"}'.encode("utf-8-sig"),  # a BOM: not UTF-8 text JSON parses
+        '{"text": "café"}'.encode("utf-16"),
+        '{"text": "café"}'.encode("utf-32-le"),  # no BOM: NULs in valid UTF-8
+        b"[1, NaN]",
+    ],
+)
+def test_decode_content_reads_what_json_loads_of_the_bytes_reads(content: bytes) -> None:
+    assert decode_content(200, content, "utf-8") == json.loads(content)
 
 
 class BrokenRepr:
