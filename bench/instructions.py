@@ -6,18 +6,26 @@ the two totals divided by ``N`` is the count per dispatch, so start-up, imports 
 out. The instant engine runs in its own process, outside valgrind: the count
 is this client's own work per dispatch (Python, aiohttp and the event loop included).
 
+Every run has the same hash seed (``PYTHONHASHSEED=0``): with a random one, string hashes and so
+dictionary and set layouts differ between the N and the 2N run, which moved the differenced
+count by about 10,000 instructions from one invocation to the next. The runs are independent,
+so ``--jobs`` of them run at once (the counts do not depend on it).
+
 Usage: python bench/instructions.py [--variants aiohttp,passthrough,full] [--dispatches 400]
+       [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,13 +70,17 @@ def _total(variant: str, dispatches: int) -> int:
             ],
             check=True,
             capture_output=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
         )
         return _instructions(out)
 
 
-def count(variant: str, dispatches: int) -> float:
-    """Instructions per dispatch of ``variant``: two runs, N and 2N dispatches, differenced."""
-    return (_total(variant, 2 * dispatches) - _total(variant, dispatches)) / dispatches
+def counts(variants: list[str], dispatches: int, jobs: int) -> dict[str, float]:
+    """Instructions per dispatch of each variant: two runs, N and 2N dispatches, differenced."""
+    runs = [(v, n) for v in variants for n in (dispatches, 2 * dispatches)]
+    with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        totals = dict(zip(runs, pool.map(lambda run: _total(*run), runs), strict=True))
+    return {v: (totals[v, 2 * dispatches] - totals[v, dispatches]) / dispatches for v in variants}
 
 
 def main() -> None:
@@ -78,6 +90,7 @@ def main() -> None:
     )
     p.add_argument("--variants", default="aiohttp,passthrough,full")
     p.add_argument("--dispatches", type=int, default=400)
+    p.add_argument("--jobs", type=int, default=2, help="callgrind runs at once")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -85,10 +98,10 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed")
-    counts = {v: count(v, a.dispatches) for v in a.variants.split(",") if v}
-    base = counts.get("aiohttp")
+    per_dispatch = counts([v for v in a.variants.split(",") if v], a.dispatches, a.jobs)
+    base = per_dispatch.get("aiohttp")
     print(f"instructions per dispatch ({a.dispatches} dispatches, instant engine, callgrind)")
-    for variant, ir in counts.items():
+    for variant, ir in per_dispatch.items():
         extra = "" if base is None else f"  (+{ir - base:,.0f} over aiohttp, x{ir / base:.2f})"
         print(f"  {variant:12s} {ir:>12,.0f}{extra}")
 
