@@ -350,7 +350,7 @@ class EngineTransport:
                 body=body,
                 **_where(engine, path, rid),
             )
-        return EngineReply(engine=engine, path=path, status_code=status, body=body, rid=rid)
+        return EngineReply(engine, path, status, body, rid)
 
     # Hands back the exchange's own coroutine (one frame less per generation); a refusal before
     # anything is sent (closed, a body JSON cannot carry) is raised at the call, as the pin does.
