@@ -1,4 +1,4 @@
-"""Instructions per dispatch under callgrind: a noise-free figure beside bench/dispatch.py's times.
+"""Instructions per dispatch under callgrind: a figure load moves far less than bench/dispatch.py's times.
 
 Each variant of :mod:`dispatch` (``aiohttp``, ``passthrough``, ``full``) runs twice under
 ``valgrind --tool=callgrind``, once with ``N`` and once with ``2N`` dispatches; the difference of
@@ -9,10 +9,12 @@ is this client's own work per dispatch (Python, aiohttp and the event loop inclu
 Every run has the same hash seed (``PYTHONHASHSEED=0``): with a random one, string hashes and so
 dictionary and set layouts differ between the N and the 2N run, which moved the differenced
 count by about 10,000 instructions from one invocation to the next. The runs are independent,
-so ``--jobs`` of them run at once (the counts do not depend on it).
+so ``--jobs`` of them may run at once; one at a time is the default, since a busier machine
+makes the engine's answers arrive at other moments, and how many event-loop turns a dispatch
+takes, so its count, moves a little with them.
 
 Usage: python bench/instructions.py [--variants aiohttp,passthrough,full] [--dispatches 400]
-       [--jobs 2]
+       [--jobs 1]
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def main() -> None:
     )
     p.add_argument("--variants", default="aiohttp,passthrough,full")
     p.add_argument("--dispatches", type=int, default=400)
-    p.add_argument("--jobs", type=int, default=2, help="callgrind runs at once")
+    p.add_argument("--jobs", type=int, default=1, help="callgrind runs at once")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
