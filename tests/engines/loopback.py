@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+from aiohttp import web
+
 __all__ = [
     "Action",
     "Answer",
@@ -29,6 +31,7 @@ __all__ = [
     "Seen",
     "loopback_server",
     "read_request",
+    "serve_generate",
 ]
 
 
@@ -104,6 +107,24 @@ async def loopback_server(
     finally:
         server.close()
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def serve_generate(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """An aiohttp app answering ``POST /generate`` with ``handler`` on a free loopback port;
+    yields the base URL (for an engine whose answer is easier written with aiohttp's server)."""
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from aiohttp import web
 from agentic_lora.engines.backends import EngineRef
 from agentic_lora.engines.transport import EngineTransport
 from agentic_lora.engines.wire import HttpTransportKind
+from tests.engines.loopback import serve_generate
 
 
 class SplitReplyEngine:
@@ -42,16 +43,8 @@ class SplitReplyEngine:
 @pytest_asyncio.fixture
 async def engine_url() -> AsyncIterator[tuple[str, SplitReplyEngine]]:
     engine = SplitReplyEngine()
-    app = web.Application()
-    app.router.add_post("/generate", engine.generate)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", engine
-    finally:
-        await runner.cleanup()
+    async with serve_generate(engine.generate) as url:
+        yield url, engine
 
 
 @pytest.mark.asyncio

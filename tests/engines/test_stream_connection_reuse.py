@@ -25,6 +25,7 @@ from agentic_lora.foundation.requests import Route
 from agentic_lora.registry.local import LocalRegistry
 from agentic_lora.session import Versioning
 from agentic_lora.testing import publish as verbs
+from tests.engines.loopback import serve_generate
 
 
 class StreamingEngine:
@@ -52,16 +53,8 @@ class StreamingEngine:
 @pytest_asyncio.fixture
 async def engine_url() -> AsyncIterator[tuple[str, StreamingEngine]]:
     engine = StreamingEngine()
-    app = web.Application()
-    app.router.add_post("/generate", engine.generate)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", engine
-    finally:
-        await runner.cleanup()
+    async with serve_generate(engine.generate) as url:
+        yield url, engine
 
 
 @pytest.mark.asyncio
