@@ -136,7 +136,9 @@ async def serve(
             )
         )
         for sig in (signal.SIGINT, signal.SIGTERM):
-            # Platforms without loop signal handlers raise NotImplementedError; serve still runs.
+            # Intentional, not unfinished: a loop without signal handlers (Windows' proactor
+            # loop) raises NotImplementedError, a loop off the main thread RuntimeError or
+            # ValueError. serve then runs without them; the caller stops it with its `stop` event.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop.set)
                 installed.append(sig)
