@@ -86,6 +86,20 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _uvicorn_config(app: Any, spec: dict[str, Any]) -> uvicorn.Config:
+    """How every proxy variant is served (the same server settings, so only the app differs):
+    loopback, no access log or lifespan, uvicorn's logging left alone, ``spec``'s HTTP parser."""
+    return uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=spec["port"],
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=spec.get("http", "auto"),
+    )
+
+
 def _serve_gateway(spec: dict[str, Any]) -> None:
     """Child process: the gateway on 127.0.0.1:spec.port in front of spec.engine_url."""
     import logging
@@ -128,15 +142,7 @@ def _serve_gateway(spec: dict[str, Any]) -> None:
                     raise RuntimeError(f"publication failed: {result}")
             # As `agentic-lora serve` runs it: no lifespan, no access log, its logging.
             configure_logging(logging.getLevelName(spec["log_level"]), "text")
-            config = uvicorn.Config(
-                gateway.app,
-                host="127.0.0.1",
-                port=spec["port"],
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                http=spec.get("http", "auto"),
-            )
+            config = _uvicorn_config(gateway.app, spec)
             profile = spec.get("profile")
             if not profile:
                 await _Server(config).serve()
@@ -180,15 +186,7 @@ def _serve_floor(spec: dict[str, Any]) -> None:
     async def live() -> Response:
         return Response()
 
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=spec["port"],
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        http=spec.get("http", "auto"),
-    )
+    config = _uvicorn_config(app, spec)
     asyncio.run(_Server(config).serve())
 
 
