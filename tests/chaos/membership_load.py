@@ -47,14 +47,12 @@ from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.assembly.membership import DrainOutcome
 from agentic_lora.publication.result import PublicationOutcome
-from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.types import MemberState
-from agentic_lora.registry.types import VersionState
-from agentic_lora.registry.types import VersionStatus
 from tests.chaos.scenarios import AGENTS
 from tests.chaos.scenarios import FaultReport
-from tests.chaos.scenarios import _in_process_settings as in_process_settings
 from tests.chaos.scenarios import _settle as settle
+from tests.chaos.scenarios import reclaim_events
+from tests.chaos.scenarios import tapped_deployment
 from tests.chaos.scenarios import taps_on
 from tests.chaos.support import GUARD_SECONDS
 from tests.chaos.support import AgentLoad
@@ -107,26 +105,14 @@ async def membership_under_load(
     letters = iter("ABC")
     committed: list[str] = []
     async with taps_on(fleet, traffic) as taps:
-        settings = in_process_settings(taps, fleet, workdir / "registry.sqlite")
-        deployment = Deployment.from_settings(
-            settings, backend_options={"store_root": str(workdir / "adapter-store")}
-        )
-        reclaimed: dict[str, asyncio.Event] = {}
+        deployment = tapped_deployment(taps, fleet, workdir)
         applied: dict[str, Applied] = {}
 
         def on_change(verb: str, result: Any) -> None:
             if verb in applied and not applied[verb].event.is_set():
                 applied[verb].seen(traffic)
-            if (
-                verb == "confirm_reclaim"
-                and isinstance(result, VersionStatus)
-                and result.state is VersionState.RECLAIMED
-            ):
-                reclaimed.setdefault(result.version_id, asyncio.Event()).set()
 
-        feed = change_feed(deployment.registry)
-        assert feed is not None
-        feed.add_listener(on_change)
+        reclaimed = reclaim_events(deployment, also=on_change)
 
         async def publish() -> tuple[str, float, PublicationOutcome]:
             letter = next(letters)

@@ -29,21 +29,18 @@ import asyncio
 import random
 import uuid
 from pathlib import Path
-from typing import Any
 
 from agentic_lora_harness.engines import EngineFleet
 
 from agentic_lora.adapters.snapshot import AdapterSnapshot
-from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.publication.result import PublicationOutcome
 from agentic_lora.publication.result import PublicationResult
-from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.types import VersionState
-from agentic_lora.registry.types import VersionStatus
 from tests.chaos.scenarios import AGENTS
 from tests.chaos.scenarios import FaultReport
-from tests.chaos.scenarios import _in_process_settings as in_process_settings
 from tests.chaos.scenarios import _settle as settle
+from tests.chaos.scenarios import reclaim_events
+from tests.chaos.scenarios import tapped_deployment
 from tests.chaos.scenarios import taps_on
 from tests.chaos.support import GUARD_SECONDS
 from tests.chaos.support import AgentLoad
@@ -74,23 +71,8 @@ async def rollback_under_load(
     snapshots = {x: AdapterSnapshot.from_peft_dir(fleet.fixture.adapter(x)) for x in "AB"}
     rollbacks: list[tuple[str, float, float, PublicationResult]] = []
     async with taps_on(fleet, traffic) as taps:
-        settings = in_process_settings(taps, fleet, workdir / "registry.sqlite")
-        deployment = Deployment.from_settings(
-            settings, backend_options={"store_root": str(workdir / "adapter-store")}
-        )
-        reclaimed: dict[str, asyncio.Event] = {}
-
-        def on_change(verb: str, result: Any) -> None:
-            if (
-                verb == "confirm_reclaim"
-                and isinstance(result, VersionStatus)
-                and result.state is VersionState.RECLAIMED
-            ):
-                reclaimed.setdefault(result.version_id, asyncio.Event()).set()
-
-        feed = change_feed(deployment.registry)
-        assert feed is not None
-        feed.add_listener(on_change)
+        deployment = tapped_deployment(taps, fleet, workdir)
+        reclaimed = reclaim_events(deployment)
         async with deployment:
 
             async def publish(version_id: str, letter: str) -> None:

@@ -46,8 +46,10 @@ from agentic_lora.adapters.snapshot import AdapterSnapshot
 from agentic_lora.assembly.deployment import Deployment
 from agentic_lora.config import AgenticLoRASettings
 from agentic_lora.config import load_settings
+from agentic_lora.registry.api import change_feed
 from agentic_lora.registry.types import RegistryStatus
 from agentic_lora.registry.types import VersionState
+from agentic_lora.registry.types import VersionStatus
 from tests.chaos.support import AgentLoad
 from tests.chaos.support import EngineTap
 from tests.chaos.support import GatewaySource
@@ -72,7 +74,9 @@ __all__ = [
     "PUBLICATION_SLACK",
     "FaultReport",
     "engine_restart",
+    "reclaim_events",
     "serve_killed",
+    "tapped_deployment",
     "taps_on",
 ]
 
@@ -220,6 +224,39 @@ def _in_process_settings(
     )
 
 
+def tapped_deployment(taps: dict[str, EngineTap], fleet: EngineFleet, workdir: Path) -> Deployment:
+    """A Deployment of ``fleet`` reached through its ``taps``, in this process: its journal at
+    ``workdir/registry.sqlite``, the HTTP push store under ``workdir/adapter-store``."""
+    settings = _in_process_settings(taps, fleet, workdir / "registry.sqlite")
+    return Deployment.from_settings(
+        settings, backend_options={"store_root": str(workdir / "adapter-store")}
+    )
+
+
+def reclaim_events(
+    deployment: Deployment, also: Callable[[str, Any], None] | None = None
+) -> dict[str, asyncio.Event]:
+    """Per version id, an event set once the registry confirmed it RECLAIMED (read from the
+    deployment's change feed; ``setdefault`` a version's event to wait for it). ``also`` is
+    told every change first."""
+    reclaimed: dict[str, asyncio.Event] = {}
+
+    def on_change(verb: str, result: Any) -> None:
+        if also is not None:
+            also(verb, result)
+        if (
+            verb == "confirm_reclaim"
+            and isinstance(result, VersionStatus)
+            and result.state is VersionState.RECLAIMED
+        ):
+            reclaimed.setdefault(result.version_id, asyncio.Event()).set()
+
+    feed = change_feed(deployment.registry)
+    assert feed is not None
+    feed.add_listener(on_change)
+    return reclaimed
+
+
 async def engine_restart(
     fleet: EngineFleet, workdir: Path, rng: random.Random, *, name: str = "engine"
 ) -> FaultReport:
@@ -242,10 +279,7 @@ async def engine_restart(
     traffic = TrafficLog()
     snapshots = {x: AdapterSnapshot.from_peft_dir(fleet.fixture.adapter(x)) for x in "ABC"}
     async with taps_on(fleet, traffic) as taps:
-        settings = _in_process_settings(taps, fleet, workdir / "registry.sqlite")
-        deployment = Deployment.from_settings(
-            settings, backend_options={"store_root": str(workdir / "adapter-store")}
-        )
+        deployment = tapped_deployment(taps, fleet, workdir)
         async with deployment:
 
             async def publish(version_id: str, letter: str) -> str:
